@@ -1,0 +1,59 @@
+"""django-agentruns: durable agent runs on your Django database.
+
+Public API (stable): `agent`, `RunContext`, `Retryable`, `NotRetryable`, `enqueue`,
+`enqueue_many`, `RunRequest`, `cancel`, `retry`, `run_now`, `CancelResult`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .exceptions import (
+    AgentRunsError,
+    InvalidInputError,
+    NotRetryable,
+    Retryable,
+    RunCancelledError,
+    RunNotFoundError,
+    UnknownAgentError,
+)
+from .registry import agent
+
+if TYPE_CHECKING:
+    from .context import RunContext
+    from .api import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
+    from .transitions import CancelResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgentRunsError",
+    "CancelResult",
+    "InvalidInputError",
+    "NotRetryable",
+    "Retryable",
+    "RunCancelledError",
+    "RunContext",
+    "RunNotFoundError",
+    "RunRequest",
+    "UnknownAgentError",
+    "agent",
+    "cancel",
+    "enqueue",
+    "enqueue_many",
+    "retry",
+    "run_now",
+]
+
+_LAZY = {"RunContext": "context", "enqueue": "api", "enqueue_many": "api", "cancel": "api", "retry": "api",
+         "run_now": "api", "RunRequest": "api", "CancelResult": "outcomes"}
+
+
+def __getattr__(name: str) -> Any:
+    """These import the models, which need the app registry ready first."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'django_agentruns' has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(f"django_agentruns.{module}"), name)

@@ -1,0 +1,185 @@
+"""The public calls: enqueue, cancel, retry, run_now."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from . import execution, transitions
+from .context import AttemptControl, ensure_json
+from .exceptions import InvalidInputError, RunNotFoundError
+from .models import AgentRun
+from .notify import notify_on_commit
+from .registry import AgentSpec, get_agent
+from .transitions import AttemptRef, CancelResult
+
+SCOPE_MAX = 255
+QUEUE_MAX = 100
+PRIORITY_RANGE = (-32768, 32767)
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One run to enqueue with `enqueue_many`."""
+
+    agent: str
+    input: Any = None
+    scope: str = ""
+    queue: str | None = None
+    priority: int | None = None
+    run_after: datetime | timedelta | float | None = None
+    fired_seq: int = 0
+
+
+def enqueue(
+    agent: str,
+    input: Any = None,  # noqa: A002 - the name the API promises
+    *,
+    scope: str = "",
+    queue: str | None = None,
+    priority: int | None = None,
+    run_after: datetime | timedelta | float | None = None,
+    fired_seq: int = 0,
+) -> AgentRun:
+    """Queue a run of `agent`, in the caller's transaction: roll back and it never existed.
+
+    `run_after` is a datetime, a timedelta or seconds from now. Raises
+    `UnknownAgentError` or `InvalidInputError` before anything is written.
+    """
+    request = RunRequest(agent, input, scope, queue, priority, run_after, fired_seq)
+    run = _build(request, timezone.now())
+    with transaction.atomic():
+        transitions.insert_runs([run])
+        notify_on_commit([run.queue])
+    return run
+
+
+def enqueue_many(requests: Iterable[RunRequest | Mapping[str, Any]]) -> list[AgentRun]:
+    """Queue many runs in one transaction and one statement; all or none are written."""
+    at = timezone.now()
+    runs = [_build(r if isinstance(r, RunRequest) else _request(r), at) for r in requests]
+    if not runs:
+        return []
+    with transaction.atomic():
+        created = transitions.insert_runs(runs)
+        notify_on_commit(sorted({r.queue for r in runs}))
+    return created
+
+
+def _request(data: Mapping[str, Any]) -> RunRequest:
+    try:
+        return RunRequest(**data)
+    except TypeError as exc:
+        raise InvalidInputError(f"Bad run request {dict(data)!r}: {exc}") from exc
+
+
+def _build(request: RunRequest, at: datetime) -> AgentRun:
+    spec = get_agent(request.agent)
+    payload = ensure_json({} if request.input is None else request.input,
+                          f"Input of agent {request.agent!r}")
+    scope = _check_str(request.scope, "scope", SCOPE_MAX, allow_empty=True)
+    queue = _check_str(request.queue if request.queue is not None else spec.effective_queue(),
+                       "queue", QUEUE_MAX, allow_empty=False)
+    priority = spec.priority if request.priority is None else request.priority
+    if isinstance(priority, bool) or not isinstance(priority, int) or \
+            not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise InvalidInputError(f"priority must be an integer in {PRIORITY_RANGE}, "
+                                f"not {priority!r}")
+    fired_seq = request.fired_seq
+    if isinstance(fired_seq, bool) or not isinstance(fired_seq, int) or \
+            not -(2**63) <= fired_seq < 2**63:
+        raise InvalidInputError(f"fired_seq must be a 64-bit integer, not {fired_seq!r}")
+    return AgentRun(
+        agent=spec.name, queue=queue, priority=priority, scope=scope, fired_seq=fired_seq,
+        input=payload, max_requeues=spec.effective_max_requeues(),
+        available_at=_due_time(request.run_after, at), created_at=at,
+    )
+
+
+def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{name} must be a string, not {type(value).__name__}")
+    if (not value and not allow_empty) or len(value) > limit or "\x00" in value:
+        raise InvalidInputError(f"{name} must be {'0' if allow_empty else '1'}-{limit} "
+                                f"characters with no NUL, not {value[:50]!r}")
+    return value
+
+
+def _due_time(run_after: datetime | timedelta | float | None, at: datetime) -> datetime:
+    if run_after is None:
+        return at
+    if isinstance(run_after, datetime):
+        if timezone.is_naive(run_after):
+            raise InvalidInputError("run_after must be an aware datetime")
+        return run_after
+    if isinstance(run_after, timedelta):
+        return at + run_after
+    if isinstance(run_after, int | float) and not isinstance(run_after, bool) \
+            and math.isfinite(run_after) and 0 <= run_after < 10**9:
+        return at + timedelta(seconds=run_after)
+    raise InvalidInputError(f"run_after must be a datetime, a timedelta or seconds >= 0, "
+                            f"not {run_after!r}")
+
+
+def cancel(run_id: int, reason: str = "") -> CancelResult:
+    """Cancel a queued run now, or ask a running one to stop.
+
+    A finished run gives `CancelResult.NOT_CANCELLABLE`, not an error.
+    """
+    result = transitions.cancel(_run_id(run_id), str(reason)[:2000])
+    if result is None:
+        raise RunNotFoundError(f"No run with id {run_id!r}")
+    return result
+
+
+def retry(run_id: int, by: str = "") -> bool:
+    """Requeue a failed or cancelled run with a fresh budget. False: it is neither."""
+    result = transitions.operator_retry(_run_id(run_id), by=str(by)[:255])
+    if result is None:
+        raise RunNotFoundError(f"No run with id {run_id!r}")
+    if result:
+        run = AgentRun.objects.only("queue").get(pk=run_id)
+        notify_on_commit([run.queue])
+    return result
+
+
+def _run_id(run_id: Any) -> int:
+    if isinstance(run_id, AgentRun):
+        return int(run_id.pk)
+    try:
+        if isinstance(run_id, bool):
+            raise TypeError
+        return int(run_id)
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"Run id must be an integer, not {run_id!r}") from None
+
+
+def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:  # noqa: A002
+    """Run an agent here and now, without a lease; return its output or raise its error.
+
+    The run and its events are recorded like any other; a failure is not retried (the
+    caller has the exception) and the reaper never touches the run.
+    """
+    spec: AgentSpec = get_agent(agent)
+    run = _build(RunRequest(agent, input, scope), timezone.now())
+    worker_id = f"interactive:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    transitions.start_interactive(run, worker_id)
+    ref = AttemptRef(run.pk, 1, worker_id, lease_ttl=None)
+    control = AttemptControl(ref, spec.timeout, checkpoints=0)
+    outcome = execution.call_agent(spec, execution.make_context(run, control), control, None)
+    execution.record(spec, ref, outcome, interactive=True)
+    if outcome.kind == "failed":
+        assert outcome.error is not None
+        raise outcome.error
+    if outcome.kind == "stopped":
+        raise execution.stopped_error(spec, outcome)
+    return outcome.output

@@ -1,0 +1,97 @@
+"""System checks for the AGENTRUNS setting, with stable ids (agentruns.E00x / W00x)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Warning, register
+from django.utils.module_loading import import_string
+
+from .conf import SETTING_NAME, AppSettings, Defaults
+
+E001_NOT_A_DICT = "agentruns.E001"
+E002_UNKNOWN_SETTING = "agentruns.E002"
+E003_BAD_NUMBER = "agentruns.E003"
+E004_BAD_CLASSIFIER = "agentruns.E004"
+E005_BAD_QUEUE = "agentruns.E005"
+E006_BACKOFF_ORDER = "agentruns.E006"
+W001_SQLITE_DEFERRED = "agentruns.W001"
+
+_POSITIVE = ("LEASE_TTL", "POLL_INTERVAL")
+_NON_NEGATIVE = ("BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL", "GRACE")
+_INTEGERS = ("MAX_REQUEUES", "CLAIM_BATCH")
+
+
+@register()
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    raw = getattr(settings, SETTING_NAME, {})
+    if raw is None:
+        return []
+    if not isinstance(raw, dict):
+        return [Error(f"{SETTING_NAME} must be a dict, not {type(raw).__name__}.",
+                      hint="AGENTRUNS = {'LEASE_TTL': 60, ...}", id=E001_NOT_A_DICT)]
+    errors: list[CheckMessage] = []
+    for key in sorted(set(raw) - AppSettings.known()):
+        errors.append(Error(f"{SETTING_NAME}[{key!r}] is not a setting of django-agentruns.",
+                            hint=f"Known settings: {', '.join(sorted(AppSettings.known()))}.",
+                            id=E002_UNKNOWN_SETTING))
+    for key in _POSITIVE + _NON_NEGATIVE + _INTEGERS + ("BACKOFF_JITTER",):
+        if key in raw:
+            problem = _number_problem(key, raw[key])
+            if problem:
+                errors.append(Error(f"{SETTING_NAME}[{key!r}] {problem}, not {raw[key]!r}.",
+                                    hint=f"The default is {getattr(Defaults, key)!r}.",
+                                    id=E003_BAD_NUMBER))
+    classifier = raw.get("CLASSIFIER")
+    if classifier is not None:
+        try:
+            if not callable(import_string(classifier)):
+                raise TypeError("not callable")
+        except (ImportError, TypeError, ValueError) as exc:
+            errors.append(Error(f"{SETTING_NAME}['CLASSIFIER'] = {classifier!r} cannot be "
+                                f"imported as a callable: {exc}.",
+                                hint="A dotted path to f(exc) -> True | False | None.",
+                                id=E004_BAD_CLASSIFIER))
+    queue = raw.get("DEFAULT_QUEUE", Defaults.DEFAULT_QUEUE)
+    if not isinstance(queue, str) or not queue or len(queue) > 100:
+        errors.append(Error(f"{SETTING_NAME}['DEFAULT_QUEUE'] must be a non-empty string of "
+                            f"at most 100 characters, not {queue!r}.", id=E005_BAD_QUEUE))
+    base, cap = raw.get("BACKOFF_BASE", Defaults.BACKOFF_BASE), raw.get(
+        "BACKOFF_CAP", Defaults.BACKOFF_CAP)
+    if isinstance(base, int | float) and isinstance(cap, int | float) and cap < base:
+        errors.append(Error(f"{SETTING_NAME}: BACKOFF_CAP ({cap}) is below BACKOFF_BASE "
+                            f"({base}).", id=E006_BACKOFF_ORDER))
+    return errors
+
+
+def _number_problem(key: str, value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "must be a number"
+    if key in _INTEGERS and (not isinstance(value, int) or value < (1 if key == "CLAIM_BATCH"
+                                                                    else 0)):
+        return "must be a whole number >= " + ("1" if key == "CLAIM_BATCH" else "0")
+    if key in _POSITIVE and not value > 0:
+        return "must be > 0"
+    if key in _NON_NEGATIVE and value < 0:
+        return "must be >= 0"
+    if key == "BACKOFF_JITTER" and not 0 <= value <= 1:
+        return "must be between 0 and 1"
+    return None
+
+
+@register("database")
+def check_sqlite(app_configs: Any = None, databases: Any = None,
+                 **kwargs: Any) -> list[CheckMessage]:
+    db = settings.DATABASES.get("default", {})
+    if "sqlite" not in db.get("ENGINE", ""):
+        return []
+    mode = str(db.get("OPTIONS", {}).get("transaction_mode", "")).upper()
+    if mode != "IMMEDIATE":
+        return [Warning(
+            "SQLite runs transactions DEFERRED: concurrent workers meet 'database is locked' "
+            "and retry far more often.",
+            hint="DATABASES['default']['OPTIONS'] = {'transaction_mode': 'IMMEDIATE', "
+                 "'timeout': 20, 'init_command': 'PRAGMA journal_mode=WAL;'}",
+            id=W001_SQLITE_DEFERRED)]
+    return []

@@ -1,0 +1,67 @@
+"""The app's settings: one object, read lazily from `settings.AGENTRUNS`.
+
+Lazy so that `override_settings(AGENTRUNS=...)` in tests takes effect at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from django.conf import settings
+from django.utils.module_loading import import_string
+
+SETTING_NAME = "AGENTRUNS"
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Every setting with its default; the README's settings table mirrors this."""
+
+    LEASE_TTL: float = 60.0
+    """Seconds a claim's lease lasts without renewal; a dead worker's run is reclaimed after it."""
+    MAX_REQUEUES: int = 3
+    """Requeues a run may take, failure retries and stale reclaims together (per agent too)."""
+    BACKOFF_BASE: float = 2.0
+    """Seconds before the first retry; doubles with each requeue."""
+    BACKOFF_CAP: float = 300.0
+    """Longest backoff in seconds, before jitter."""
+    BACKOFF_JITTER: float = 0.25
+    """Fraction of the delay removed at random, so retries of a burst spread out."""
+    POLL_INTERVAL: float = 1.0
+    """Seconds an idle worker waits before looking for due runs again."""
+    REAP_INTERVAL: float = 30.0
+    """Seconds between a worker's own reaps of lapsed leases; 0 turns them off."""
+    GRACE: float = 5.0
+    """Seconds running attempts get to finish after SIGTERM before they are abandoned."""
+    DEFAULT_QUEUE: str = "default"
+    """Queue of agents that name none."""
+    CLASSIFIER: str | None = None
+    """Dotted path of `f(exc) -> bool | None`: True retryable, False not, None undecided."""
+    UNKNOWN_ERRORS_RETRYABLE: bool = True
+    """Whether an error nothing recognises is retried (within the budget) or dead-lettered."""
+    CLAIM_BATCH: int = 32
+    """Most runs one claim statement takes, however many slots are free."""
+
+
+class AppSettings:
+    """Attribute access to `settings.AGENTRUNS` with the defaults above filled in."""
+
+    def __getattr__(self, name: str) -> Any:
+        names = {f.name for f in fields(Defaults)}
+        if name not in names:
+            raise AttributeError(f"Unknown django-agentruns setting {name!r}")
+        user: dict[str, Any] = getattr(settings, SETTING_NAME, {}) or {}
+        return user.get(name, getattr(Defaults, name))
+
+    @staticmethod
+    def known() -> set[str]:
+        return {f.name for f in fields(Defaults)}
+
+    def classifier(self) -> Callable[[BaseException], bool | None] | None:
+        path = self.CLASSIFIER
+        return import_string(path) if path else None
+
+
+app_settings = AppSettings()

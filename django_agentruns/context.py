@@ -1,0 +1,162 @@
+"""What an agent sees of its run: input, resume state, and the calls that write.
+
+Every write goes through `transitions` with the attempt's fence, and every call is a
+step boundary: it renews the lease and is where a stop (cancel, lost lease, timeout,
+shutdown) reaches a sync agent, as `AttemptStopped`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from . import transitions
+from .exceptions import AttemptStopped, InvalidInputError
+from .outcomes import AttemptRef, Renewal
+
+
+class StopReason:
+    CANCELLED = "cancelled"
+    LEASE_LOST = "lease_lost"
+    TIMEOUT = "timeout"
+    SHUTDOWN = "shutdown"
+
+
+class AttemptControl:
+    """The worker's handle on one attempt: its fence, its deadline, and a stop switch."""
+
+    def __init__(self, ref: AttemptRef, timeout: float | None, checkpoints: int) -> None:
+        self.ref = ref
+        self.deadline = None if not timeout else time.monotonic() + timeout
+        self.checkpoints = checkpoints
+        self.position = 0
+        self.stop_reason: str | None = None
+        self.future: Any = None  # an async attempt's concurrent future, cancelled to stop it
+        self.done = threading.Event()
+        self.in_storage = 0
+        self._lock = threading.Lock()
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the attempt to stop; the first reason wins."""
+        with self._lock:
+            if self.stop_reason is None:
+                self.stop_reason = reason
+            future = self.future
+        if future is not None:
+            future.cancel()
+
+    def timed_out(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def check(self) -> None:
+        if self.stop_reason is None and self.timed_out():
+            self.request_stop(StopReason.TIMEOUT)
+        if self.stop_reason is not None:
+            raise AttemptStopped(self.stop_reason)
+
+    def apply(self, renewal: Renewal) -> None:
+        if renewal is Renewal.LOST:
+            self.request_stop(StopReason.LEASE_LOST)
+        elif renewal is Renewal.CANCEL_REQUESTED:
+            self.request_stop(StopReason.CANCELLED)
+        self.check()
+
+    @contextmanager
+    def storage(self) -> Iterator[None]:
+        """Count storage calls in flight, so a stop never lands inside one."""
+        with self._lock:
+            self.in_storage += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_storage -= 1
+
+
+def ensure_json(value: Any, what: str) -> Any:
+    """Return `value` if it is plain JSON (no NaN, no objects), else raise a clear error."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"{what} must be JSON-serialisable: {exc}") from exc
+    return value
+
+
+class RunContext:
+    """Passed to every agent. Sync agents call `emit`; async agents `await ctx.aemit`."""
+
+    def __init__(
+        self, *, run_id: int, agent: str, input: Any, attempt: int, state: Any,
+        scope: str, control: AttemptControl,
+    ) -> None:
+        self.run_id = run_id
+        self.agent = agent
+        self.input = input
+        self.attempt = attempt
+        self.state = state
+        self.scope = scope
+        self._control = control
+
+    @property
+    def checkpoint_count(self) -> int:
+        return self._control.checkpoints
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once the attempt must stop; the next context call will raise."""
+        return self._control.stop_reason is not None or self._control.timed_out()
+
+    def emit(self, type: str, payload: dict[str, Any] | None = None) -> None:  # noqa: A002
+        """Append an event to the run's stream (a step boundary)."""
+        control = self._control
+        control.check()
+        if not isinstance(type, str) or not type or len(type) > 100:
+            raise InvalidInputError(f"Event type must be a non-empty string of at most 100 "
+                                    f"characters, not {type!r}")
+        payload = ensure_json({} if payload is None else payload, f"Payload of event {type!r}")
+        event_id = transitions.emitted_event_id(self.run_id, control.checkpoints, control.position)
+        control.position += 1
+        with control.storage():
+            renewal = transitions.emit(control.ref, event_id, type, payload)
+        control.apply(renewal)
+
+    def checkpoint(self, state: Any) -> None:
+        """Save the state the next attempt resumes from (a step boundary)."""
+        control = self._control
+        control.check()
+        state = ensure_json(state, "Checkpoint state")
+        with control.storage():
+            renewal = transitions.checkpoint(control.ref, state, control.checkpoints + 1)
+        control.apply(renewal)
+        control.checkpoints += 1
+        control.position = 0
+        self.state = state
+
+    def heartbeat(self) -> None:
+        """Renew the lease and take any stop request (a step boundary with no event)."""
+        control = self._control
+        control.check()
+        with control.storage():
+            renewal = transitions.renew(control.ref)
+        control.apply(renewal)
+
+    async def aemit(self, type: str, payload: dict[str, Any] | None = None) -> None:  # noqa: A002
+        await _in_thread(self.emit, type, payload)
+
+    async def acheckpoint(self, state: Any) -> None:
+        await _in_thread(self.checkpoint, state)
+
+    async def aheartbeat(self) -> None:
+        await _in_thread(self.heartbeat)
+
+
+async def _in_thread(func: Any, *args: Any) -> None:
+    """Run a storage call off the event loop: the ORM is synchronous."""
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, functools.partial(func, *args))

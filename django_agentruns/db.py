@@ -1,0 +1,63 @@
+"""Small database helpers shared by the modules that talk SQL."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+from django.db import DatabaseError, OperationalError, connection
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+logger = logging.getLogger("django_agentruns.db")
+
+_TRANSIENT_MARKERS = ("database is locked", "database table is locked", "busy", "deadlock detected",
+                      "could not serialize access")
+
+
+def is_postgres() -> bool:
+    return connection.vendor == "postgresql"
+
+
+def is_transient_lock_error(exc: BaseException) -> bool:
+    """SQLite's "database is locked" and PostgreSQL's deadlock or serialization failures."""
+    if not isinstance(exc, DatabaseError):
+        return False
+    text = str(exc).lower()
+    return isinstance(exc, OperationalError | DatabaseError) and any(
+        marker in text for marker in _TRANSIENT_MARKERS
+    )
+
+
+def retry_on_lock(attempts: int = 8) -> Callable[[Callable[P, T]], Callable[P, T]]:
+    """Retry a whole transaction that met lock contention, with short jittered waits.
+
+    Wrap the function that opens the transaction, never one called inside it: a
+    transaction that failed on a lock is rolled back and must start over.
+    """
+
+    def wrap(func: Callable[P, T]) -> Callable[P, T]:
+        @functools.wraps(func)
+        def run(*args: P.args, **kwargs: P.kwargs) -> T:
+            for tries in range(attempts):
+                try:
+                    return func(*args, **kwargs)
+                except DatabaseError as exc:
+                    if not is_transient_lock_error(exc) or tries == attempts - 1:
+                        raise
+                    if connection.in_atomic_block:
+                        raise  # an outer transaction is broken now; only its owner can retry
+                    wait = min(0.5, 0.005 * 2**tries) * (0.5 + random.random())
+                    logger.debug("%s met lock contention (%s); retrying in %.3fs",
+                                 func.__name__, exc, wait)
+                    time.sleep(wait)
+            raise AssertionError("unreachable")
+
+        return run
+
+    return wrap

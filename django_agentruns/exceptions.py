@@ -1,0 +1,60 @@
+"""The exceptions agents raise and callers catch.
+
+Agents raise `Retryable` or `NotRetryable` to state how a failure should be treated;
+callers of the API catch `AgentRunsError` subclasses, each of which says what was wrong.
+"""
+
+from __future__ import annotations
+
+
+class AgentRunsError(Exception):
+    """Base class of every error django-agentruns raises at its callers."""
+
+
+class UnknownAgentError(AgentRunsError, LookupError):
+    """No agent of that name is registered."""
+
+    def __init__(self, name: str, registered: list[str]) -> None:
+        known = ", ".join(sorted(registered)) or "none (is the app with agents.py installed?)"
+        super().__init__(f"Unknown agent {name!r}. Registered agents: {known}.")
+        self.name = name
+        self.registered = registered
+
+
+class InvalidInputError(AgentRunsError, ValueError):
+    """An argument to the API is not what it must be (non-JSON input, a bad queue name...)."""
+
+
+class RunNotFoundError(AgentRunsError, LookupError):
+    """No run has that id."""
+
+
+class Retryable(Exception):  # noqa: N818 - the name reads as the policy it states
+    """Raise from an agent for a transient failure: the run is retried within its budget.
+
+    `delay` (seconds) overrides the backoff for this retry, as a Retry-After header would.
+    """
+
+    def __init__(self, message: str = "", *, delay: float | None = None) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+class NotRetryable(Exception):  # noqa: N818
+    """Raise from an agent for a failure no retry can fix: the run is dead-lettered at once."""
+
+
+class AttemptTimeout(TimeoutError):
+    """The attempt ran past its agent's `timeout`; retryable like any timeout."""
+
+
+class AttemptStopped(BaseException):
+    """Raised inside an agent's context call when its attempt must stop.
+
+    A BaseException so that an agent's `except Exception` does not swallow it. The reason
+    (cancelled, lease lost, timeout, shutdown) is kept on the attempt, not here.
+    """
+
+
+class RunCancelledError(AgentRunsError):
+    """`run_now`: the run was cancelled while it ran."""

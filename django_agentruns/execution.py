@@ -1,0 +1,152 @@
+"""One attempt: call the agent outside any transaction, then hand the outcome to storage.
+
+The executor decides (succeeded, failed and how, cancelled, abandoned, lease lost);
+`transitions` writes. Nothing here builds SQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import policy, transitions
+from .conf import app_settings
+from .context import AttemptControl, RunContext, StopReason, ensure_json
+from .exceptions import AttemptStopped, AttemptTimeout, InvalidInputError, RunCancelledError
+from .models import AgentRun
+from .registry import AgentSpec
+from .transitions import AttemptRef, ErrorInfo, Settlement
+
+logger = logging.getLogger("django_agentruns.worker")
+
+
+@dataclass
+class Outcome:
+    """What the attempt came to, before storage is told."""
+
+    kind: str  # "succeeded" | "failed" | "stopped"
+    output: Any = None
+    error: BaseException | None = None
+    stop_reason: str | None = None
+
+
+def make_context(run: AgentRun, control: AttemptControl) -> RunContext:
+    return RunContext(run_id=run.pk, agent=run.agent, input=run.input, attempt=run.attempt,
+                      state=run.checkpoint_state, scope=run.scope, control=control)
+
+
+def call_agent(
+    spec: AgentSpec, ctx: RunContext, control: AttemptControl,
+    loop: asyncio.AbstractEventLoop | None,
+) -> Outcome:
+    """Run the agent's code and say how it ended. Never raises for the agent's errors."""
+    # The worker calls this with no transaction open: agent code may take minutes, and
+    # a transaction held that long would pin locks (and, on SQLite, the whole database).
+    try:
+        if spec.is_async:
+            if loop is None:
+                result = asyncio.run(_with_timeout(spec, ctx, control))
+            else:
+                future = asyncio.run_coroutine_threadsafe(_with_timeout(spec, ctx, control), loop)
+                control.future = future
+                if control.stop_reason is not None:
+                    future.cancel()
+                result = future.result()
+        else:
+            result = spec.func(ctx)
+    except (AttemptStopped, asyncio.CancelledError, concurrent.futures.CancelledError):
+        reason = control.stop_reason or StopReason.SHUTDOWN
+        return Outcome("stopped", stop_reason=reason)
+    except Exception as exc:  # noqa: BLE001 - every agent failure is classified, not raised
+        if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED):
+            return Outcome("stopped", stop_reason=control.stop_reason)
+        return Outcome("failed", error=exc)
+    if control.stop_reason == StopReason.LEASE_LOST:
+        return Outcome("stopped", stop_reason=StopReason.LEASE_LOST)
+    try:
+        ensure_json(result, f"Output of agent {spec.name!r}")
+    except InvalidInputError as exc:
+        return Outcome("failed", error=exc)
+    return Outcome("succeeded", output=result)
+
+
+async def _with_timeout(spec: AgentSpec, ctx: RunContext, control: AttemptControl) -> Any:
+    if control.deadline is None:
+        return await spec.func(ctx)
+    try:
+        return await asyncio.wait_for(spec.func(ctx), timeout=spec.timeout)
+    except TimeoutError:
+        control.request_stop(StopReason.TIMEOUT)
+        raise AttemptStopped(StopReason.TIMEOUT) from None
+
+
+def record(
+    spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome, *, interactive: bool = False
+) -> Settlement:
+    """Hand the outcome to storage; a stop for a lost lease writes nothing at all."""
+    if outcome.kind == "succeeded":
+        return transitions.settle_succeeded(ref, outcome.output)
+    if outcome.kind == "stopped":
+        if outcome.stop_reason == StopReason.LEASE_LOST:
+            return Settlement.LOST
+        if outcome.stop_reason == StopReason.CANCELLED:
+            return transitions.settle_cancelled(ref)
+        if outcome.stop_reason == StopReason.SHUTDOWN:
+            return transitions.abandon(ref, "the worker stopped")
+        error: BaseException = AttemptTimeout(
+            f"attempt exceeded its timeout of {spec.timeout if spec else '?'}s")
+    else:
+        assert outcome.error is not None
+        error = outcome.error
+    failure = classify_for(spec, error)
+    return transitions.settle_failed(ref, failure, describe(error), interactive=interactive)
+
+
+def classify_for(spec: AgentSpec | None, error: BaseException) -> policy.Failure:
+    custom: Callable[[BaseException], bool | None] | None = None
+    if spec is not None and spec.classify is not None:
+        custom = spec.classify
+    else:
+        custom = app_settings.classifier()
+    return policy.classify(error, custom=custom,
+                           unknown_retryable=bool(app_settings.UNKNOWN_ERRORS_RETRYABLE))
+
+
+def describe(error: BaseException) -> ErrorInfo:
+    cls = type(error)
+    name = cls.__qualname__ if cls.__module__ == "builtins" else \
+        f"{cls.__module__}.{cls.__qualname__}"
+    return ErrorInfo(
+        type=name,
+        message=str(error)[:10000],
+        traceback="".join(traceback.format_exception(error))[-20000:],
+    )
+
+
+def log_settlement(ref: AttemptRef, agent: str, settlement: Settlement, outcome: Outcome) -> None:
+    extra = {"run_id": ref.run_id, "agent": agent, "attempt": ref.attempt,
+             "worker_id": ref.worker_id, "outcome": settlement.value}
+    if settlement is Settlement.LOST:
+        logger.warning("run %s %s attempt %s: lease lost (%s); nothing recorded",
+                       ref.run_id, agent, ref.attempt, outcome.stop_reason or outcome.kind,
+                       extra=extra)
+        return
+    detail = ""
+    if outcome.error is not None:
+        detail = f": {type(outcome.error).__name__}: {outcome.error}"
+    elif outcome.stop_reason:
+        detail = f" ({outcome.stop_reason})"
+    logger.info("run %s %s attempt %s %s%s", ref.run_id, agent, ref.attempt,
+                settlement.value, detail, extra=extra)
+
+
+def stopped_error(spec: AgentSpec, outcome: Outcome) -> BaseException:
+    """The exception `run_now` raises for an attempt that was stopped, not failed."""
+    if outcome.stop_reason == StopReason.TIMEOUT:
+        return AttemptTimeout(f"attempt exceeded its timeout of {spec.timeout}s")
+    return RunCancelledError(f"run of {spec.name!r} stopped: {outcome.stop_reason}")

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from django.core.management.base import BaseCommand
+
+from django_agentruns.management.arguments import positive_int
+from django_agentruns.reaper import reap
+
+
+class Command(BaseCommand):
+    help = "Take back running runs whose lease lapsed (their worker died). Safe on cron."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--dry-run", action="store_true", help="Report, change nothing.")
+        parser.add_argument("--limit", type=positive_int, default=1000)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        report = reap(limit=options["limit"], dry_run=options["dry_run"])
+        if options["dry_run"]:
+            self.stdout.write(f"{len(report.stale)} stale runs: {report.stale}")
+            return
+        self.stdout.write(
+            f"stale {len(report.stale)}: requeued {len(report.requeued)}, dead-lettered "
+            f"{len(report.dead_lettered)}, cancelled {len(report.cancelled)}, skipped "
+            f"{len(report.skipped)} (renewed or settled meanwhile)")

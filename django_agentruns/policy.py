@@ -1,0 +1,175 @@
+"""Pure retry policy: how a failure is classified, and how long to back off.
+
+No database here. Both functions take what they need as arguments (a random source,
+the settings values), so they are tested with plain numbers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+from .exceptions import InvalidInputError, NotRetryable, Retryable
+
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
+NOT_RETRYABLE_NAMES = ("Authentication", "PermissionDenied", "Unauthorized", "Forbidden")
+RETRYABLE_NAMES = ("Timeout", "TimedOut", "Connection", "RateLimit", "Unavailable", "Overloaded")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """How to treat one failure: retry it or not, and after how long if the error says."""
+
+    retryable: bool
+    delay: float | None = None
+
+
+def classify(
+    exc: BaseException,
+    *,
+    custom: Callable[[BaseException], bool | None] | None = None,
+    unknown_retryable: bool = True,
+) -> Failure:
+    """Classify `exc` by its most recent underlying cause.
+
+    Order: a custom hook's verdict; our own `Retryable`/`NotRetryable`; an HTTP status on
+    the exception or its `response`; well-known timeout, connection and configuration
+    errors; then wrappers (exception groups, fallback chains, `__cause__`) by their last
+    attempt. What nothing recognises follows `unknown_retryable`.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        verdict = _direct(current, custom)
+        if verdict is not None:
+            return verdict
+        current = _most_recent_inner(current)
+    return Failure(retryable=unknown_retryable)
+
+
+def _direct(
+    exc: BaseException, custom: Callable[[BaseException], bool | None] | None
+) -> Failure | None:
+    if custom is not None:
+        decided = custom(exc)
+        if decided is not None:
+            return Failure(retryable=bool(decided), delay=_retry_after(exc))
+    if isinstance(exc, NotRetryable):
+        return Failure(retryable=False)
+    if isinstance(exc, Retryable):
+        return Failure(retryable=True, delay=exc.delay)
+    status = http_status(exc)
+    if status is not None and 400 <= status <= 599:
+        retryable = status in RETRYABLE_STATUS or status >= 500
+        return Failure(retryable=retryable, delay=_retry_after(exc) if retryable else None)
+    if isinstance(exc, ImproperlyConfigured | InvalidInputError):
+        return Failure(retryable=False)
+    if isinstance(exc, TimeoutError | ConnectionError):
+        return Failure(retryable=True)
+    names = [cls.__name__ for cls in type(exc).__mro__]
+    if any(marker in n for n in names for marker in NOT_RETRYABLE_NAMES):
+        return Failure(retryable=False)
+    if any(marker in n for n in names for marker in RETRYABLE_NAMES):
+        return Failure(retryable=True, delay=_retry_after(exc))
+    return None
+
+
+def _most_recent_inner(exc: BaseException) -> BaseException | None:
+    """The error a wrapper stands for: its last attempt, else what caused it."""
+    if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        return exc.exceptions[-1]
+    for attr in ("exceptions", "attempts", "errors", "failures"):
+        inner = getattr(exc, attr, None)
+        if isinstance(inner, list | tuple) and inner and isinstance(inner[-1], BaseException):
+            return inner[-1]
+    return exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+
+
+def http_status(exc: BaseException) -> int | None:
+    for holder in (exc, getattr(exc, "response", None)):
+        if holder is None:
+            continue
+        for attr in ("status_code", "status", "http_status", "code"):
+            value = getattr(holder, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
+                return value
+    return None
+
+
+def _retry_after(exc: BaseException) -> float | None:
+    """Seconds from a `Retry-After` header (delta or HTTP date) on the error's response."""
+    for holder in (exc, getattr(exc, "response", None)):
+        headers: Any = getattr(holder, "headers", None)
+        if headers is None:
+            continue
+        try:
+            raw = headers.get("Retry-After") or headers.get("retry-after")
+        except Exception:  # noqa: BLE001 - a header object we do not understand is no verdict
+            return None
+        if raw is None:
+            continue
+        try:
+            return max(0.0, float(raw))
+        except (TypeError, ValueError):
+            pass
+        try:
+            from django.utils import timezone
+
+            return max(0.0, (parsedate_to_datetime(str(raw)) - timezone.now()).total_seconds())
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def backoff(
+    requeue_count: int,
+    *,
+    base: float,
+    cap: float,
+    jitter: float,
+    rand: Callable[[], float] = random.random,
+) -> float:
+    """Seconds to wait before retry number `requeue_count + 1`.
+
+    Exponential: base * 2**requeue_count, capped, then up to `jitter` of it taken off at
+    random. With base 2 s, cap 300 s, jitter 0.25: 1.5-2 s, 3-4 s, 6-8 s, ... 225-300 s.
+    """
+    if base <= 0 or cap <= 0:
+        return 0.0
+    exponent = min(requeue_count, 62)  # 2**63 overflows nothing here, but caps the work
+    delay = min(cap, base * (2**exponent))
+    return delay * (1.0 - max(0.0, min(1.0, jitter)) * rand())
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens to a run after a failed or abandoned attempt."""
+
+    action: str  # "retry" | "dead_letter" | "cancel"
+    reason: str = ""  # the dead-letter reason, for "dead_letter"
+    delay: float = 0.0  # seconds before the run is due again, for "retry"
+
+
+def decide(
+    failure: Failure,
+    *,
+    requeue_count: int,
+    max_requeues: int,
+    cancel_requested: bool,
+    backoff_delay: Callable[[int], float],
+) -> Decision:
+    """The next step after a failure: a requested cancel wins, then the budget decides."""
+    if cancel_requested:
+        return Decision("cancel")
+    if not failure.retryable:
+        return Decision("dead_letter", reason="not_retryable")
+    if requeue_count >= max_requeues:
+        return Decision("dead_letter", reason="retries_exhausted")
+    delay = failure.delay if failure.delay is not None else backoff_delay(requeue_count)
+    return Decision("retry", delay=max(0.0, delay))

@@ -1,0 +1,116 @@
+"""The `@agent` decorator and the registry of agents it fills.
+
+Agents are registered at import; the app config imports every installed app's
+`agents` module, as the admin does with `admin.py`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .conf import app_settings
+from .exceptions import InvalidInputError, UnknownAgentError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """An agent and its policy. `None` means "use the app setting"."""
+
+    name: str
+    func: Callable[..., Any]
+    queue: str | None = None
+    ordered: bool = False
+    dead_letters_block: bool = False
+    max_requeues: int | None = None
+    timeout: float | None = None
+    lease_ttl: float | None = None
+    priority: int = 0
+    classify: Callable[[BaseException], bool | None] | None = None
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.func)
+
+    def effective_queue(self) -> str:
+        return self.queue or str(app_settings.DEFAULT_QUEUE)
+
+    def effective_max_requeues(self) -> int:
+        return int(self.max_requeues if self.max_requeues is not None else app_settings.MAX_REQUEUES)
+
+    def effective_lease_ttl(self) -> float:
+        return float(self.lease_ttl if self.lease_ttl is not None else app_settings.LEASE_TTL)
+
+
+_registry: dict[str, AgentSpec] = {}
+
+
+def agent(
+    name: str,
+    *,
+    queue: str | None = None,
+    ordered: bool = False,
+    dead_letters_block: bool = False,
+    max_requeues: int | None = None,
+    timeout: float | None = None,
+    lease_ttl: float | None = None,
+    priority: int = 0,
+    classify: Callable[[BaseException], bool | None] | None = None,
+) -> Callable[[F], F]:
+    """Register a function (sync or `async def`) taking a `RunContext` as agent `name`."""
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        raise InvalidInputError(
+            f"Agent name {name!r} must be 1-200 characters of letters, digits and _ . : -"
+        )
+    for label, value in (("max_requeues", max_requeues), ("timeout", timeout),
+                         ("lease_ttl", lease_ttl)):
+        if value is not None and (isinstance(value, bool) or value < 0):
+            raise InvalidInputError(f"Agent {name!r}: {label} must be a number >= 0, not {value!r}")
+    if lease_ttl is not None and lease_ttl <= 0:
+        raise InvalidInputError(f"Agent {name!r}: lease_ttl must be > 0")
+
+    def register(func: F) -> F:
+        existing = _registry.get(name)
+        if existing is not None and _qualname(existing.func) != _qualname(func):
+            raise InvalidInputError(
+                f"Agent {name!r} is already registered by {_qualname(existing.func)}"
+            )
+        _registry[name] = AgentSpec(
+            name=name, func=func, queue=queue, ordered=ordered,
+            dead_letters_block=dead_letters_block, max_requeues=max_requeues,
+            timeout=timeout, lease_ttl=lease_ttl, priority=priority, classify=classify,
+        )
+        return func
+
+    return register
+
+
+def _qualname(func: Callable[..., Any]) -> str:
+    return f"{func.__module__}.{func.__qualname__}"
+
+
+def get_agent(name: str) -> AgentSpec:
+    try:
+        return _registry[name]
+    except (KeyError, TypeError):
+        raise UnknownAgentError(str(name), list(_registry)) from None
+
+
+def find_agent(name: str) -> AgentSpec | None:
+    return _registry.get(name)
+
+
+def all_agents() -> dict[str, AgentSpec]:
+    return dict(_registry)
+
+
+def unregister(name: str) -> None:
+    """For tests that register agents of their own."""
+    _registry.pop(name, None)

@@ -1,0 +1,558 @@
+"""Every write of a run's status, and every write an attempt makes, lives here.
+
+Each transition is one short transaction: a guarded UPDATE (the row must still be in
+the state the caller believes it is in) plus the event rows that tell the story. The
+return value says whether it happened; a guard that matches no row is a result, not
+an error. Nothing outside this module writes `AgentRun.status`.
+
+Attempt writes (renew, emit, checkpoint, settle) are fenced by
+`status='running' AND claimed_by=<worker> AND attempt=<n>`: a worker that lost its
+lease cannot touch the run's new attempt.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Exists, F, Max, OuterRef, Q, QuerySet
+from django.utils import timezone
+
+from . import policy
+from .conf import app_settings
+from .db import is_postgres, retry_on_lock
+from .models import AgentRun, Reason, RunEvent, Status
+from .outcomes import (
+    AttemptRef,
+    CancelResult,
+    ErrorInfo,
+    Renewal,
+    ScopePolicy,
+    Settlement,
+)
+
+__all__ = ["AttemptRef", "CancelResult", "ErrorInfo", "Renewal", "ScopePolicy", "Settlement"]
+
+EVENT_NAMESPACE = uuid.UUID("6f1b7a52-3d0c-4f0e-9a55-0a6e2b8c1d17")
+
+STARTED = "run.started"
+SUCCEEDED = "run.succeeded"
+RETRYING = "run.retrying"
+DEAD_LETTERED = "run.dead_lettered"
+CANCELLED = "run.cancelled"
+CANCEL_REQUESTED = "run.cancel_requested"
+ABANDONED = "run.abandoned"
+RETRIED = "run.retried"
+CHECKPOINT = "run.checkpoint"
+
+
+def now() -> datetime:
+    return timezone.now()
+
+
+# --------------------------------------------------------------------------- events
+
+
+def lifecycle_event_id() -> uuid.UUID:
+    """Lifecycle events are written with their guarded transition, so never twice."""
+    return uuid.uuid4()
+
+
+def emitted_event_id(run_id: int, checkpoints: int, position: int) -> uuid.UUID:
+    """Deterministic: a retry resuming from the same checkpoint derives the same ids."""
+    return uuid.uuid5(EVENT_NAMESPACE, f"{run_id}:{checkpoints}:{position}")
+
+
+def _append_events(
+    events: Sequence[tuple[int, str, dict[str, Any], int, uuid.UUID]], at: datetime
+) -> None:
+    """Append (run_id, type, payload, attempt, event_id) rows with the next per-run seq.
+
+    Callers hold the runs' rows (guarded UPDATE in the same transaction), so no other
+    writer appends to these runs meanwhile and max(seq) + 1 is free.
+    """
+    if not events:
+        return
+    run_ids = {e[0] for e in events}
+    last = dict(
+        RunEvent.objects.filter(run_id__in=run_ids)
+        .values("run_id").annotate(top=Max("seq")).values_list("run_id", "top")
+    )
+    rows = []
+    for run_id, type_, payload, attempt, event_id in events:
+        seq = (last.get(run_id) or 0) + 1
+        last[run_id] = seq
+        rows.append(RunEvent(run_id=run_id, seq=seq, type=type_, payload=payload,
+                             attempt=attempt, event_id=event_id, created_at=at))
+    RunEvent.objects.bulk_create(rows)
+
+
+def _lifecycle(run_id: int, type_: str, attempt: int, **payload: Any) -> tuple[
+        int, str, dict[str, Any], int, uuid.UUID]:
+    return (run_id, type_, payload, attempt, lifecycle_event_id())
+
+
+# --------------------------------------------------------------------------- enqueue
+
+
+def insert_runs(runs: list[AgentRun]) -> list[AgentRun]:
+    """Insert new queued runs in the caller's transaction (enqueue is transactional)."""
+    for run in runs:
+        run.status = Status.QUEUED
+    if len(runs) == 1:
+        runs[0].save(force_insert=True)
+        return runs
+    return AgentRun.objects.bulk_create(runs)
+
+
+# --------------------------------------------------------------------------- claim
+
+
+def holding_statuses(blocking: bool) -> list[str]:
+    statuses = [Status.QUEUED, Status.RUNNING]
+    return [*statuses, Status.FAILED] if blocking else statuses
+
+
+def earlier_holder(statuses: list[str]) -> QuerySet[AgentRun]:
+    """An earlier run of the outer run's agent and scope, in one of `statuses`."""
+    return AgentRun.objects.filter(
+        agent=OuterRef("agent"), scope=OuterRef("scope"), status__in=statuses,
+    ).filter(
+        Q(fired_seq__lt=OuterRef("fired_seq"))
+        | Q(fired_seq=OuterRef("fired_seq"), id__lt=OuterRef("id"))
+    )
+
+
+def startable(qs: QuerySet[AgentRun], scopes: ScopePolicy) -> QuerySet[AgentRun]:
+    """Keep the runs no earlier run of their scope holds back (ordered agents only).
+
+    Blocking agents are checked apart from the others so that each NOT EXISTS lists
+    its statuses plainly and seeks the scope-head index once per status.
+    """
+    plain = scopes.ordered - scopes.dead_letters_block
+    blocking = scopes.ordered & scopes.dead_letters_block
+    if plain:
+        qs = qs.filter(~Q(agent__in=plain) | ~Exists(earlier_holder(holding_statuses(False))))
+    if blocking:
+        qs = qs.filter(~Q(agent__in=blocking) | ~Exists(earlier_holder(holding_statuses(True))))
+    return qs
+
+
+def due_queued(queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> QuerySet[AgentRun]:
+    """Queued runs that can start now, in claim order: priority, due time, firing order."""
+    qs = AgentRun.objects.filter(status=Status.QUEUED, queue__in=list(queues),
+                                 available_at__lte=at)
+    return startable(qs, scopes).order_by("-priority", "available_at", "fired_seq", "id")
+
+
+def lapsed(queues: Iterable[str] | None, at: datetime) -> QuerySet[AgentRun]:
+    """Running runs whose lease has lapsed: their worker is gone (or too slow to count)."""
+    qs = AgentRun.objects.filter(status=Status.RUNNING, lease_expires__lt=at)
+    return qs if queues is None else qs.filter(queue__in=list(queues))
+
+
+_CLAIM_FIELDS = ("id", "agent", "status", "attempt", "requeue_count", "max_requeues",
+                 "cancel_requested_at", "cancel_reason", "claimed_by", "scope", "fired_seq")
+
+
+@retry_on_lock()
+def claim(
+    worker_id: str,
+    queues: Sequence[str],
+    limit: int,
+    scopes: ScopePolicy,
+    lease_ttls: dict[str, float],
+    default_ttl: float,
+    at: datetime | None = None,
+) -> list[AgentRun]:
+    """Take up to `limit` due runs for `worker_id`, in one short transaction.
+
+    On PostgreSQL the due rows are locked with SKIP LOCKED, so concurrent workers take
+    different runs without waiting. On SQLite the transaction holds the database's write
+    lock (IMMEDIATE), and the UPDATE's status guard is the compare-and-set.
+    A lapsed run is taken as it stands, its lost attempt recorded as abandoned.
+    """
+    at = at or now()
+    if limit <= 0:
+        return []
+    with transaction.atomic():
+        candidates = _lock(lapsed(queues, at).order_by("id"), limit)
+        room = limit - len(candidates)
+        if room > 0:
+            candidates += _lock(due_queued(queues, at, scopes), room)
+        candidates = _recheck_order(candidates, scopes)
+        ids = [c["id"] for c in candidates if c["status"] == Status.QUEUED]
+        for row in candidates:
+            if row["status"] == Status.RUNNING:
+                decision = _abandon_locked(row, Q(lease_expires__lt=at), at,
+                                           why="lease lapsed", apply_backoff=False)
+                if decision is not None and decision.action == "retry":
+                    ids.append(row["id"])
+        if not ids:
+            return []
+        by_ttl: dict[float, list[int]] = {}
+        agent_of = {c["id"]: c["agent"] for c in candidates}
+        for run_id in ids:
+            by_ttl.setdefault(lease_ttls.get(agent_of[run_id], default_ttl), []).append(run_id)
+        for ttl, group in by_ttl.items():
+            AgentRun.objects.filter(pk__in=group, status=Status.QUEUED).update(
+                status=Status.RUNNING, claimed_by=worker_id, attempt=F("attempt") + 1,
+                lease_expires=at + timedelta(seconds=ttl), started_at=at,
+            )
+        claimed = list(AgentRun.objects.filter(pk__in=ids, status=Status.RUNNING,
+                                               claimed_by=worker_id, started_at=at))
+        _append_events([_lifecycle(r.pk, STARTED, r.attempt, worker=worker_id)
+                        for r in claimed], at)
+    claimed.sort(key=lambda r: ids.index(r.pk))
+    return claimed
+
+
+def _lock(qs: QuerySet[AgentRun], limit: int) -> list[dict[str, Any]]:
+    if is_postgres():
+        qs = qs.select_for_update(skip_locked=True, of=("self",))
+    return list(qs.values(*_CLAIM_FIELDS)[:limit])
+
+
+def _recheck_order(candidates: list[dict[str, Any]], scopes: ScopePolicy) -> list[dict[str, Any]]:
+    """The claim stays the authority on firing order: re-check ordered runs under lock."""
+    ordered = [c for c in candidates
+               if c["status"] == Status.QUEUED and c["agent"] in scopes.ordered]
+    if not ordered:
+        return candidates
+    held = set()
+    taken_scopes: set[tuple[str, str]] = set()
+    for c in ordered:
+        key = (c["agent"], c["scope"])
+        statuses = holding_statuses(c["agent"] in scopes.dead_letters_block)
+        earlier = AgentRun.objects.filter(agent=c["agent"], scope=c["scope"],
+                                          status__in=statuses).filter(
+            Q(fired_seq__lt=c["fired_seq"]) | Q(fired_seq=c["fired_seq"], id__lt=c["id"]))
+        if key in taken_scopes or earlier.exists():
+            held.add(c["id"])
+        taken_scopes.add(key)
+    return [c for c in candidates if c["id"] not in held]
+
+
+# --------------------------------------------------------------------------- attempt writes
+
+
+@retry_on_lock()
+def renew(ref: AttemptRef, at: datetime | None = None) -> Renewal:
+    """Extend the lease at a step boundary; says whether the attempt may go on."""
+    at = at or now()
+    with transaction.atomic():
+        return _renew_locked(ref, at)
+
+
+def _renew_locked(ref: AttemptRef, at: datetime) -> Renewal:
+    updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True).update(
+        lease_expires=ref.lease_until(at))
+    if updated:
+        return Renewal.OK
+    return Renewal.CANCEL_REQUESTED if AgentRun.objects.filter(ref.guard()).exists() \
+        else Renewal.LOST
+
+
+@retry_on_lock()
+def renew_many(
+    worker_id: str, refs: Sequence[AttemptRef], at: datetime | None = None
+) -> dict[AttemptRef, Renewal]:
+    """The lease keeper's renewal: every live lease of a worker in one statement per TTL."""
+    at = at or now()
+    if not refs:
+        return {}
+    by_ttl: dict[float | None, list[AttemptRef]] = {}
+    for ref in refs:
+        by_ttl.setdefault(ref.lease_ttl, []).append(ref)
+    with transaction.atomic():
+        for ttl, group in by_ttl.items():
+            if ttl is None:
+                continue
+            pairs = Q()
+            for ref in group:
+                pairs |= Q(pk=ref.run_id, attempt=ref.attempt)
+            AgentRun.objects.filter(pairs, status=Status.RUNNING, claimed_by=worker_id).update(
+                lease_expires=at + timedelta(seconds=ttl))
+        rows = {
+            (r["id"], r["attempt"]): r
+            for r in AgentRun.objects.filter(pk__in=[ref.run_id for ref in refs]).values(
+                "id", "attempt", "status", "claimed_by", "cancel_requested_at")
+        }
+    result = {}
+    for ref in refs:
+        row = rows.get((ref.run_id, ref.attempt))
+        if row is None or row["status"] != Status.RUNNING or row["claimed_by"] != worker_id:
+            result[ref] = Renewal.LOST
+        elif row["cancel_requested_at"] is not None:
+            result[ref] = Renewal.CANCEL_REQUESTED
+        else:
+            result[ref] = Renewal.OK
+    return result
+
+
+@retry_on_lock()
+def emit(
+    ref: AttemptRef, event_id: uuid.UUID, type_: str, payload: dict[str, Any],
+    at: datetime | None = None,
+) -> Renewal:
+    """Renew, then append one event unless its id exists already (a retry re-emitting).
+
+    The renewal comes first (ADR-104): a worker that lost the run appends nothing, so
+    its events can never collide with the new owner's sequence.
+    """
+    at = at or now()
+    with transaction.atomic():
+        renewal = _renew_locked(ref, at)
+        if renewal is not Renewal.OK:
+            return renewal
+        if not RunEvent.objects.filter(event_id=event_id).exists():
+            _append_events([(ref.run_id, type_, payload, ref.attempt, event_id)], at)
+    return Renewal.OK
+
+
+@retry_on_lock()
+def checkpoint(ref: AttemptRef, state: Any, count: int, at: datetime | None = None) -> Renewal:
+    """Save resume state as checkpoint number `count`, renewing the lease."""
+    at = at or now()
+    with transaction.atomic():
+        updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True).update(
+            checkpoint_state=state, checkpoint_count=count, lease_expires=ref.lease_until(at))
+        if not updated:
+            return _renew_locked(ref, at)
+        _append_events([_lifecycle(ref.run_id, CHECKPOINT, ref.attempt, count=count)], at)
+    return Renewal.OK
+
+
+# --------------------------------------------------------------------------- settle
+
+
+@retry_on_lock()
+def settle_succeeded(ref: AttemptRef, output: Any, at: datetime | None = None) -> Settlement:
+    at = at or now()
+    with transaction.atomic():
+        updated = AgentRun.objects.filter(ref.guard()).update(
+            status=Status.SUCCEEDED, reason=Reason.COMPLETED, output=output,
+            finished_at=at, lease_expires=None,
+        )
+        if not updated:
+            return Settlement.LOST
+        _append_events([_lifecycle(ref.run_id, SUCCEEDED, ref.attempt)], at)
+    return Settlement.SUCCEEDED
+
+
+@retry_on_lock()
+def settle_failed(
+    ref: AttemptRef, failure: policy.Failure, error: ErrorInfo,
+    at: datetime | None = None, *, interactive: bool = False,
+) -> Settlement:
+    """A failed attempt: retried with backoff, dead-lettered, or cancelled if one was asked."""
+    at = at or now()
+    with transaction.atomic():
+        row = _locked_row(ref.guard())
+        if row is None:
+            return Settlement.LOST
+        if interactive:
+            decision = policy.Decision("dead_letter", reason=Reason.ERROR)
+        else:
+            decision = _decide(row, failure)
+        return _apply(row, ref.guard(), decision, error, at, events=[])
+
+
+@retry_on_lock()
+def settle_cancelled(ref: AttemptRef, at: datetime | None = None) -> Settlement:
+    """The attempt stopped because a cancel was requested."""
+    at = at or now()
+    with transaction.atomic():
+        row = _locked_row(ref.guard())
+        if row is None:
+            return Settlement.LOST
+        return _apply(row, ref.guard(), policy.Decision("cancel"), None, at, events=[])
+
+
+@retry_on_lock()
+def abandon(ref: AttemptRef, why: str, at: datetime | None = None) -> Settlement:
+    """The worker gave up its own attempt (graceful stop): a failed attempt, as if it died."""
+    at = at or now()
+    with transaction.atomic():
+        row = _locked_row(ref.guard())
+        if row is None:
+            return Settlement.LOST
+        decision = _abandon_locked(row, ref.guard(), at, why=why, apply_backoff=True)
+    return _settlement(decision)
+
+
+def _locked_row(guard: Q) -> dict[str, Any] | None:
+    qs = AgentRun.objects.filter(guard)
+    if is_postgres():
+        qs = qs.select_for_update()
+    return qs.values(*_CLAIM_FIELDS).first()
+
+
+def _decide(row: dict[str, Any], failure: policy.Failure) -> policy.Decision:
+    return policy.decide(
+        failure,
+        requeue_count=row["requeue_count"],
+        max_requeues=row["max_requeues"],
+        cancel_requested=row["cancel_requested_at"] is not None,
+        backoff_delay=lambda n: policy.backoff(
+            n, base=float(app_settings.BACKOFF_BASE), cap=float(app_settings.BACKOFF_CAP),
+            jitter=float(app_settings.BACKOFF_JITTER)),
+    )
+
+
+def _abandon_locked(
+    row: dict[str, Any], guard: Q, at: datetime, *, why: str, apply_backoff: bool
+) -> policy.Decision | None:
+    """Record a lost attempt as a failed one, then requeue, dead-letter or cancel it.
+
+    `guard` is re-checked inside the UPDATE (the reaper's staleness check), so a
+    heartbeat or settle that landed since the row was read wins, and this does nothing.
+    """
+    decision = _decide(row, policy.Failure(retryable=True))
+    if decision.action == "retry" and not apply_backoff:
+        decision = policy.Decision("retry", delay=0.0)
+    error = ErrorInfo("AbandonedAttempt", f"the attempt was abandoned: {why}", "")
+    events = [_lifecycle(row["id"], ABANDONED, row["attempt"], why=why,
+                         worker=row["claimed_by"])]
+    result = _apply(row, Q(pk=row["id"], status=Status.RUNNING, attempt=row["attempt"]) & guard,
+                    decision, error, at, events=events)
+    return None if result is Settlement.LOST else decision
+
+
+def _apply(
+    row: dict[str, Any], guard: Q, decision: policy.Decision, error: ErrorInfo | None,
+    at: datetime, *, events: list[tuple[int, str, dict[str, Any], int, uuid.UUID]],
+) -> Settlement:
+    run_id, attempt = row["id"], row["attempt"]
+    errors = {} if error is None else {
+        "error_type": error.type[:255], "error_message": error.message,
+        "error_traceback": error.traceback}
+    described = {} if error is None else {"error_type": error.type,
+                                            "message": error.message[:2000]}
+    if decision.action == "retry":
+        fields: dict[str, Any] = {
+            "status": Status.QUEUED, "requeue_count": F("requeue_count") + 1,
+            "available_at": at + timedelta(seconds=decision.delay),
+            "claimed_by": "", "lease_expires": None, **errors}
+        events.append(_lifecycle(run_id, RETRYING, attempt, delay=round(decision.delay, 3),
+                                 requeue=row["requeue_count"] + 1, **described))
+        settlement = Settlement.REQUEUED
+    elif decision.action == "cancel":
+        fields = {"status": Status.CANCELLED, "reason": Reason.CANCELLED, "finished_at": at,
+                  "lease_expires": None, **errors}
+        events.append(_lifecycle(run_id, CANCELLED, attempt, reason=row["cancel_reason"]))
+        settlement = Settlement.CANCELLED
+    else:
+        fields = {"status": Status.FAILED, "reason": decision.reason, "finished_at": at,
+                  "lease_expires": None, **errors}
+        events.append(_lifecycle(run_id, DEAD_LETTERED, attempt, reason=decision.reason,
+                                 **described))
+        settlement = Settlement.DEAD_LETTERED
+    if not AgentRun.objects.filter(guard).update(**fields):
+        return Settlement.LOST
+    _append_events(events, at)
+    return settlement
+
+
+def _settlement(decision: policy.Decision | None) -> Settlement:
+    if decision is None:
+        return Settlement.LOST
+    return {"retry": Settlement.REQUEUED, "cancel": Settlement.CANCELLED,
+            "dead_letter": Settlement.DEAD_LETTERED}[decision.action]
+
+
+# --------------------------------------------------------------------------- reaper
+
+
+def find_stale(at: datetime, limit: int) -> list[dict[str, Any]]:
+    """Running runs whose lease lapsed (interactive runs hold none and never appear)."""
+    return list(lapsed(None, at).order_by("lease_expires")
+                .values(*_CLAIM_FIELDS)[:limit])
+
+
+@retry_on_lock()
+def reap_one(row: dict[str, Any], at: datetime) -> Settlement:
+    """Reclaim one stale run, re-checking inside the UPDATE that it is still stale."""
+    with transaction.atomic():
+        stale = Q(lease_expires__lt=at, claimed_by=row["claimed_by"])
+        fresh = _locked_row(Q(pk=row["id"], status=Status.RUNNING, attempt=row["attempt"]) & stale)
+        if fresh is None:
+            return Settlement.LOST
+        decision = _abandon_locked(fresh, stale, at, why="lease lapsed", apply_backoff=True)
+    return _settlement(decision)
+
+
+# --------------------------------------------------------------------------- operators
+
+
+@retry_on_lock()
+def cancel(run_id: int, reason: str = "", at: datetime | None = None) -> CancelResult | None:
+    """Cancel a queued run now, or ask a running one to stop. None: no such run."""
+    at = at or now()
+    with transaction.atomic():
+        qs = AgentRun.objects.filter(pk=run_id)
+        if is_postgres():
+            qs = qs.select_for_update()
+        row = qs.values("status", "attempt", "cancel_requested_at").first()
+        if row is None:
+            return None
+        if row["status"] == Status.QUEUED:
+            AgentRun.objects.filter(pk=run_id, status=Status.QUEUED).update(
+                status=Status.CANCELLED, reason=Reason.CANCELLED, finished_at=at,
+                cancel_requested_at=at, cancel_reason=reason)
+            _append_events([_lifecycle(run_id, CANCELLED, row["attempt"], reason=reason)], at)
+            return CancelResult.CANCELLED
+        if row["status"] == Status.RUNNING:
+            if row["cancel_requested_at"] is not None:
+                return CancelResult.ALREADY_REQUESTED
+            AgentRun.objects.filter(pk=run_id, status=Status.RUNNING,
+                                    cancel_requested_at__isnull=True).update(
+                cancel_requested_at=at, cancel_reason=reason)
+            _append_events([_lifecycle(run_id, CANCEL_REQUESTED, row["attempt"],
+                                       reason=reason)], at)
+            return CancelResult.REQUESTED
+        return CancelResult.NOT_CANCELLABLE
+
+
+@retry_on_lock()
+def operator_retry(run_id: int, by: str = "", at: datetime | None = None) -> bool | None:
+    """Send a failed or cancelled run back to the queue with a fresh requeue budget.
+
+    None: no such run; False: it is not failed or cancelled (nothing written).
+    """
+    at = at or now()
+    with transaction.atomic():
+        row = AgentRun.objects.filter(pk=run_id).values("status", "attempt", "reason").first()
+        if row is None:
+            return None
+        updated = AgentRun.objects.filter(
+            pk=run_id, status__in=(Status.FAILED, Status.CANCELLED)).update(
+            status=Status.QUEUED, reason=Reason.NONE, requeue_count=0, available_at=at,
+            claimed_by="", lease_expires=None, finished_at=None, cancel_requested_at=None,
+            cancel_reason="")
+        if not updated:
+            return False
+        _append_events([_lifecycle(run_id, RETRIED, row["attempt"], by=by,
+                                   previous=row["reason"])], at)
+    return True
+
+
+# --------------------------------------------------------------------------- interactive
+
+
+def start_interactive(run: AgentRun, worker_id: str, at: datetime | None = None) -> AgentRun:
+    """Record a run executed in the caller's process: running at once, with no lease."""
+    at = at or now()
+    run.status = Status.RUNNING
+    run.claimed_by = worker_id
+    run.attempt = 1
+    run.started_at = at
+    run.lease_expires = None
+    with transaction.atomic():
+        run.save(force_insert=True)
+        _append_events([_lifecycle(run.pk, STARTED, 1, worker=worker_id)], at)
+    return run
