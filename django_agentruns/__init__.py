@@ -20,8 +20,8 @@ from .exceptions import (
 from .registry import agent
 
 if TYPE_CHECKING:
-    from .context import RunContext
     from .api import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
+    from .context import RunContext
     from .transitions import CancelResult
 
 __version__ = "0.1.0"
@@ -45,8 +45,9 @@ __all__ = [
     "run_now",
 ]
 
-_LAZY = {"RunContext": "context", "enqueue": "api", "enqueue_many": "api", "cancel": "api", "retry": "api",
-         "run_now": "api", "RunRequest": "api", "CancelResult": "outcomes"}
+_LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
+         "enqueue_many": "api", "cancel": "api", "retry": "api", "run_now": "api",
+         "RunRequest": "api"}
 
 
 def __getattr__(name: str) -> Any:

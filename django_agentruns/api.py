@@ -42,7 +42,7 @@ class RunRequest:
 
 def enqueue(
     agent: str,
-    input: Any = None,  # noqa: A002 - the name the API promises
+    input: Any = None,
     *,
     scope: str = "",
     queue: str | None = None,
@@ -163,7 +163,7 @@ def _run_id(run_id: Any) -> int:
         raise InvalidInputError(f"Run id must be an integer, not {run_id!r}") from None
 
 
-def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:  # noqa: A002
+def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
     """Run an agent here and now, without a lease; return its output or raise its error.
 
     The run and its events are recorded like any other; a failure is not retried (the

@@ -112,7 +112,7 @@ class RunContext:
         """True once the attempt must stop; the next context call will raise."""
         return self._control.stop_reason is not None or self._control.timed_out()
 
-    def emit(self, type: str, payload: dict[str, Any] | None = None) -> None:  # noqa: A002
+    def emit(self, type: str, payload: dict[str, Any] | None = None) -> None:
         """Append an event to the run's stream (a step boundary)."""
         control = self._control
         control.check()
@@ -146,7 +146,7 @@ class RunContext:
             renewal = transitions.renew(control.ref)
         control.apply(renewal)
 
-    async def aemit(self, type: str, payload: dict[str, Any] | None = None) -> None:  # noqa: A002
+    async def aemit(self, type: str, payload: dict[str, Any] | None = None) -> None:
         await _in_thread(self.emit, type, payload)
 
     async def acheckpoint(self, state: Any) -> None:

@@ -29,7 +29,7 @@ class RunNotFoundError(AgentRunsError, LookupError):
     """No run has that id."""
 
 
-class Retryable(Exception):  # noqa: N818 - the name reads as the policy it states
+class Retryable(Exception):
     """Raise from an agent for a transient failure: the run is retried within its budget.
 
     `delay` (seconds) overrides the backoff for this retry, as a Retry-After header would.
@@ -40,7 +40,7 @@ class Retryable(Exception):  # noqa: N818 - the name reads as the policy it stat
         self.delay = delay
 
 
-class NotRetryable(Exception):  # noqa: N818
+class NotRetryable(Exception):
     """Raise from an agent for a failure no retry can fix: the run is dead-lettered at once."""
 
 

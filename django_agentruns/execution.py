@@ -62,7 +62,7 @@ def call_agent(
     except (AttemptStopped, asyncio.CancelledError, concurrent.futures.CancelledError):
         reason = control.stop_reason or StopReason.SHUTDOWN
         return Outcome("stopped", stop_reason=reason)
-    except Exception as exc:  # noqa: BLE001 - every agent failure is classified, not raised
+    except Exception as exc:
         if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED):
             return Outcome("stopped", stop_reason=control.stop_reason)
         return Outcome("failed", error=exc)

@@ -110,7 +110,7 @@ def _retry_after(exc: BaseException) -> float | None:
             continue
         try:
             raw = headers.get("Retry-After") or headers.get("retry-after")
-        except Exception:  # noqa: BLE001 - a header object we do not understand is no verdict
+        except Exception:
             return None
         if raw is None:
             continue
@@ -142,9 +142,9 @@ def backoff(
     """
     if base <= 0 or cap <= 0:
         return 0.0
-    exponent = min(requeue_count, 62)  # 2**63 overflows nothing here, but caps the work
-    delay = min(cap, base * (2**exponent))
-    return delay * (1.0 - max(0.0, min(1.0, jitter)) * rand())
+    exponent = min(requeue_count, 62)  # keeps 2**n a small int; the cap applies anyway
+    delay = min(float(cap), float(base) * float(2**exponent))
+    return delay * (1.0 - max(0.0, min(1.0, jitter)) * float(rand()))
 
 
 @dataclass(frozen=True)

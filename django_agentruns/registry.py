@@ -43,7 +43,9 @@ class AgentSpec:
         return self.queue or str(app_settings.DEFAULT_QUEUE)
 
     def effective_max_requeues(self) -> int:
-        return int(self.max_requeues if self.max_requeues is not None else app_settings.MAX_REQUEUES)
+        if self.max_requeues is not None:
+            return self.max_requeues
+        return int(app_settings.MAX_REQUEUES)
 
     def effective_lease_ttl(self) -> float:
         return float(self.lease_ttl if self.lease_ttl is not None else app_settings.LEASE_TTL)

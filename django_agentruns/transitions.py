@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -113,7 +112,7 @@ def insert_runs(runs: list[AgentRun]) -> list[AgentRun]:
 
 
 def holding_statuses(blocking: bool) -> list[str]:
-    statuses = [Status.QUEUED, Status.RUNNING]
+    statuses: list[str] = [Status.QUEUED, Status.RUNNING]
     return [*statuses, Status.FAILED] if blocking else statuses
 
 
@@ -389,7 +388,8 @@ def _locked_row(guard: Q) -> dict[str, Any] | None:
     qs = AgentRun.objects.filter(guard)
     if is_postgres():
         qs = qs.select_for_update()
-    return qs.values(*_CLAIM_FIELDS).first()
+    row: dict[str, Any] | None = qs.values(*_CLAIM_FIELDS).first()
+    return row
 
 
 def _decide(row: dict[str, Any], failure: policy.Failure) -> policy.Decision:

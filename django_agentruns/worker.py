@@ -9,6 +9,7 @@ requests, lost leases and timeouts into stops.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -358,7 +359,5 @@ def _close_connections() -> None:
     from django.db import connections
 
     for conn in connections.all(initialized_only=True):
-        try:
+        with contextlib.suppress(Exception):
             conn.close()
-        except Exception:  # noqa: BLE001,S110 - a broken connection may fail to close too
-            pass

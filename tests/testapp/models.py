@@ -10,3 +10,6 @@ class SideEffect(models.Model):
     worker = models.CharField(max_length=255, blank=True, default="")
     note = models.CharField(max_length=100, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} step {self.step} attempt {self.attempt}"

@@ -1,0 +1,33 @@
+# `make demo` and `make test` are the two commands the README starts with; both set up
+# .venv on first use (newest Python >= 3.11 found) and reinstall only when pyproject changes.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EXTRAS ?= example,postgres,dev
+
+.PHONY: venv demo test lint typecheck clean distclean
+
+venv:
+	@scripts/venv.sh $(VENV) -e '.[$(EXTRAS)]'
+
+demo: venv
+	$(PY) manage.py migrate --verbosity 0
+	$(PY) manage.py demo
+
+# Extra pytest arguments: make test PYTEST_ARGS='-m "not slow"'
+test: venv
+	VENV=$(VENV) scripts/test.sh $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m ruff check .
+
+typecheck: venv
+	$(PY) -m mypy django_agentruns
+
+clean:
+	rm -rf .tmp .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info artifacts
+	rm -f db.sqlite3 db.sqlite3-wal db.sqlite3-shm
+	find . -path ./.venv -prune -o -path ./.venv-dj52 -prune -o -name __pycache__ -type d -exec rm -rf {} +
+
+distclean: clean
+	rm -rf .venv .venv-dj52

@@ -1,0 +1,98 @@
+"""Demo agents: the shape of real agent work, without the network.
+
+Model and tool calls are simulated with short sleeps. Each agent emits an event per step
+and checkpoints between steps, so a retry resumes where the last attempt left off instead
+of paying for the same calls again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from django_agentruns import Retryable, RunContext, agent
+
+# A tiny "search index" standing in for a web search tool.
+_CORPUS = {
+    "leases": "A lease gives one worker the right to run a job until it expires.",
+    "fencing": "A fencing token lets storage reject writes from a worker that lost its lease.",
+    "retries": "Bounded retries with backoff stop a poisoned job from looping forever.",
+    "dead letters": "A dead letter keeps a job that cannot succeed, for an operator to inspect.",
+    "ordering": "Ordered scopes run one job at a time per key, in the order they were fired.",
+}
+
+
+def _call_model(prompt: str) -> str:
+    time.sleep(0.1)  # stands in for an LLM call
+    return prompt
+
+
+def _search(query: str) -> list[dict[str, str]]:
+    time.sleep(0.05)  # stands in for a search API call
+    words = set(query.lower().split())
+    return [
+        {"title": title, "snippet": text}
+        for title, text in _CORPUS.items()
+        if words & set(title.split()) or words & set(text.lower().split())
+    ][:2]
+
+
+@agent("demo.research", queue="default", max_requeues=3, timeout=60)
+def research(ctx: RunContext) -> dict[str, Any]:
+    """Plan a few queries, run the search tool for each, summarise what came back."""
+    topic = str(ctx.input.get("topic", "durable execution"))
+    state: dict[str, Any] = dict(ctx.state or {})
+
+    if "plan" not in state:
+        _call_model(f"Plan research on {topic}")
+        state["plan"] = [f"{topic} leases", f"{topic} retries", f"{topic} dead letters"]
+        ctx.emit("plan", {"topic": topic, "queries": state["plan"]})
+        ctx.checkpoint(state)
+
+    if "sources" not in state:
+        sources: list[dict[str, str]] = []
+        for query in state["plan"]:
+            hits = _search(query)
+            ctx.emit("tool_call", {"tool": "search", "query": query, "hits": len(hits)})
+            sources.extend(hit for hit in hits if hit not in sources)
+        state["sources"] = sources
+        ctx.checkpoint(state)
+
+    _call_model(f"Summarise {len(state['sources'])} sources on {topic}")
+    summary = " ".join(source["snippet"] for source in state["sources"])
+    ctx.emit("summary", {"sources": len(state["sources"]), "words": len(summary.split())})
+    return {"topic": topic, "summary": summary, "sources": [s["title"] for s in state["sources"]]}
+
+
+@agent("demo.flaky_tool", queue="default", max_requeues=3, timeout=30)
+def flaky_tool(ctx: RunContext) -> dict[str, Any]:
+    """Call a tool whose first call always fails transiently, as rate-limited APIs do."""
+    city = str(ctx.input.get("city", "Lisbon"))
+    # Same position since the last checkpoint on every attempt, so the retry's re-emit of
+    # this event has the same id and adds nothing to the timeline.
+    ctx.emit("tool_call", {"tool": "weather", "city": city})
+    time.sleep(0.05)
+    if ctx.attempt == 1:
+        raise Retryable("weather API answered 503 Service Unavailable (simulated)")
+    forecast = {"city": city, "forecast": "sunny", "high_c": 24}
+    ctx.emit("tool_result", {"tool": "weather", **forecast})
+    return forecast
+
+
+@agent("demo.async_summarise", queue="default", max_requeues=3, timeout=60)
+async def async_summarise(ctx: RunContext) -> dict[str, Any]:
+    """Outline a text, then write the summary from the outline: two awaited model calls."""
+    text = str(ctx.input.get("text", ""))
+    state: dict[str, Any] = dict(ctx.state or {})
+
+    if "outline" not in state:
+        await asyncio.sleep(0.1)  # stands in for an async LLM call
+        state["outline"] = [sentence.strip() for sentence in text.split(".") if sentence.strip()]
+        await ctx.aemit("outline", {"points": len(state["outline"])})
+        await ctx.acheckpoint(state)
+
+    await asyncio.sleep(0.1)
+    summary = "; ".join(point.split(",")[0] for point in state["outline"])
+    await ctx.aemit("summary", {"chars": len(summary)})
+    return {"summary": summary, "points": len(state["outline"])}
