@@ -7,9 +7,13 @@ one, so a bulk enqueue sends one per queue, not one per run.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterable
 
 from django.db import connection
+
+logger = logging.getLogger("django_agentruns.worker")
 
 CHANNEL = "agentruns"
 
@@ -20,3 +24,52 @@ def notify_on_commit(queues: Iterable[str]) -> None:
     with connection.cursor() as cursor:
         for queue in queues:
             cursor.execute("SELECT pg_notify(%s, %s)", [CHANNEL, queue])
+
+
+class Listener:
+    """LISTENs on its own connection and wakes the worker when one of its queues gets runs.
+
+    Polling stays the fallback: if the connection drops, the listener reconnects with
+    backoff, and the worker still looks every POLL_INTERVAL.
+    """
+
+    def __init__(self, queues: Iterable[str], wake: threading.Event,
+                 stopping: threading.Event) -> None:
+        self.queues = set(queues)
+        self.wake = wake
+        self.stopping = stopping
+        self.connected = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="agentruns-listen", daemon=True)
+
+    @staticmethod
+    def available() -> bool:
+        return connection.vendor == "postgresql"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psycopg
+
+        params = connection.get_connection_params()
+        params.pop("cursor_factory", None)
+        params.pop("context", None)
+        failures = 0
+        while not self.stopping.is_set():
+            try:
+                with psycopg.connect(**params, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    self.connected.set()
+                    failures = 0
+                    # Catch up on anything enqueued while we were not listening.
+                    self.wake.set()
+                    while not self.stopping.is_set():
+                        for note in conn.notifies(timeout=0.5):
+                            if note.payload in self.queues:
+                                self.wake.set()
+            except Exception:  # any failure: reconnect; polling covers the gap
+                self.connected.clear()
+                failures += 1
+                logger.warning("LISTEN connection failed (%s in a row); polling until it is "
+                               "back", failures, exc_info=failures == 1)
+                self.stopping.wait(min(30.0, 0.2 * 2 ** min(failures, 8)))

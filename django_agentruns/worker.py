@@ -31,6 +31,7 @@ from .conf import app_settings
 from .context import AttemptControl, StopReason
 from .exceptions import AgentRunsError, UnknownAgentError
 from .models import AgentRun, Status
+from .notify import Listener
 from .registry import AgentSpec, all_agents, find_agent
 from .transitions import AttemptRef, Renewal, ScopePolicy
 
@@ -108,6 +109,7 @@ class Worker:
         self._loop_thread: threading.Thread | None = None
         self._keeper: threading.Thread | None = None
         self._keeper_stop = threading.Event()
+        self._listener_stop = threading.Event()
         self._signals = 0
         self._last_reap = 0.0
         self._agents = all_agents()
@@ -127,6 +129,8 @@ class Worker:
         self._keeper = threading.Thread(target=self._keep_leases, name="agentruns-keeper",
                                          daemon=True)
         self._keeper.start()
+        if Listener.available():
+            Listener(self.queues, self._wake, self._listener_stop).start()
         try:
             self._serve()
         finally:
@@ -340,6 +344,7 @@ class Worker:
                     logger.exception("could not abandon run %s", lv.run.pk)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._keeper_stop.set()
+        self._listener_stop.set()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
         logger.info("worker %s stopped", self.worker_id, extra={"worker_id": self.worker_id})
