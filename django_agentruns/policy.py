@@ -14,7 +14,7 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
-from .exceptions import InvalidInputError, NotRetryable, Retryable
+from .exceptions import InvalidInputError, NotRetryable, Retryable, UnknownAgentError
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
 NOT_RETRYABLE_NAMES = ("Authentication", "PermissionDenied", "Unauthorized", "Forbidden")
@@ -68,7 +68,7 @@ def _direct(
     if status is not None and 400 <= status <= 599:
         retryable = status in RETRYABLE_STATUS or status >= 500
         return Failure(retryable=retryable, delay=_retry_after(exc) if retryable else None)
-    if isinstance(exc, ImproperlyConfigured | InvalidInputError):
+    if isinstance(exc, ImproperlyConfigured | InvalidInputError | UnknownAgentError):
         return Failure(retryable=False)
     if isinstance(exc, TimeoutError | ConnectionError):
         return Failure(retryable=True)
