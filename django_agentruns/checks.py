@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from django.conf import settings
@@ -46,6 +47,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     classifier = raw.get("CLASSIFIER")
     if classifier is not None:
         try:
+            if not isinstance(classifier, str):
+                raise TypeError("not a dotted path")
             if not callable(import_string(classifier)):
                 raise TypeError("not callable")
         except (ImportError, TypeError, ValueError) as exc:
@@ -56,18 +59,25 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     queue = raw.get("DEFAULT_QUEUE", Defaults.DEFAULT_QUEUE)
     if not isinstance(queue, str) or not queue or len(queue) > 100:
         errors.append(Error(f"{SETTING_NAME}['DEFAULT_QUEUE'] must be a non-empty string of "
-                            f"at most 100 characters, not {queue!r}.", id=E005_BAD_QUEUE))
+                            f"at most 100 characters, not {queue!r}.",
+                            hint=f"The default is {Defaults.DEFAULT_QUEUE!r}.", id=E005_BAD_QUEUE))
     base, cap = raw.get("BACKOFF_BASE", Defaults.BACKOFF_BASE), raw.get(
         "BACKOFF_CAP", Defaults.BACKOFF_CAP)
-    if isinstance(base, int | float) and isinstance(cap, int | float) and cap < base:
+    # Compared only when both are valid numbers: a bad one already has its E003.
+    if _number_problem("BACKOFF_BASE", base) is None and \
+            _number_problem("BACKOFF_CAP", cap) is None and cap < base:
         errors.append(Error(f"{SETTING_NAME}: BACKOFF_CAP ({cap}) is below BACKOFF_BASE "
-                            f"({base}).", id=E006_BACKOFF_ORDER))
+                            f"({base}).", hint="BACKOFF_CAP is the longest backoff; make it "
+                            "at least BACKOFF_BASE, the first.", id=E006_BACKOFF_ORDER))
     return errors
 
 
 def _number_problem(key: str, value: Any) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return "must be a number"
+    if not math.isfinite(value):
+        # An infinite LEASE_TTL overflows the lease arithmetic; NaN compares false to all.
+        return "must be a finite number"
     if key in _INTEGERS and (not isinstance(value, int) or value < (1 if key == "CLAIM_BATCH"
                                                                     else 0)):
         return "must be a whole number >= " + ("1" if key == "CLAIM_BATCH" else "0")
@@ -87,7 +97,7 @@ def check_sqlite(app_configs: Any = None, databases: Any = None,
     if "sqlite" not in db.get("ENGINE", ""):
         return []
     mode = str(db.get("OPTIONS", {}).get("transaction_mode", "")).upper()
-    if mode != "IMMEDIATE":
+    if mode not in ("IMMEDIATE", "EXCLUSIVE"):  # both take the write lock at BEGIN
         return [Warning(
             "SQLite runs transactions DEFERRED: concurrent workers meet 'database is locked' "
             "and retry far more often.",

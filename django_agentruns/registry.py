@@ -7,6 +7,7 @@ Agents are registered at import; the app config imports every installed app's
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,16 +68,11 @@ def agent(
     classify: Callable[[BaseException], bool | None] | None = None,
 ) -> Callable[[F], F]:
     """Register a function (sync or `async def`) taking a `RunContext` as agent `name`."""
-    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidInputError(
             f"Agent name {name!r} must be 1-200 characters of letters, digits and _ . : -"
         )
-    for label, value in (("max_requeues", max_requeues), ("timeout", timeout),
-                         ("lease_ttl", lease_ttl)):
-        if value is not None and (isinstance(value, bool) or value < 0):
-            raise InvalidInputError(f"Agent {name!r}: {label} must be a number >= 0, not {value!r}")
-    if lease_ttl is not None and lease_ttl <= 0:
-        raise InvalidInputError(f"Agent {name!r}: lease_ttl must be > 0")
+    _check_options(name, queue, max_requeues, timeout, lease_ttl, priority, classify)
 
     def register(func: F) -> F:
         existing = _registry.get(name)
@@ -92,6 +88,36 @@ def agent(
         return func
 
     return register
+
+
+def _check_options(
+    name: str, queue: Any, max_requeues: Any, timeout: Any, lease_ttl: Any, priority: Any,
+    classify: Any,
+) -> None:
+    """Refuse bad options at registration, not at every enqueue or claim (guarantee 10)."""
+
+    def bad(label: str, rule: str, value: Any) -> InvalidInputError:
+        return InvalidInputError(f"Agent {name!r}: {label} must be {rule}, not {value!r}")
+
+    def is_number(value: Any) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) \
+            and math.isfinite(value)
+
+    if queue is not None and (not isinstance(queue, str) or not 1 <= len(queue) <= 100
+                              or "\x00" in queue):
+        raise bad("queue", "a string of 1-100 characters", queue)
+    if max_requeues is not None and (isinstance(max_requeues, bool)
+                                     or not isinstance(max_requeues, int) or max_requeues < 0):
+        raise bad("max_requeues", "a whole number >= 0", max_requeues)
+    if timeout is not None and (not is_number(timeout) or timeout < 0):
+        raise bad("timeout", "a number of seconds >= 0", timeout)
+    if lease_ttl is not None and (not is_number(lease_ttl) or lease_ttl <= 0):
+        raise bad("lease_ttl", "a number of seconds > 0", lease_ttl)
+    if isinstance(priority, bool) or not isinstance(priority, int) \
+            or not -32768 <= priority <= 32767:
+        raise bad("priority", "a whole number in -32768..32767", priority)
+    if classify is not None and not callable(classify):
+        raise bad("classify", "a callable f(exc) -> bool | None", classify)
 
 
 def _qualname(func: Callable[..., Any]) -> str:

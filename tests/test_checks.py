@@ -1,0 +1,174 @@
+"""System checks on AGENTRUNS and the database: each id fires for a bad value, none for good."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from django.core.checks import CheckMessage, Error, Warning, registry, run_checks
+from django.test import override_settings
+
+from django_agentruns import checks
+from django_agentruns.conf import Defaults
+
+CHECK_IDS = {value for value in vars(checks).values()
+             if isinstance(value, str) and re.fullmatch(r"agentruns\.[EW]\d{3}", value)}
+
+
+def agentruns_messages() -> list[CheckMessage]:
+    """Every message of the app's checks (called directly: Django's model checks need a DB)."""
+    return [*checks.check_settings(), *checks.check_sqlite(databases=["default"])]
+
+
+def with_agentruns(value: Any) -> list[CheckMessage]:
+    with override_settings(AGENTRUNS=value):
+        return agentruns_messages()
+
+
+# (case id, AGENTRUNS value, check id expected, text the message must contain)
+BAD_SETTINGS: list[tuple[str, Any, str, str]] = [
+    ("list", ["LEASE_TTL", 60], checks.E001_NOT_A_DICT, "must be a dict"),
+    ("string", "LEASE_TTL=60", checks.E001_NOT_A_DICT, "must be a dict"),
+    ("typo", {"LEASE_TLL": 60}, checks.E002_UNKNOWN_SETTING, "'LEASE_TLL'"),
+    ("lowercase", {"lease_ttl": 60}, checks.E002_UNKNOWN_SETTING, "'lease_ttl'"),
+    ("ttl-zero", {"LEASE_TTL": 0}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
+    ("ttl-negative", {"LEASE_TTL": -1}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
+    ("ttl-string", {"LEASE_TTL": "60"}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
+    ("ttl-bool", {"LEASE_TTL": True}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
+    ("ttl-nan", {"LEASE_TTL": float("nan")}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
+    ("ttl-inf", {"LEASE_TTL": float("inf")}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
+    ("poll-zero", {"POLL_INTERVAL": 0}, checks.E003_BAD_NUMBER, "'POLL_INTERVAL'"),
+    ("poll-inf", {"POLL_INTERVAL": float("inf")}, checks.E003_BAD_NUMBER, "'POLL_INTERVAL'"),
+    ("base-negative", {"BACKOFF_BASE": -1}, checks.E003_BAD_NUMBER, "'BACKOFF_BASE'"),
+    ("base-nan", {"BACKOFF_BASE": float("nan")}, checks.E003_BAD_NUMBER, "'BACKOFF_BASE'"),
+    ("cap-negative", {"BACKOFF_CAP": -5}, checks.E003_BAD_NUMBER, "'BACKOFF_CAP'"),
+    ("reap-negative", {"REAP_INTERVAL": -0.5}, checks.E003_BAD_NUMBER, "'REAP_INTERVAL'"),
+    ("grace-negative", {"GRACE": -1}, checks.E003_BAD_NUMBER, "'GRACE'"),
+    ("grace-inf", {"GRACE": float("inf")}, checks.E003_BAD_NUMBER, "'GRACE'"),
+    ("requeues-negative", {"MAX_REQUEUES": -1}, checks.E003_BAD_NUMBER, "'MAX_REQUEUES'"),
+    ("requeues-float", {"MAX_REQUEUES": 2.5}, checks.E003_BAD_NUMBER, "'MAX_REQUEUES'"),
+    ("batch-zero", {"CLAIM_BATCH": 0}, checks.E003_BAD_NUMBER, "'CLAIM_BATCH'"),
+    ("batch-none", {"CLAIM_BATCH": None}, checks.E003_BAD_NUMBER, "'CLAIM_BATCH'"),
+    ("jitter-above-one", {"BACKOFF_JITTER": 1.5}, checks.E003_BAD_NUMBER, "'BACKOFF_JITTER'"),
+    ("jitter-negative", {"BACKOFF_JITTER": -0.1}, checks.E003_BAD_NUMBER, "'BACKOFF_JITTER'"),
+    ("classifier-missing-module", {"CLASSIFIER": "no_such_module.classify"},
+     checks.E004_BAD_CLASSIFIER, "no_such_module.classify"),
+    ("classifier-missing-attr", {"CLASSIFIER": "django_agentruns.policy.no_such_function"},
+     checks.E004_BAD_CLASSIFIER, "no_such_function"),
+    ("classifier-not-dotted", {"CLASSIFIER": "classify"}, checks.E004_BAD_CLASSIFIER,
+     "'classify'"),
+    ("classifier-not-callable", {"CLASSIFIER": "django_agentruns.conf.SETTING_NAME"},
+     checks.E004_BAD_CLASSIFIER, "SETTING_NAME"),
+    ("classifier-not-a-string", {"CLASSIFIER": 42}, checks.E004_BAD_CLASSIFIER, "42"),
+    ("queue-empty", {"DEFAULT_QUEUE": ""}, checks.E005_BAD_QUEUE, "DEFAULT_QUEUE"),
+    ("queue-int", {"DEFAULT_QUEUE": 3}, checks.E005_BAD_QUEUE, "DEFAULT_QUEUE"),
+    ("queue-too-long", {"DEFAULT_QUEUE": "q" * 101}, checks.E005_BAD_QUEUE, "DEFAULT_QUEUE"),
+    ("cap-below-base", {"BACKOFF_BASE": 10, "BACKOFF_CAP": 5}, checks.E006_BACKOFF_ORDER,
+     "BACKOFF_CAP"),
+    ("cap-below-default-base", {"BACKOFF_CAP": 1}, checks.E006_BACKOFF_ORDER, "BACKOFF_CAP"),
+]
+
+
+@pytest.mark.parametrize(("value", "check_id", "text"), [c[1:] for c in BAD_SETTINGS],
+                         ids=[c[0] for c in BAD_SETTINGS])
+def test_a_bad_setting_fires_its_check(value: Any, check_id: str, text: str) -> None:
+    messages = with_agentruns(value)
+    assert [m.id for m in messages] == [check_id], messages
+    (message,) = messages
+    assert isinstance(message, Error)
+    assert text in message.msg
+    assert message.hint, f"{check_id} gives no hint"
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    messages = with_agentruns({"LEASE_TTL": 0, "TYPO": 1, "DEFAULT_QUEUE": "",
+                               "CLASSIFIER": "nowhere.f", "BACKOFF_BASE": 9, "BACKOFF_CAP": 3})
+    assert sorted(m.id for m in messages if m.id) == sorted([
+        checks.E002_UNKNOWN_SETTING, checks.E003_BAD_NUMBER,
+        checks.E004_BAD_CLASSIFIER, checks.E005_BAD_QUEUE, checks.E006_BACKOFF_ORDER])
+
+
+def _sqlite(options: dict[str, Any]) -> dict[str, Any]:
+    return {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": "unused.sqlite3",
+                        "OPTIONS": options}}
+
+
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+@pytest.mark.parametrize("options", [{}, {"transaction_mode": "DEFERRED"},
+                                     {"timeout": 20}], ids=["none", "deferred", "no-mode"])
+def test_sqlite_without_immediate_transactions_warns(options: dict[str, Any]) -> None:
+    with override_settings(DATABASES=_sqlite(options)):
+        messages = checks.check_sqlite(databases=["default"])
+    assert [m.id for m in messages] == [checks.W001_SQLITE_DEFERRED]
+    (message,) = messages
+    assert isinstance(message, Warning)
+    assert "IMMEDIATE" in (message.hint or "")
+
+
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+@pytest.mark.parametrize("mode", ["IMMEDIATE", "immediate", "EXCLUSIVE"])
+def test_sqlite_with_a_write_lock_at_begin_is_fine(mode: str) -> None:
+    with override_settings(DATABASES=_sqlite({"transaction_mode": mode})):
+        assert checks.check_sqlite(databases=["default"]) == []
+
+
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+def test_postgresql_gets_no_sqlite_warning() -> None:
+    databases = {"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "x"}}
+    with override_settings(DATABASES=databases):
+        assert checks.check_sqlite(databases=["default"]) == []
+
+
+def test_the_checks_are_registered_with_django() -> None:
+    assert checks.check_settings in registry.registry.get_checks()
+    assert checks.check_sqlite in registry.registry.get_checks()
+
+
+@pytest.mark.django_db
+def test_manage_py_check_reports_a_bad_setting() -> None:
+    with override_settings(AGENTRUNS={"LEASE_TTL": -1}):
+        ids = [m.id for m in run_checks(databases=["default"])]
+    assert checks.E003_BAD_NUMBER in ids
+
+
+def test_every_check_id_is_exercised() -> None:
+    """A check added to checks.py without a bad case here fails this test."""
+    exercised = {c[2] for c in BAD_SETTINGS} | {checks.W001_SQLITE_DEFERRED}
+    assert exercised == CHECK_IDS
+    assert len(CHECK_IDS) >= 7
+
+
+# --------------------------------------------------------------------------- good settings
+
+
+def test_the_test_settings_pass() -> None:
+    assert agentruns_messages() == []
+
+
+def test_every_setting_at_its_default_passes() -> None:
+    defaults = {name: getattr(Defaults, name) for name in Defaults.__dataclass_fields__}
+    assert with_agentruns(defaults) == []
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        {},
+        {"LEASE_TTL": 0.5, "POLL_INTERVAL": 0.01, "MAX_REQUEUES": 0, "CLAIM_BATCH": 1,
+         "BACKOFF_BASE": 0, "BACKOFF_CAP": 0, "BACKOFF_JITTER": 0, "REAP_INTERVAL": 0,
+         "GRACE": 0, "DEFAULT_QUEUE": "q" * 100,
+         "CLASSIFIER": "django_agentruns.policy.http_status", "UNKNOWN_ERRORS_RETRYABLE": False},
+        {"BACKOFF_BASE": 5, "BACKOFF_CAP": 5, "BACKOFF_JITTER": 1, "LEASE_TTL": 600},
+        {"CLASSIFIER": None},
+    ],
+    ids=["none", "empty", "edges", "equal-backoff", "no-classifier"],
+)
+def test_good_settings_pass(value: Any) -> None:
+    assert with_agentruns(value) == []
+
+
+def test_no_setting_at_all_passes(settings: Any) -> None:
+    del settings.AGENTRUNS
+    assert agentruns_messages() == []
