@@ -158,7 +158,10 @@ def _run_id(run_id: Any) -> int:
     try:
         if isinstance(run_id, bool):
             raise TypeError
-        return int(run_id)
+        value = int(run_id)
+        if not isinstance(run_id, str) and value != run_id:
+            raise ValueError  # int() truncates 7.5 to 7: another run's id
+        return value
     except (TypeError, ValueError):
         raise InvalidInputError(f"Run id must be an integer, not {run_id!r}") from None
 

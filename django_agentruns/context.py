@@ -16,6 +16,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections
+
 from . import transitions
 from .exceptions import AttemptStopped, InvalidInputError
 from .outcomes import AttemptRef, Renewal
@@ -147,16 +150,30 @@ class RunContext:
         control.apply(renewal)
 
     async def aemit(self, type: str, payload: dict[str, Any] | None = None) -> None:
-        await _in_thread(self.emit, type, payload)
+        await _in_thread(self._control, self.emit, type, payload)
 
     async def acheckpoint(self, state: Any) -> None:
-        await _in_thread(self.checkpoint, state)
+        await _in_thread(self._control, self.checkpoint, state)
 
     async def aheartbeat(self) -> None:
-        await _in_thread(self.heartbeat)
+        await _in_thread(self._control, self.heartbeat)
 
 
-async def _in_thread(func: Any, *args: Any) -> None:
+async def _in_thread(control: AttemptControl, func: Any, *args: Any) -> None:
     """Run a storage call off the event loop: the ORM is synchronous."""
+    if control.ref.lease_ttl is None:
+        # `run_now` (no lease): back in the caller's thread, which waits in async_to_sync,
+        # so the write uses the caller's connection and joins any transaction it is in.
+        await sync_to_async(func, thread_sensitive=True)(*args)
+        return
     loop = asyncio.get_running_loop()
-    await loop.run_in_executor(None, functools.partial(func, *args))
+    await loop.run_in_executor(None, functools.partial(_storage_call, func, *args))
+
+
+def _storage_call(func: Any, *args: Any) -> None:
+    """One call on an executor thread, whose connection obeys CONN_MAX_AGE like any other."""
+    close_old_connections()
+    try:
+        func(*args)
+    finally:
+        close_old_connections()

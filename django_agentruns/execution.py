@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from asgiref.sync import async_to_sync
+
 from . import policy, transitions
 from .conf import app_settings
 from .context import AttemptControl, RunContext, StopReason, ensure_json
@@ -50,7 +52,9 @@ def call_agent(
     try:
         if spec.is_async:
             if loop is None:
-                result = asyncio.run(_with_timeout(spec, ctx, control))
+                # `run_now`: the agent's storage calls come back to this thread (see
+                # context._in_thread), so they join the caller's transaction.
+                result = async_to_sync(_with_timeout)(spec, ctx, control)
             else:
                 future = asyncio.run_coroutine_threadsafe(_with_timeout(spec, ctx, control), loop)
                 control.future = future

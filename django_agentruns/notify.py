@@ -39,14 +39,14 @@ class Listener:
         self.wake = wake
         self.stopping = stopping
         self.connected = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="agentruns-listen", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="agentruns-listen", daemon=True)
 
     @staticmethod
     def available() -> bool:
         return connection.vendor == "postgresql"
 
     def start(self) -> None:
-        self._thread.start()
+        self.thread.start()
 
     def _run(self) -> None:
         import psycopg

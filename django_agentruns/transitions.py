@@ -116,14 +116,17 @@ def holding_statuses(blocking: bool) -> list[str]:
     return [*statuses, Status.FAILED] if blocking else statuses
 
 
-def earlier_holder(statuses: list[str]) -> QuerySet[AgentRun]:
-    """An earlier run of the outer run's agent and scope, in one of `statuses`."""
-    return AgentRun.objects.filter(
-        agent=OuterRef("agent"), scope=OuterRef("scope"), status__in=statuses,
-    ).filter(
+def ahead_in_scope() -> QuerySet[AgentRun]:
+    """Runs of the outer run's agent and scope ahead of it in firing order."""
+    return AgentRun.objects.filter(agent=OuterRef("agent"), scope=OuterRef("scope")).filter(
         Q(fired_seq__lt=OuterRef("fired_seq"))
         | Q(fired_seq=OuterRef("fired_seq"), id__lt=OuterRef("id"))
     )
+
+
+def earlier_holder(statuses: list[str]) -> QuerySet[AgentRun]:
+    """An earlier run of the outer run's agent and scope, in one of `statuses`."""
+    return ahead_in_scope().filter(status__in=statuses)
 
 
 def startable(qs: QuerySet[AgentRun], scopes: ScopePolicy) -> QuerySet[AgentRun]:
@@ -146,6 +149,26 @@ def due_queued(queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> Quer
     qs = AgentRun.objects.filter(status=Status.QUEUED, queue__in=list(queues),
                                  available_at__lte=at)
     return startable(qs, scopes).order_by("-priority", "available_at", "fired_seq", "id")
+
+
+def awaited(queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> QuerySet[AgentRun]:
+    """Queued runs due by time that a worker will get to without outside help.
+
+    That is, all but those behind a run no worker releases: a dead letter (where the agent
+    says it blocks) or a run still backing off. A burst worker whose claim came back empty
+    waits while any of these remain (another worker holds them, or the run ahead of them),
+    and exits past the rest.
+    """
+    qs = AgentRun.objects.filter(status=Status.QUEUED, queue__in=list(queues),
+                                 available_at__lte=at)
+    for agents, blocking in ((scopes.ordered - scopes.dead_letters_block, False),
+                             (scopes.ordered & scopes.dead_letters_block, True)):
+        stuck = Q(status=Status.QUEUED, available_at__gt=at)
+        if blocking:
+            stuck |= Q(status=Status.FAILED)
+        if agents:
+            qs = qs.filter(~Q(agent__in=agents) | ~Exists(ahead_in_scope().filter(stuck)))
+    return qs
 
 
 def lapsed(queues: Iterable[str] | None, at: datetime) -> QuerySet[AgentRun]:

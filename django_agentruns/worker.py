@@ -30,7 +30,7 @@ from . import execution, reaper, transitions
 from .conf import app_settings
 from .context import AttemptControl, StopReason
 from .exceptions import AgentRunsError, UnknownAgentError
-from .models import AgentRun, Status
+from .models import AgentRun
 from .notify import Listener
 from .registry import AgentSpec, all_agents, find_agent
 from .transitions import AttemptRef, Renewal, ScopePolicy
@@ -110,6 +110,7 @@ class Worker:
         self._keeper: threading.Thread | None = None
         self._keeper_stop = threading.Event()
         self._listener_stop = threading.Event()
+        self._listener: Listener | None = None
         self._signals = 0
         self._last_reap = 0.0
         self._agents = all_agents()
@@ -130,7 +131,8 @@ class Worker:
                                          daemon=True)
         self._keeper.start()
         if Listener.available():
-            Listener(self.queues, self._wake, self._listener_stop).start()
+            self._listener = Listener(self.queues, self._wake, self._listener_stop)
+            self._listener.start()
         try:
             self._serve()
         finally:
@@ -210,8 +212,9 @@ class Worker:
         return len(runs)
 
     def _work_pending(self) -> bool:
-        return AgentRun.objects.filter(queue__in=self.queues, status=Status.QUEUED,
-                                       available_at__lte=timezone.now()).exists()
+        # Not every queued, due run: one behind a dead letter or a backoff is not waiting
+        # on another worker, and waiting for it would end in ContentionTimeout.
+        return transitions.awaited(self.queues, timezone.now(), self._scopes).exists()
 
     def _maybe_reap(self) -> None:
         if self.reap_interval <= 0:
@@ -289,6 +292,7 @@ class Worker:
             # Wake often enough to renew at a third of the shortest TTL, and to notice
             # timeouts promptly.
             self._keeper_stop.wait(min([*ttls, 3.0]) / 6)
+        _close_connections()
 
     def _keeper_tick(self, lives: list[_Live]) -> None:
         now = time.monotonic()
@@ -345,6 +349,12 @@ class Worker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._keeper_stop.set()
         self._listener_stop.set()
+        # Their connections must be closed when run() returns (a test database cannot be
+        # dropped while a session is open on it).
+        threads = [self._keeper, self._listener.thread if self._listener else None]
+        for thread in threads:
+            if thread is not None:
+                thread.join(timeout=5)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
         logger.info("worker %s stopped", self.worker_id, extra={"worker_id": self.worker_id})
