@@ -1,41 +1,235 @@
-"""A read-only admin for runs and their events (the operations console builds on it)."""
+"""The operations console: the run list, the read-only run page, retry and cancel.
+
+Split by job: admin_filters (list filters), admin_display (rendering), admin_actions
+(retry/cancel through the API, bulk actions), admin_views (buttons, overview). Nobody
+adds, edits or deletes a run or an event here; status changes only through `api`.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from django.contrib import admin
-from django.http import HttpRequest
+from django.contrib import admin, messages
+from django.contrib.admin.views.main import ChangeList
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.urls import URLPattern, path, reverse
+from django.utils.safestring import SafeString
 
-from .models import AgentRun, RunEvent
+from . import admin_display as show
+from . import admin_views
+from .admin_actions import CANCEL, RETRY, cancel_runs, has_permission, retry_runs, selected_ids
+from .admin_filters import AgentFilter, AttentionFilter, QueueFilter
+from .models import AgentRun, RunEvent, Status
+
+EVENTS_PER_PAGE = 100
+# Never loaded for the list: a page of 100 runs would otherwise carry 100 inputs,
+# outputs and tracebacks.
+HEAVY_FIELDS = ("input", "output", "checkpoint_state", "error_message", "error_traceback",
+                "cancel_reason")
 
 
-class RunEventInline(admin.TabularInline):
-    model = RunEvent
-    fields = ("seq", "created_at", "type", "payload", "attempt")
-    readonly_fields = fields
-    extra = 0
-    can_delete = False
-    ordering = ("seq",)
-    max_num = 0
+if TYPE_CHECKING:
+    ModelAdminBase = admin.ModelAdmin[AgentRun]
+else:  # ModelAdmin is generic only in django-stubs
+    ModelAdminBase = admin.ModelAdmin
 
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+
+class RunChangeList(ChangeList):
+    def get_queryset(self, request: HttpRequest, *args: Any, **kwargs: Any) -> QuerySet[AgentRun]:
+        return super().get_queryset(request, *args, **kwargs).defer(*HEAVY_FIELDS)
+
+
+def visibility() -> Any:
+    """`visibility.why_not_started`, if that module is installed; else None (shown: nothing)."""
+    try:
+        return import_module("django_agentruns.visibility").why_not_started
+    except (ImportError, AttributeError):
+        return None
 
 
 @admin.register(AgentRun)
-class AgentRunAdmin(admin.ModelAdmin):
-    list_display = ("id", "agent", "scope", "status", "reason", "attempt", "requeue_count",
-                    "queue", "created_at", "finished_at")
-    list_filter = ("status", "reason", "queue")
-    search_fields = ("=id", "scope", "agent")
-    inlines = (RunEventInline,)
+class AgentRunAdmin(ModelAdminBase):
+    list_display = ("short_id", "agent", "scope", "status_badge", "reason_text", "attempt",
+                    "requeues_used", "queue", "created", "duration")
+    list_display_links = ("short_id",)
+    list_filter = ("status", "reason", AttentionFilter, AgentFilter, QueueFilter)
+    search_fields = ("scope", "agent")  # and the run id: see get_search_results
+    search_help_text = "A run id, or part of a scope or an agent name."
+    date_hierarchy = "created_at"
+    show_full_result_count = False  # no second COUNT(*) over the whole table
+    show_facets = admin.ShowFacets.NEVER  # facets count every filter choice: a scan each
+    list_per_page = 100
+    actions = (retry_runs, cancel_runs)
+    change_list_template = "django_agentruns/admin/change_list.html"
+    change_form_template = "django_agentruns/admin/change_form.html"
+    fieldsets = (
+        (None, {"fields": (("status_badge", "reason_text"), ("agent", "queue", "priority"),
+                           ("scope", "fired_seq"), ("attempt", "requeues"),
+                           ("created_at", "available_at"),
+                           ("started_at", "finished_at", "duration"))}),
+        ("Lease", {"fields": ("lease", "cancel_request")}),
+        ("Data", {"fields": (("input_json", "output_json"),
+                             ("checkpoint_count", "checkpoint_json"))}),
+        ("Last error", {"fields": ("last_error",)}),
+    )
+    readonly_fields = ("status_badge", "reason_text", "agent", "queue", "priority", "scope",
+                       "fired_seq", "attempt", "requeues", "created_at", "available_at",
+                       "started_at", "finished_at", "duration", "lease", "cancel_request",
+                       "input_json", "output_json", "checkpoint_count", "checkpoint_json",
+                       "last_error", "waiting_for")
 
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [f.name for f in AgentRun._meta.fields]
+    # ------------------------------------------------------------------ permissions
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # the run page is read-only for everyone; operators act by buttons
+
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+    def has_retry_permission(self, request: HttpRequest) -> bool:
+        return has_permission(request, RETRY)
+
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        return has_permission(request, CANCEL)
+
+    # ------------------------------------------------------------------ list
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return RunChangeList
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[AgentRun],
+                           search_term: str) -> tuple[QuerySet[AgentRun], bool]:
+        """Scope and agent by substring; a number (or #number) is also a run id, by index."""
+        found, duplicates = super().get_search_results(request, queryset, search_term)
+        term = search_term.strip().removeprefix("#")
+        if term.isascii() and term.isdigit() and len(term) < 19:
+            found = found | queryset.filter(pk=int(term))
+        return found, duplicates
+
+    def changelist_view(self, request: HttpRequest,
+                        extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        """A POSTed action this user may not run is forbidden, not silently ignored; a query
+        the database cannot even hold (a NUL byte: PostgreSQL refuses it) is dropped."""
+        if any("\x00" in key + "".join(values) for key, values in request.GET.lists()):
+            self.message_user(request, "Malformed filter (it contained a NUL character): "
+                              "showing all runs.", messages.ERROR)
+            return HttpResponseRedirect(request.path)
+        if request.method == "POST" and "action" in request.POST:
+            allowed = self.get_actions(request)
+            if any(name and name not in allowed for name in request.POST.getlist("action")):
+                raise PermissionDenied
+        return super().changelist_view(request, extra_context)
+
+    def response_action(self, request: HttpRequest, queryset: QuerySet[AgentRun],
+                        *args: Any, **kwargs: Any) -> HttpResponse | None:
+        if selected_ids(request) is None:
+            self.message_user(request, "Malformed selection (run ids are integers): "
+                              "nothing was changed.", messages.ERROR)
+            return None
+        return super().response_action(request, queryset, *args, **kwargs)
+
+    @admin.display(description="id", ordering="id")
+    def short_id(self, run: AgentRun) -> str:
+        return f"#{run.pk}"
+
+    @admin.display(description="status", ordering="status")
+    def status_badge(self, run: AgentRun) -> SafeString:
+        return show.status_badge(run)
+
+    @admin.display(description="reason", ordering="reason")
+    def reason_text(self, run: AgentRun) -> SafeString:
+        return show.reason(run)
+
+    @admin.display(description="requeues", ordering="requeue_count")
+    def requeues_used(self, run: AgentRun) -> int:
+        return run.requeue_count
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, run: AgentRun) -> str:
+        return show.timestamp(run.created_at)
+
+    @admin.display(description="duration / age")
+    def duration(self, run: AgentRun) -> str:
+        return show.duration_or_age(run)
+
+    # ------------------------------------------------------------------ run page
+
+    @admin.display(description="requeues")
+    def requeues(self, run: AgentRun) -> str:
+        return show.requeues(run)
+
+    @admin.display(description="lease")
+    def lease(self, run: AgentRun) -> str:
+        return show.lease(run)
+
+    @admin.display(description="cancel requested")
+    def cancel_request(self, run: AgentRun) -> str:
+        return show.cancel_request(run)
+
+    @admin.display(description="input")
+    def input_json(self, run: AgentRun) -> SafeString:
+        return show.pretty_json(run.input)
+
+    @admin.display(description="output")
+    def output_json(self, run: AgentRun) -> SafeString:
+        return show.pretty_json(run.output)
+
+    @admin.display(description="checkpoint state")
+    def checkpoint_json(self, run: AgentRun) -> SafeString:
+        return show.pretty_json(run.checkpoint_state)
+
+    @admin.display(description="error")
+    def last_error(self, run: AgentRun) -> SafeString:
+        return show.last_error(run)
+
+    @admin.display(description="why it has not started")
+    def waiting_for(self, run: AgentRun) -> SafeString:
+        explain = visibility()
+        return show.explanation(None if explain is None else explain(run), self._run_url)
+
+    def _run_url(self, run_id: int) -> str:
+        return reverse(f"{self.admin_site.name}:django_agentruns_agentrun_change", args=[run_id])
+
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        fieldsets = list(super().get_fieldsets(request, obj))
+        if obj is not None and obj.status == Status.QUEUED and visibility() is not None:
+            fieldsets.insert(1, ("Waiting", {"fields": ("waiting_for",)}))
+        return fieldsets
+
+    def render_change_form(self, request: HttpRequest, context: dict[str, Any],
+                           add: bool = False, change: bool = False, form_url: str = "",
+                           obj: Any = None) -> HttpResponse:
+        if obj is not None:
+            events = Paginator(RunEvent.objects.filter(run=obj).order_by("seq"),
+                               EVENTS_PER_PAGE).get_page(request.GET.get("events_page"))
+            context.update(
+                events=events,
+                event_rows=[(e, show.compact_json(e.payload)) for e in events],
+                can_retry=obj.status in RETRY.eligible and self.has_retry_permission(request),
+                can_cancel=obj.status in CANCEL.eligible and obj.cancel_requested_at is None
+                and self.has_cancel_permission(request),
+            )
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    # ------------------------------------------------------------------ urls
+
+    def get_urls(self) -> list[URLPattern]:
+        wrap = self.admin_site.admin_view
+        name = "django_agentruns_agentrun"
+        own = [
+            path("overview/", wrap(admin_views.overview(self)), name=f"{name}_overview"),
+            path("overview/retry-class/", wrap(admin_views.retry_class(self)),
+                 name=f"{name}_retry_class"),
+            path("<int:run_id>/retry/", wrap(admin_views.operate(self, RETRY)),
+                 name=f"{name}_retry"),
+            path("<int:run_id>/cancel/", wrap(admin_views.operate(self, CANCEL)),
+                 name=f"{name}_cancel"),
+        ]
+        return own + super().get_urls()

@@ -1,0 +1,183 @@
+"""The operator's two operations, retry and cancel: tallied, and offered as bulk actions.
+
+Every status change goes through `api.retry` / `api.cancel`, whose guarded UPDATEs decide
+what is eligible *now*: a run that changed state since the operator looked is skipped and
+counted, never forced. Nothing here writes a run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.template.response import TemplateResponse
+from django.utils.text import capfirst
+
+from . import api
+from .exceptions import RunNotFoundError
+from .models import AgentRun, Status
+
+CONFIRM_SAMPLE = 50
+MISSING = "missing"
+
+
+def _retry(run_id: int, user: str) -> str:
+    return "retried" if api.retry(run_id, by=user) else "skipped"
+
+
+def _cancel(run_id: int, user: str) -> str:
+    return api.cancel(run_id, reason=f"cancelled by {user} in the admin").value
+
+
+@dataclass(frozen=True)
+class Operation:
+    name: str  # also the permission: django_agentruns.<name>_agentrun
+    eligible: tuple[str, ...]
+    eligible_text: str
+    call: Callable[[int, str], str]
+    outcomes: dict[str, str]  # outcome -> how a bulk message counts it, in message order
+    single: dict[str, str]  # outcome -> the message about one run
+    changed: tuple[str, ...]  # the outcomes that changed a run
+
+    @property
+    def title(self) -> str:
+        return capfirst(self.name)
+
+    def apply_one(self, run_id: int, user: str) -> str:
+        """Call the API for one run, in a short transaction of its own; say what came of it."""
+        try:
+            return self.call(run_id, user)
+        except RunNotFoundError:
+            return MISSING
+
+    def apply(self, run_ids: Iterable[int], user: str) -> Counter[str]:
+        return Counter(self.apply_one(run_id, user) for run_id in run_ids)
+
+    def describe_one(self, run_id: int, outcome: str) -> tuple[str, int]:
+        level = messages.SUCCESS if outcome in self.changed else messages.WARNING
+        return self.single[outcome].format(run=f"Run #{run_id}"), level
+
+    def describe(self, tally: Counter[str]) -> tuple[str, int]:
+        """The operator's message, and its level: success if anything happened."""
+        parts = [f"{tally[key]} {text.format(s='' if tally[key] == 1 else 's')}"
+                 for key, text in self.outcomes.items() if tally[key]]
+        if not parts:
+            return f"{self.title}: no runs selected; nothing was changed.", messages.WARNING
+        changed = any(tally[key] for key in self.changed)
+        return f"{self.title}: {'; '.join(parts)}.", messages.SUCCESS if changed \
+            else messages.WARNING
+
+
+RETRY = Operation(
+    name="retry",
+    eligible=(Status.FAILED, Status.CANCELLED),
+    eligible_text="failed or cancelled",
+    call=_retry,
+    outcomes={
+        "retried": "run{s} queued again with a fresh retry budget",
+        "skipped": "skipped (not failed or cancelled)",
+        MISSING: "skipped (no such run)",
+    },
+    single={
+        "retried": "{run} is queued again, with a fresh retry budget.",
+        "skipped": "{run} was not retried: it is not failed or cancelled.",
+        MISSING: "{run} does not exist: nothing was changed.",
+    },
+    changed=("retried",),
+)
+CANCEL = Operation(
+    name="cancel",
+    eligible=(Status.QUEUED, Status.RUNNING),
+    eligible_text="queued or running",
+    call=_cancel,
+    outcomes={
+        "cancelled": "queued run{s} cancelled",
+        "requested": "running run{s} asked to stop (cancelled once its worker notices)",
+        "already_requested": "skipped (already asked to stop)",
+        "not_cancellable": "skipped (already finished)",
+        MISSING: "skipped (no such run)",
+    },
+    single={
+        "cancelled": "{run} is cancelled.",
+        "requested": "{run} was asked to stop: it is cancelled once its worker notices.",
+        "already_requested": "{run} was already asked to stop.",
+        "not_cancellable": "{run} was not cancelled: it has already finished.",
+        MISSING: "{run} does not exist: nothing was changed.",
+    },
+    changed=("cancelled", "requested"),
+)
+OPERATIONS = {op.name: op for op in (RETRY, CANCEL)}
+
+
+def username(request: HttpRequest) -> str:
+    return str(request.user.get_username())
+
+
+def has_permission(request: HttpRequest, op: Operation) -> bool:
+    return bool(request.user.has_perm(f"{AgentRun._meta.app_label}.{op.name}_agentrun"))
+
+
+def selected_ids(request: HttpRequest) -> list[int] | None:
+    """The posted selection as run ids; None if any of them is not an integer id."""
+    raw = request.POST.getlist(helpers.ACTION_CHECKBOX_NAME)
+    if not all(value.isascii() and value.isdigit() and len(value) < 19 for value in raw):
+        return None
+    return sorted({int(value) for value in raw})
+
+
+def bulk(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentRun],
+         op: Operation, action: str) -> TemplateResponse | None:
+    """First POST: a confirmation page. Its "yes" POST: apply, then report with counts."""
+    selected = selected_ids(request) or []
+    across = request.POST.get("select_across") == "1"
+    if request.POST.get("post") != "yes":
+        return _confirmation(model_admin, request, queryset, op, action, selected, across)
+    found = list(queryset.values_list("pk", flat=True).iterator())
+    tally = op.apply(found, username(request))
+    if not across:
+        tally[MISSING] += len(set(selected) - set(found))
+    model_admin.message_user(request, *op.describe(tally))
+    return None
+
+
+def _confirmation(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentRun],
+                  op: Operation, action: str, selected: list[int],
+                  across: bool) -> TemplateResponse:
+    eligible = queryset.filter(status__in=op.eligible)
+    total, count = queryset.count(), eligible.count()
+    sample = list(eligible.only("id", "agent", "scope", "status", "reason", "error_type",
+                                "cancel_requested_at")[:CONFIRM_SAMPLE])
+    context = {
+        **model_admin.admin_site.each_context(request),
+        "title": f"{op.title} {count} run{'' if count == 1 else 's'}?",
+        "opts": model_admin.model._meta,
+        "op": op,
+        "action": action,
+        "selected": selected,
+        "select_across": across,
+        "eligible_count": count,
+        "ineligible_count": total - count,
+        "missing_count": 0 if across else len(selected) - total,
+        "sample": sample,
+        "more": max(0, count - len(sample)),
+        "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+    }
+    return TemplateResponse(request, "django_agentruns/admin/confirm_action.html", context)
+
+
+@admin.action(permissions=["retry"], description="Retry selected runs (failed or cancelled)")
+def retry_runs(model_admin: Any, request: HttpRequest,
+               queryset: QuerySet[AgentRun]) -> TemplateResponse | None:
+    return bulk(model_admin, request, queryset, RETRY, "retry_runs")
+
+
+@admin.action(permissions=["cancel"], description="Cancel selected runs (queued or running)")
+def cancel_runs(model_admin: Any, request: HttpRequest,
+                queryset: QuerySet[AgentRun]) -> TemplateResponse | None:
+    return bulk(model_admin, request, queryset, CANCEL, "cancel_runs")
