@@ -14,7 +14,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from . import execution, transitions
+from . import execution, signals, transitions
 from .context import AttemptControl, ensure_json
 from .exceptions import InvalidInputError, RunNotFoundError
 from .models import AgentRun
@@ -60,6 +60,7 @@ def enqueue(
     with transaction.atomic():
         transitions.insert_runs([run])
         notify_on_commit([run.queue])
+        _announce([run])
     return run
 
 
@@ -72,7 +73,16 @@ def enqueue_many(requests: Iterable[RunRequest | Mapping[str, Any]]) -> list[Age
     with transaction.atomic():
         created = transitions.insert_runs(runs)
         notify_on_commit(sorted({r.queue for r in runs}))
+        _announce(created)
     return created
+
+
+def _announce(runs: list[AgentRun]) -> None:
+    if not signals.run_enqueued.has_listeners():
+        return  # bulk enqueues skip building kwargs nobody reads
+    for run in runs:
+        signals.send_after_commit(signals.run_enqueued, run_id=run.pk, agent=run.agent,
+                                  attempt=run.attempt, queue=run.queue, scope=run.scope)
 
 
 def _request(data: Mapping[str, Any]) -> RunRequest:
@@ -176,7 +186,7 @@ def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
     run = _build(RunRequest(agent, input, scope), timezone.now())
     worker_id = f"interactive:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     transitions.start_interactive(run, worker_id)
-    ref = AttemptRef(run.pk, 1, worker_id, lease_ttl=None)
+    ref = AttemptRef(run.pk, 1, worker_id, lease_ttl=None, agent=run.agent)
     control = AttemptControl(ref, spec.timeout, checkpoints=0)
     outcome = execution.call_agent(spec, execution.make_context(run, control), control, None)
     execution.record(spec, ref, outcome, interactive=True)

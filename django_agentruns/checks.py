@@ -18,6 +18,11 @@ E004_BAD_CLASSIFIER = "agentruns.E004"
 E005_BAD_QUEUE = "agentruns.E005"
 E006_BACKOFF_ORDER = "agentruns.E006"
 W001_SQLITE_DEFERRED = "agentruns.W001"
+W002_SQLITE_NOT_WAL = "agentruns.W002"
+W003_SHORT_LEASE = "agentruns.W003"
+W004_RECONNECT_PER_RUN = "agentruns.W004"
+
+SHORTEST_SENSIBLE_LEASE = 1.0
 
 _POSITIVE = ("LEASE_TTL", "POLL_INTERVAL")
 _NON_NEGATIVE = ("BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL", "GRACE")
@@ -61,6 +66,13 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         errors.append(Error(f"{SETTING_NAME}['DEFAULT_QUEUE'] must be a non-empty string of "
                             f"at most 100 characters, not {queue!r}.",
                             hint=f"The default is {Defaults.DEFAULT_QUEUE!r}.", id=E005_BAD_QUEUE))
+    ttl = raw.get("LEASE_TTL", Defaults.LEASE_TTL)
+    if _number_problem("LEASE_TTL", ttl) is None and ttl < SHORTEST_SENSIBLE_LEASE:
+        errors.append(Warning(
+            f"{SETTING_NAME}['LEASE_TTL'] is {ttl} s: workers renew every third of it, and a "
+            "pause longer than that (a slow commit, a GC pause) loses the run to another "
+            "worker.", hint=f"Use at least {SHORTEST_SENSIBLE_LEASE} s; the default is "
+            f"{Defaults.LEASE_TTL} s.", id=W003_SHORT_LEASE))
     base, cap = raw.get("BACKOFF_BASE", Defaults.BACKOFF_BASE), raw.get(
         "BACKOFF_CAP", Defaults.BACKOFF_CAP)
     # Compared only when both are valid numbers: a bad one already has its E003.
@@ -105,3 +117,51 @@ def check_sqlite(app_configs: Any = None, databases: Any = None,
                  "'timeout': 20, 'init_command': 'PRAGMA journal_mode=WAL;'}",
             id=W001_SQLITE_DEFERRED)]
     return []
+
+
+@register("database")
+def check_sqlite_journal(app_configs: Any = None, databases: Any = None,
+                         **kwargs: Any) -> list[CheckMessage]:
+    """Reads the live database's journal mode (WAL is a property of the file)."""
+    db = settings.DATABASES.get("default", {})
+    if "sqlite" not in db.get("ENGINE", "") or not databases or "default" not in databases:
+        return []
+    return journal_warning(_journal_mode())
+
+
+@register()
+def check_connections(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    db = settings.DATABASES.get("default", {})
+    return reconnect_warning(db) if "postgresql" in db.get("ENGINE", "") else []
+
+
+def _journal_mode() -> str:
+    from django.db import connections
+
+    with connections["default"].cursor() as cursor:
+        cursor.execute("PRAGMA journal_mode")
+        row = cursor.fetchone()
+    return str(row[0]) if row else ""
+
+
+def journal_warning(mode: str) -> list[CheckMessage]:
+    """Without WAL every reader blocks the writer: several workers then mostly wait."""
+    if mode.lower() in ("wal", "memory"):
+        return []
+    return [Warning(
+        f"SQLite's journal_mode is {mode or 'unknown'}, not WAL: readers block the writer, so "
+        "several workers (and the admin) wait on each other and time out.",
+        hint="Add 'init_command': 'PRAGMA journal_mode=WAL;' to the database OPTIONS.",
+        id=W002_SQLITE_NOT_WAL)]
+
+
+def reconnect_warning(db: dict[str, Any]) -> list[CheckMessage]:
+    """CONN_MAX_AGE=0 without a pool: a worker opens a new connection for every run."""
+    if db.get("CONN_MAX_AGE", 0) != 0 or db.get("OPTIONS", {}).get("pool"):
+        return []
+    return [Warning(
+        "CONN_MAX_AGE is 0 and no connection pool is configured: every run a worker executes "
+        "opens and closes its own PostgreSQL connection, a few milliseconds each.",
+        hint="For worker processes set DATABASES['default']['CONN_MAX_AGE'] = None (or 600), "
+             "or OPTIONS = {'pool': True} (psycopg[pool]).",
+        id=W004_RECONNECT_PER_RUN)]

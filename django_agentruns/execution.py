@@ -16,7 +16,7 @@ from typing import Any
 
 from asgiref.sync import async_to_sync
 
-from . import policy, transitions
+from . import policy, signals, transitions
 from .conf import app_settings
 from .context import AttemptControl, RunContext, StopReason, ensure_json
 from .exceptions import AttemptStopped, AttemptTimeout, InvalidInputError, RunCancelledError
@@ -93,6 +93,16 @@ def record(
     spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome, *, interactive: bool = False
 ) -> Settlement:
     """Hand the outcome to storage; a stop for a lost lease writes nothing at all."""
+    settlement = _store(spec, ref, outcome, interactive)
+    if settlement is Settlement.LOST:
+        signals.send_after_commit(signals.run_lease_lost, run_id=ref.run_id, agent=ref.agent,
+                                  attempt=ref.attempt, worker_id=ref.worker_id)
+    return settlement
+
+
+def _store(
+    spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome, interactive: bool
+) -> Settlement:
     if outcome.kind == "succeeded":
         return transitions.settle_succeeded(ref, outcome.output)
     if outcome.kind == "stopped":

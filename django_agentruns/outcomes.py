@@ -26,6 +26,7 @@ class AttemptRef:
     attempt: int
     worker_id: str
     lease_ttl: float | None
+    agent: str = ""
 
     def guard(self) -> Q:
         return Q(pk=self.run_id, status=Status.RUNNING, claimed_by=self.worker_id,

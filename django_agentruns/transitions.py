@@ -21,9 +21,9 @@ from django.db import transaction
 from django.db.models import Exists, F, Max, OuterRef, Q, QuerySet
 from django.utils import timezone
 
-from . import policy
+from . import policy, signals
 from .conf import app_settings
-from .db import is_postgres, retry_on_lock
+from .db import RowBefore, is_postgres, retry_on_lock
 from .models import AgentRun, Reason, RunEvent, Status
 from .outcomes import (
     AttemptRef,
@@ -33,6 +33,7 @@ from .outcomes import (
     ScopePolicy,
     Settlement,
 )
+from .signals import send_after_commit
 
 __all__ = ["AttemptRef", "CancelResult", "ErrorInfo", "Renewal", "ScopePolicy", "Settlement"]
 
@@ -118,10 +119,9 @@ def holding_statuses(blocking: bool) -> list[str]:
 
 def ahead_in_scope() -> QuerySet[AgentRun]:
     """Runs of the outer run's agent and scope ahead of it in firing order."""
-    return AgentRun.objects.filter(agent=OuterRef("agent"), scope=OuterRef("scope")).filter(
-        Q(fired_seq__lt=OuterRef("fired_seq"))
-        | Q(fired_seq=OuterRef("fired_seq"), id__lt=OuterRef("id"))
-    )
+    return AgentRun.objects.filter(
+        RowBefore(F("fired_seq"), F("id"), OuterRef("fired_seq"), OuterRef("id")),
+        agent=OuterRef("agent"), scope=OuterRef("scope"))
 
 
 def earlier_holder(statuses: list[str]) -> QuerySet[AgentRun]:
@@ -229,6 +229,9 @@ def claim(
                                                claimed_by=worker_id, started_at=at))
         _append_events([_lifecycle(r.pk, STARTED, r.attempt, worker=worker_id)
                         for r in claimed], at)
+        for r in claimed:
+            send_after_commit(signals.run_started, run_id=r.pk, agent=r.agent,
+                              attempt=r.attempt, worker_id=worker_id)
     claimed.sort(key=lambda r: ids.index(r.pk))
     return claimed
 
@@ -363,6 +366,8 @@ def settle_succeeded(ref: AttemptRef, output: Any, at: datetime | None = None) -
         if not updated:
             return Settlement.LOST
         _append_events([_lifecycle(ref.run_id, SUCCEEDED, ref.attempt)], at)
+        send_after_commit(signals.run_succeeded, run_id=ref.run_id, agent=ref.agent,
+                          attempt=ref.attempt)
     return Settlement.SUCCEEDED
 
 
@@ -478,6 +483,16 @@ def _apply(
     if not AgentRun.objects.filter(guard).update(**fields):
         return Settlement.LOST
     _append_events(events, at)
+    announce = {"run_id": run_id, "agent": row["agent"], "attempt": attempt}
+    error_type = error.type if error else ""
+    if settlement is Settlement.REQUEUED:
+        send_after_commit(signals.run_requeued, **announce, delay=decision.delay,
+                          error_type=error_type)
+    elif settlement is Settlement.CANCELLED:
+        send_after_commit(signals.run_cancelled, **announce, reason=row["cancel_reason"])
+    else:
+        send_after_commit(signals.run_dead_lettered, **announce, reason=decision.reason,
+                          error_type=error_type)
     return settlement
 
 
@@ -506,7 +521,11 @@ def reap_one(row: dict[str, Any], at: datetime) -> Settlement:
         if fresh is None:
             return Settlement.LOST
         decision = _abandon_locked(fresh, stale, at, why="lease lapsed", apply_backoff=True)
-    return _settlement(decision)
+        settlement = _settlement(decision)
+        if settlement is not Settlement.LOST:
+            send_after_commit(signals.run_reaped, run_id=row["id"], agent=row["agent"],
+                              attempt=row["attempt"], outcome=settlement.value)
+    return settlement
 
 
 # --------------------------------------------------------------------------- operators
@@ -520,7 +539,7 @@ def cancel(run_id: int, reason: str = "", at: datetime | None = None) -> CancelR
         qs = AgentRun.objects.filter(pk=run_id)
         if is_postgres():
             qs = qs.select_for_update()
-        row = qs.values("status", "attempt", "cancel_requested_at").first()
+        row = qs.values("status", "attempt", "cancel_requested_at", "agent").first()
         if row is None:
             return None
         if row["status"] == Status.QUEUED:
@@ -528,6 +547,8 @@ def cancel(run_id: int, reason: str = "", at: datetime | None = None) -> CancelR
                 status=Status.CANCELLED, reason=Reason.CANCELLED, finished_at=at,
                 cancel_requested_at=at, cancel_reason=reason)
             _append_events([_lifecycle(run_id, CANCELLED, row["attempt"], reason=reason)], at)
+            send_after_commit(signals.run_cancelled, run_id=run_id, agent=row["agent"],
+                              attempt=row["attempt"], reason=reason)
             return CancelResult.CANCELLED
         if row["status"] == Status.RUNNING:
             if row["cancel_requested_at"] is not None:

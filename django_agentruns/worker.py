@@ -231,7 +231,7 @@ class Worker:
     def _start(self, run: AgentRun) -> None:
         spec = self._agents.get(run.agent) or find_agent(run.agent)
         ttl = spec.effective_lease_ttl() if spec else float(app_settings.LEASE_TTL)
-        ref = AttemptRef(run.pk, run.attempt, self.worker_id, ttl)
+        ref = AttemptRef(run.pk, run.attempt, self.worker_id, ttl, agent=run.agent)
         control = AttemptControl(ref, spec.timeout if spec else None, run.checkpoint_count)
         live = _Live(run, spec, control, time.monotonic())
         with self._live_lock:

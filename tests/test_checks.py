@@ -38,6 +38,7 @@ BAD_SETTINGS: list[tuple[str, Any, str, str]] = [
     ("ttl-bool", {"LEASE_TTL": True}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
     ("ttl-nan", {"LEASE_TTL": float("nan")}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
     ("ttl-inf", {"LEASE_TTL": float("inf")}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
+    ("ttl-short", {"LEASE_TTL": 0.2}, checks.W003_SHORT_LEASE, "loses the run"),
     ("poll-zero", {"POLL_INTERVAL": 0}, checks.E003_BAD_NUMBER, "'POLL_INTERVAL'"),
     ("poll-inf", {"POLL_INTERVAL": float("inf")}, checks.E003_BAD_NUMBER, "'POLL_INTERVAL'"),
     ("base-negative", {"BACKOFF_BASE": -1}, checks.E003_BAD_NUMBER, "'BACKOFF_BASE'"),
@@ -76,7 +77,7 @@ def test_a_bad_setting_fires_its_check(value: Any, check_id: str, text: str) -> 
     messages = with_agentruns(value)
     assert [m.id for m in messages] == [check_id], messages
     (message,) = messages
-    assert isinstance(message, Error)
+    assert isinstance(message, Warning if ".W" in check_id else Error)
     assert text in message.msg
     assert message.hint, f"{check_id} gives no hint"
 
@@ -134,7 +135,9 @@ def test_manage_py_check_reports_a_bad_setting() -> None:
 
 def test_every_check_id_is_exercised() -> None:
     """A check added to checks.py without a bad case here fails this test."""
-    exercised = {c[2] for c in BAD_SETTINGS} | {checks.W001_SQLITE_DEFERRED}
+    exercised = {c[2] for c in BAD_SETTINGS} | {checks.W001_SQLITE_DEFERRED,
+                                                 checks.W002_SQLITE_NOT_WAL,
+                                                 checks.W004_RECONNECT_PER_RUN}
     assert exercised == CHECK_IDS
     assert len(CHECK_IDS) >= 7
 
@@ -142,8 +145,8 @@ def test_every_check_id_is_exercised() -> None:
 # --------------------------------------------------------------------------- good settings
 
 
-def test_the_test_settings_pass() -> None:
-    assert agentruns_messages() == []
+def test_the_test_settings_pass(settings: Any) -> None:
+    assert [m for m in agentruns_messages() if m.id not in settings.SILENCED_SYSTEM_CHECKS] == []
 
 
 def test_every_setting_at_its_default_passes() -> None:
@@ -156,7 +159,7 @@ def test_every_setting_at_its_default_passes() -> None:
     [
         None,
         {},
-        {"LEASE_TTL": 0.5, "POLL_INTERVAL": 0.01, "MAX_REQUEUES": 0, "CLAIM_BATCH": 1,
+        {"LEASE_TTL": 1.0, "POLL_INTERVAL": 0.01, "MAX_REQUEUES": 0, "CLAIM_BATCH": 1,
          "BACKOFF_BASE": 0, "BACKOFF_CAP": 0, "BACKOFF_JITTER": 0, "REAP_INTERVAL": 0,
          "GRACE": 0, "DEFAULT_QUEUE": "q" * 100,
          "CLASSIFIER": "django_agentruns.policy.http_status", "UNKNOWN_ERRORS_RETRYABLE": False},
@@ -171,4 +174,41 @@ def test_good_settings_pass(value: Any) -> None:
 
 def test_no_setting_at_all_passes(settings: Any) -> None:
     del settings.AGENTRUNS
-    assert agentruns_messages() == []
+    assert [m for m in agentruns_messages() if m.id not in settings.SILENCED_SYSTEM_CHECKS] == []
+
+
+@pytest.mark.parametrize("ttl", [0.1, 0.99])
+def test_a_lease_shorter_than_a_second_warns(ttl: float) -> None:
+    messages = with_agentruns({"LEASE_TTL": ttl})
+    assert [m.id for m in messages] == [checks.W003_SHORT_LEASE]
+    assert isinstance(messages[0], Warning)
+
+
+@pytest.mark.parametrize("mode", ["delete", "truncate", "persist", ""])
+def test_sqlite_without_wal_warns(mode: str) -> None:
+    (message,) = checks.journal_warning(mode)
+    assert message.id == checks.W002_SQLITE_NOT_WAL
+    assert "journal_mode=WAL" in (message.hint or "")
+
+
+@pytest.mark.parametrize("mode", ["wal", "WAL", "memory"])
+def test_sqlite_with_wal_is_fine(mode: str) -> None:
+    assert checks.journal_warning(mode) == []
+
+
+@pytest.mark.sqlite_only
+@pytest.mark.django_db
+def test_the_live_sqlite_test_database_runs_wal() -> None:
+    assert checks.journal_warning(checks._journal_mode()) == []
+
+
+@pytest.mark.parametrize(("db", "warns"), [
+    ({"ENGINE": "django.db.backends.postgresql"}, True),
+    ({"ENGINE": "django.db.backends.postgresql", "CONN_MAX_AGE": 0}, True),
+    ({"ENGINE": "django.db.backends.postgresql", "CONN_MAX_AGE": None}, False),
+    ({"ENGINE": "django.db.backends.postgresql", "CONN_MAX_AGE": 600}, False),
+    ({"ENGINE": "django.db.backends.postgresql", "OPTIONS": {"pool": True}}, False),
+], ids=["default", "zero", "persistent", "max-age", "pool"])
+def test_postgresql_reconnecting_per_run_warns(db: dict[str, Any], warns: bool) -> None:
+    ids = [m.id for m in checks.reconnect_warning(db)]
+    assert ids == ([checks.W004_RECONNECT_PER_RUN] if warns else [])
