@@ -70,8 +70,10 @@ def call_agent(
         if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED):
             return Outcome("stopped", stop_reason=control.stop_reason)
         return Outcome("failed", error=exc)
-    if control.stop_reason == StopReason.LEASE_LOST:
-        return Outcome("stopped", stop_reason=StopReason.LEASE_LOST)
+    if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED):
+        # A cancel the attempt was told of wins even if the agent then returned without
+        # reaching another step boundary: the operator asked for it to stop.
+        return Outcome("stopped", stop_reason=control.stop_reason)
     try:
         ensure_json(result, f"Output of agent {spec.name!r}")
     except InvalidInputError as exc:

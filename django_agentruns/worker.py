@@ -252,6 +252,9 @@ class Worker:
             else:
                 ctx = execution.make_context(run, control)
                 outcome = execution.call_agent(spec, ctx, control, self._loop)
+            # The agent may have left this thread's connection broken (the database
+            # restarted mid-run): replace it before the outcome is written.
+            close_old_connections()
             settlement = execution.record(spec, control.ref, outcome)
             execution.log_settlement(control.ref, run.agent, settlement, outcome)
             self.stats.settled[settlement.value] = self.stats.settled.get(settlement.value, 0) + 1

@@ -280,4 +280,35 @@ def triage(ctx: RunContext) -> dict[str, Any]:
         raise TimeoutError("model call timed out after 30 s")
     return {"label": "billing", "confidence": 0.93}
 
+
+@agent("tests.live_steps")
+def live_steps(ctx: RunContext) -> dict[str, Any]:
+    """Emits step 0, waits (heartbeating) for its gate, emits step 1: the live stream's tests
+    see the first step arrive while the run is still running."""
+    ctx.emit("step", {"n": 0})
+    _until_gate(ctx, beat=True)
+    ctx.emit("step", {"n": 1})
+    return {"steps": 2}
+
+
+@agent("tests.traced")
+def traced(ctx: RunContext) -> dict[str, Any]:
+    """Makes a span of its own (needs opentelemetry): it must nest in the attempt's span."""
+    from opentelemetry import trace
+
+    with trace.get_tracer("tests").start_as_current_span("model call"):
+        ctx.emit("step", {"n": 0})
+    return {"traced": True}
+
+
+@agent("tests.async_traced")
+async def async_traced(ctx: RunContext) -> dict[str, Any]:
+    """The async twin of tests.traced: the span context must cross onto the event loop."""
+    from opentelemetry import trace
+
+    with trace.get_tracer("tests").start_as_current_span("async model call"):
+        await ctx.aemit("step", {"n": 0})
+    return {"traced": True}
+
+
 from . import chaos_agents  # noqa: E402,F401
