@@ -17,12 +17,19 @@ E003_BAD_NUMBER = "agentruns.E003"
 E004_BAD_CLASSIFIER = "agentruns.E004"
 E005_BAD_QUEUE = "agentruns.E005"
 E006_BACKOFF_ORDER = "agentruns.E006"
+E007_BAD_METRICS_TOKEN = "agentruns.E007"
 W001_SQLITE_DEFERRED = "agentruns.W001"
 W002_SQLITE_NOT_WAL = "agentruns.W002"
 W003_SHORT_LEASE = "agentruns.W003"
 W004_RECONNECT_PER_RUN = "agentruns.W004"
 
 SHORTEST_SENSIBLE_LEASE = 1.0
+
+# Upper bounds: a longer duration overflows the datetime arithmetic (a lease of 1e12 s ends
+# after the year 9999) or a thread's wait (POLL_INTERVAL); a larger requeue budget does not
+# fit AgentRun.max_requeues, an integer column.
+LONGEST_DURATION = 365 * 24 * 3600
+LARGEST_COUNT = 2**31 - 1
 
 _POSITIVE = ("LEASE_TTL", "POLL_INTERVAL")
 _NON_NEGATIVE = ("BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL", "GRACE")
@@ -38,7 +45,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         return [Error(f"{SETTING_NAME} must be a dict, not {type(raw).__name__}.",
                       hint="AGENTRUNS = {'LEASE_TTL': 60, ...}", id=E001_NOT_A_DICT)]
     errors: list[CheckMessage] = []
-    for key in sorted(set(raw) - AppSettings.known()):
+    for key in sorted(set(raw) - AppSettings.known(), key=repr):  # keys of any type
         errors.append(Error(f"{SETTING_NAME}[{key!r}] is not a setting of django-agentruns.",
                             hint=f"Known settings: {', '.join(sorted(AppSettings.known()))}.",
                             id=E002_UNKNOWN_SETTING))
@@ -73,6 +80,16 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             "pause longer than that (a slow commit, a GC pause) loses the run to another "
             "worker.", hint=f"Use at least {SHORTEST_SENSIBLE_LEASE} s; the default is "
             f"{Defaults.LEASE_TTL} s.", id=W003_SHORT_LEASE))
+    token = raw.get("METRICS_TOKEN")
+    if token is not None and (not isinstance(token, str) or len(token) < 16):
+        # The value is a secret: the message says what it is like, never what it is.
+        given = f"a {len(token)}-character string" if isinstance(token, str) else \
+            f"a value of type {type(token).__name__}"
+        errors.append(Error(f"{SETTING_NAME}['METRICS_TOKEN'] must be None or a string of at "
+                            f"least 16 characters, not {given}.",
+                            hint="A long random secret, e.g. from `python -c 'import secrets; "
+                                 "print(secrets.token_urlsafe(32))'`, read from the "
+                                 "environment.", id=E007_BAD_METRICS_TOKEN))
     base, cap = raw.get("BACKOFF_BASE", Defaults.BACKOFF_BASE), raw.get(
         "BACKOFF_CAP", Defaults.BACKOFF_CAP)
     # Compared only when both are valid numbers: a bad one already has its E003.
@@ -87,7 +104,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
 def _number_problem(key: str, value: Any) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return "must be a number"
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # any int is finite
         # An infinite LEASE_TTL overflows the lease arithmetic; NaN compares false to all.
         return "must be a finite number"
     if key in _INTEGERS and (not isinstance(value, int) or value < (1 if key == "CLAIM_BATCH"
@@ -99,6 +116,10 @@ def _number_problem(key: str, value: Any) -> str | None:
         return "must be >= 0"
     if key == "BACKOFF_JITTER" and not 0 <= value <= 1:
         return "must be between 0 and 1"
+    if key in _INTEGERS and value > LARGEST_COUNT:
+        return f"must be at most {LARGEST_COUNT}"
+    if key in _POSITIVE + _NON_NEGATIVE and value > LONGEST_DURATION:
+        return f"must be at most {LONGEST_DURATION} (a year)"
     return None
 
 

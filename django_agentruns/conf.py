@@ -43,6 +43,9 @@ class Defaults:
     """Whether an error nothing recognises is retried (within the budget) or dead-lettered."""
     CLAIM_BATCH: int = 32
     """Most runs one claim statement takes, however many slots are free."""
+    METRICS_TOKEN: str | None = None
+    """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
+    (for a Prometheus scraper); None: only users with `view_agentrun` may."""
 
 
 class AppSettings:

@@ -26,7 +26,7 @@ from typing import Any
 from django.db import close_old_connections
 from django.utils import timezone
 
-from . import execution, reaper, transitions
+from . import execution, metrics, reaper, tracing, transitions
 from .conf import app_settings
 from .context import AttemptControl, StopReason
 from .exceptions import AgentRunsError, UnknownAgentError
@@ -243,21 +243,22 @@ class Worker:
         self._pool.submit(self._attempt, live)
 
     def _attempt(self, live: _Live) -> None:
-        run, spec, control = live.run, live.spec, live.control
+        run, control = live.run, live.control
+        began = time.monotonic()
         try:
             close_old_connections()
-            if spec is None:
-                outcome = execution.Outcome(
-                    "failed", error=UnknownAgentError(run.agent, list(self._agents)))
-            else:
-                ctx = execution.make_context(run, control)
-                outcome = execution.call_agent(spec, ctx, control, self._loop)
-            # The agent may have left this thread's connection broken (the database
-            # restarted mid-run): replace it before the outcome is written.
-            close_old_connections()
-            settlement = execution.record(spec, control.ref, outcome)
+            # Current while the agent runs, so the agent's own spans nest in the attempt's.
+            with tracing.attempt_span(run, self.worker_id) as span:
+                outcome = self._outcome(live)
+                # The agent may have left this thread's connection broken (the database
+                # restarted mid-run): replace it before the outcome is written.
+                close_old_connections()
+                settlement = execution.record(live.spec, control.ref, outcome)
+                span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
             execution.log_settlement(control.ref, run.agent, settlement, outcome)
             self.stats.settled[settlement.value] = self.stats.settled.get(settlement.value, 0) + 1
+            metrics.observe_settlement(run.agent, settlement.value, metrics.queue_wait(run),
+                                       time.monotonic() - began)
         except Exception:
             # Storage failed while settling: the run stays running until its lease lapses,
             # then the reaper (or a claim) takes it back. Nothing is lost.
@@ -270,6 +271,13 @@ class Worker:
                     del self._live[run.pk]
             close_old_connections()
             self._wake.set()
+
+    def _outcome(self, live: _Live) -> execution.Outcome:
+        if live.spec is None:
+            return execution.Outcome(
+                "failed", error=UnknownAgentError(live.run.agent, list(self._agents)))
+        ctx = execution.make_context(live.run, live.control)
+        return execution.call_agent(live.spec, ctx, live.control, self._loop)
 
     def _ensure_loop(self) -> None:
         if self._loop is not None:

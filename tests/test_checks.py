@@ -68,6 +68,10 @@ BAD_SETTINGS: list[tuple[str, Any, str, str]] = [
     ("cap-below-base", {"BACKOFF_BASE": 10, "BACKOFF_CAP": 5}, checks.E006_BACKOFF_ORDER,
      "BACKOFF_CAP"),
     ("cap-below-default-base", {"BACKOFF_CAP": 1}, checks.E006_BACKOFF_ORDER, "BACKOFF_CAP"),
+    ("metrics-token-short", {"METRICS_TOKEN": "secret"}, checks.E007_BAD_METRICS_TOKEN,
+     "6-character string"),
+    ("metrics-token-int", {"METRICS_TOKEN": 1234567890123456789}, checks.E007_BAD_METRICS_TOKEN,
+     "not a value of type int"),
 ]
 
 

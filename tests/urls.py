@@ -1,6 +1,12 @@
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
+
+from example_project.demo import views as demo_views
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("agentruns/", include("django_agentruns.urls")),
+    # The example project's live page, offering a test agent (tests/test_stream_browser.py).
+    path("demo/live/", demo_views.live, {"runs": {"tests.live_steps": {"seconds": 60}}},
+         name="demo-live"),
 ]

@@ -25,6 +25,16 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number, not {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, not {value}")
+    return value
+
+
 def queue_list(text: str) -> list[str]:
     queues = [q.strip() for q in text.split(",") if q.strip()]
     if not queues:

@@ -8,7 +8,13 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from django_agentruns.management.arguments import non_negative_float, positive_int, queue_list
+from django_agentruns import metrics
+from django_agentruns.management.arguments import (
+    non_negative_float,
+    port_number,
+    positive_int,
+    queue_list,
+)
 from django_agentruns.worker import Worker
 
 
@@ -27,6 +33,11 @@ class Command(BaseCommand):
         parser.add_argument("--poll-interval", type=non_negative_float, default=None)
         parser.add_argument("--grace", type=non_negative_float, default=None,
                             help="Seconds attempts get to finish after SIGTERM (default 5).")
+        parser.add_argument("--metrics-port", type=port_number, default=None,
+                            help="Serve Prometheus metrics on this port (0: any free port; "
+                                 "needs the `prometheus` extra).")
+        parser.add_argument("--metrics-addr", default="0.0.0.0",
+                            help="Address the metrics server binds (default 0.0.0.0).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         logging.getLogger("django_agentruns").setLevel(
@@ -41,6 +52,15 @@ class Command(BaseCommand):
                             poll_interval=options["poll_interval"], grace=options["grace"])
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
+        if options["metrics_port"] is not None:
+            try:
+                metrics.serve(options["metrics_port"], options["metrics_addr"])
+            except metrics.MetricsUnavailable as exc:
+                raise CommandError(f"--metrics-port: {exc}") from exc
+            except OSError as exc:
+                raise CommandError(f"--metrics-port: cannot serve on "
+                                   f"{options['metrics_addr']}:{options['metrics_port']}: "
+                                   f"{exc}") from exc
         stats = worker.run()
         if options["verbosity"] > 0:
             self.stdout.write(f"claimed {stats.claimed} runs; settled {stats.settled or {}}")

@@ -1,0 +1,324 @@
+"""Prometheus metrics, with the optional `prometheus` extra (prometheus_client).
+
+Two kinds:
+
+* observed by the process that settles attempts (the worker): a counter of attempts by
+  agent and outcome, and histograms of queue wait and attempt duration
+  (`observe_settlement`);
+* read from the database when scraped: the backlog per queue and the dead letters
+  (`BacklogCollector`), at most once per `BACKLOG_TTL` seconds whoever scrapes, with
+  grouped COUNTs the partial due index, the running index and the status+reason index
+  answer, never a count of the whole table.
+
+Served by `runworker --metrics-port` (`serve`) and, for the web process, by `metrics_view`
+(`django_agentruns.urls`). Without prometheus_client everything here imports, the observe
+calls do nothing, `serve` raises `MetricsUnavailable` and the view answers 501.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
+from django.db.models import Count, Min, Q
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from django.views.decorators.http import require_GET
+
+from .conf import app_settings
+from .exceptions import AgentRunsError
+from .states import DEAD_LETTER_REASONS, Status
+
+try:
+    import prometheus_client
+    from prometheus_client.core import GaugeMetricFamily, Metric
+except ImportError:  # the `prometheus` extra is not installed: everything below is a no-op
+    prometheus_client = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from .models import AgentRun
+
+logger = logging.getLogger("django_agentruns.metrics")
+
+AVAILABLE = prometheus_client is not None
+"""Whether prometheus_client is importable (the `prometheus` extra)."""
+
+INSTALL_HINT = "pip install 'django-agentruns[prometheus]'"
+
+BACKLOG_TTL = 15.0
+"""Seconds a backlog reading is served from cache: N scrapers cost one reading per TTL."""
+
+VIEW_PERMISSION = "django_agentruns.view_agentrun"
+
+# Agent work takes seconds to hours; a queue wait is milliseconds when workers keep up.
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                    1800.0, 3600.0)
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                300.0, 900.0, 3600.0)
+
+
+class MetricsUnavailable(AgentRunsError):
+    """Metrics were asked for, but prometheus_client is not installed."""
+
+
+if prometheus_client is not None:
+    ATTEMPTS = prometheus_client.Counter(
+        "agentruns_attempts",
+        "Attempts settled, by agent and outcome (succeeded, requeued, dead_lettered, "
+        "cancelled, lost). Each run ends in exactly one succeeded, dead_lettered or cancelled.",
+        ("agent", "outcome"))
+    QUEUE_WAIT = prometheus_client.Histogram(
+        "agentruns_queue_wait_seconds",
+        "Seconds from a run being due (enqueued, or its retry backoff over) to an attempt "
+        "starting.", ("agent",), buckets=WAIT_BUCKETS)
+    DURATION = prometheus_client.Histogram(
+        "agentruns_attempt_duration_seconds",
+        "Seconds an attempt took, from its start to its settlement, by agent and outcome.",
+        ("agent", "outcome"), buckets=DURATION_BUCKETS)
+
+
+def observe_settlement(
+    agent: str, outcome: str, queue_wait_s: float | None, duration_s: float | None
+) -> None:
+    """Count one settled attempt; `outcome` is a `transitions.Settlement` value.
+
+    A None wait or duration is not observed (an interactive run waited in no queue).
+    """
+    if prometheus_client is None:
+        return
+    ATTEMPTS.labels(agent, outcome).inc()
+    if queue_wait_s is not None:
+        QUEUE_WAIT.labels(agent).observe(max(0.0, queue_wait_s))
+    if duration_s is not None:
+        DURATION.labels(agent, outcome).observe(max(0.0, duration_s))
+
+
+def queue_wait(run: AgentRun) -> float | None:
+    """Seconds `run` (as claimed) waited between being due and this attempt's start."""
+    if run.started_at is None or run.available_at is None:
+        return None
+    return max(0.0, (run.started_at - run.available_at).total_seconds())
+
+
+# --------------------------------------------------------------------------- backlog gauges
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """One reading of the backlog, per queue, and of the dead letters, per reason."""
+
+    due: dict[str, int] = field(default_factory=dict)
+    """Queued runs due now: what the workers have yet to take."""
+    scheduled: dict[str, int] = field(default_factory=dict)
+    """Queued runs not due yet (backing off after a failure, or enqueued with run_after)."""
+    oldest_due: dict[str, float] = field(default_factory=dict)
+    """Seconds the longest-waiting due run has been due."""
+    running: dict[str, int] = field(default_factory=dict)
+    dead_letters: dict[str, int] = field(default_factory=dict)
+
+
+def read_backlog(at: datetime | None = None) -> Backlog:
+    """Three grouped COUNTs, each answered from an index that holds only what it counts.
+
+    The queued runs come from the partial due index (status='queued'), the running ones
+    from the partial running index, the dead letters from the status+reason index: the
+    size of the history (succeeded runs) costs nothing here.
+    """
+    from .models import AgentRun
+
+    at = at or timezone.now()
+    backlog = Backlog()
+    queued = (AgentRun.objects.filter(status=Status.QUEUED).order_by().values("queue")
+              .annotate(due=Count("id", filter=Q(available_at__lte=at)),
+                        later=Count("id", filter=Q(available_at__gt=at)),
+                        oldest=Min("available_at", filter=Q(available_at__lte=at))))
+    for row in queued:
+        backlog.due[row["queue"]] = row["due"]
+        backlog.scheduled[row["queue"]] = row["later"]
+        if row["oldest"] is not None:
+            backlog.oldest_due[row["queue"]] = max(0.0, (at - row["oldest"]).total_seconds())
+    running = (AgentRun.objects.filter(status=Status.RUNNING).order_by().values("queue")
+               .annotate(n=Count("id")))
+    backlog.running.update((row["queue"], row["n"]) for row in running)
+    dead = (AgentRun.objects.filter(status=Status.FAILED, reason__in=DEAD_LETTER_REASONS)
+            .order_by().values("reason").annotate(n=Count("id")))
+    backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
+    return backlog
+
+
+class BacklogCollector:
+    """A prometheus_client collector of the backlog gauges, read through a cache.
+
+    Queues seen once (or served by a registered agent) keep reporting 0 when they drain,
+    rather than vanishing: a series that disappears cannot fire "below" alerts.
+    If the database cannot be read, the last reading is served (and the error logged).
+    """
+
+    def __init__(
+        self, ttl: float | None = None, clock: Callable[[], float] = time.monotonic,
+        read: Callable[[], Backlog] = read_backlog,
+    ) -> None:
+        self.ttl = BACKLOG_TTL if ttl is None else ttl
+        self._clock = clock
+        self._read = read
+        self._lock = threading.Lock()
+        self._cached: Backlog | None = None
+        self._read_at = 0.0
+        self._queues: set[str] = set()
+
+    def describe(self) -> Iterable[Metric]:
+        # Declared, so registering the collector does not read the database.
+        return list(self._families(Backlog(), set()))
+
+    def collect(self) -> Iterable[Metric]:
+        backlog = self.reading()
+        if backlog is None:
+            return []
+        queues = self._queues | set(backlog.due) | set(backlog.scheduled) | set(backlog.running)
+        self._queues = queues
+        return list(self._families(backlog, queues | _agent_queues()))
+
+    def reading(self) -> Backlog | None:
+        """The cached reading, refreshed first if it is older than the TTL."""
+        with self._lock:
+            now = self._clock()
+            if self._cached is not None and now - self._read_at < self.ttl:
+                return self._cached
+            try:
+                with _closing_if_opened():
+                    self._cached = self._read()
+                self._read_at = now
+            except DatabaseError:
+                logger.exception("could not read the run backlog for the metrics")
+            return self._cached
+
+    def clear(self) -> None:
+        """Forget the cached reading: the next scrape reads the database."""
+        with self._lock:
+            self._cached = None
+
+    @staticmethod
+    def _families(backlog: Backlog, queues: set[str]) -> Iterator[Metric]:
+        gauges = (
+            ("agentruns_queue_depth", "Queued runs due now, by queue.", backlog.due),
+            ("agentruns_queue_scheduled", "Queued runs not due yet (backoff or run_after), "
+             "by queue.", backlog.scheduled),
+            ("agentruns_queue_oldest_due_seconds", "Seconds the longest-waiting due run of "
+             "the queue has been due (0 when none is).", backlog.oldest_due),
+            ("agentruns_running", "Runs with an attempt in progress, by queue.",
+             backlog.running),
+        )
+        for name, doc, values in gauges:
+            family = GaugeMetricFamily(name, doc, labels=["queue"])
+            for queue in sorted(queues):
+                family.add_metric([queue], values.get(queue, 0))
+            yield family
+        dead = GaugeMetricFamily("agentruns_dead_letters",
+                                 "Dead-lettered runs (failed for good), by reason.",
+                                 labels=["reason"])
+        for reason in DEAD_LETTER_REASONS:
+            dead.add_metric([str(reason)], backlog.dead_letters.get(reason, 0))
+        yield dead
+
+
+def _agent_queues() -> set[str]:
+    from .registry import all_agents
+
+    return {spec.effective_queue() for spec in all_agents().values()}
+
+
+@contextmanager
+def _closing_if_opened() -> Iterator[None]:
+    """Close the connection afterwards if this call opened it.
+
+    The exporter of `runworker --metrics-port` answers each scrape on a new thread, and a
+    connection a finished thread leaves open is never reused or closed. A request thread
+    (the view) keeps its connection, and so does one inside a transaction.
+    """
+    conn = connections[DEFAULT_DB_ALIAS]
+    opened = conn.connection is None
+    try:
+        yield
+    finally:
+        if opened and not conn.in_atomic_block:
+            conn.close()
+
+
+_registered: BacklogCollector | None = None
+_register_lock = threading.Lock()
+
+
+def register_backlog() -> BacklogCollector | None:
+    """Register the backlog collector with prometheus_client's default registry, once."""
+    global _registered
+    if prometheus_client is None:
+        return None
+    with _register_lock:
+        if _registered is None:
+            _registered = BacklogCollector()
+            prometheus_client.REGISTRY.register(_registered)
+    return _registered
+
+
+# --------------------------------------------------------------------------- exposition
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> tuple[str, int]:
+    """Serve the default registry over HTTP from a daemon thread; return (host, port).
+
+    Port 0 picks a free port (the returned one). Raises `MetricsUnavailable` without
+    prometheus_client, OSError if the port cannot be bound.
+    """
+    if prometheus_client is None:
+        raise MetricsUnavailable(f"metrics need prometheus_client: {INSTALL_HINT}")
+    register_backlog()
+    server, _thread = prometheus_client.start_http_server(port, addr)
+    host, bound = server.server_address[:2]
+    logger.info("serving metrics on http://%s:%s/metrics", host, bound)
+    return str(host), int(bound)
+
+
+def _authorized(request: HttpRequest) -> HttpResponse | None:
+    """None if the request may read the metrics, else the response that says why not."""
+    token = app_settings.METRICS_TOKEN
+    header = request.headers.get("Authorization", "")
+    if token and header.startswith("Bearer ") and hmac.compare_digest(
+            header.removeprefix("Bearer ").strip().encode(), str(token).encode()):
+        return None
+    user: Any = getattr(request, "user", None)
+    if user is not None and user.is_authenticated and not header:
+        if user.has_perm(VIEW_PERMISSION):
+            return None
+        return HttpResponse("You may not view agent runs.\n", status=403,
+                            content_type="text/plain")
+    response = HttpResponse("Log in with permission to view agent runs, or send "
+                            "Authorization: Bearer <AGENTRUNS['METRICS_TOKEN']>.\n",
+                            status=401, content_type="text/plain")
+    response["WWW-Authenticate"] = 'Bearer realm="agentruns metrics"'
+    return response
+
+
+@require_GET
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """The metrics of this process, and the backlog gauges, in Prometheus text format.
+
+    Allowed to a logged-in user with `view_agentrun`, or to a bearer of
+    `AGENTRUNS["METRICS_TOKEN"]` (a scraper).
+    """
+    refused = _authorized(request)
+    if refused is not None:
+        return refused
+    if prometheus_client is None:
+        return HttpResponse(f"Metrics need prometheus_client: {INSTALL_HINT}\n", status=501,
+                            content_type="text/plain")
+    register_backlog()
+    output = prometheus_client.generate_latest(prometheus_client.REGISTRY)
+    return HttpResponse(output, content_type=prometheus_client.CONTENT_TYPE_LATEST)

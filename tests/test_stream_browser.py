@@ -1,0 +1,148 @@
+"""The example project's live page in a real browser: Debian's Chromium driven by Playwright.
+
+An operator starts a run on the page (a CSRF-checked POST); a real worker (`runworker`
+subprocess) executes it; the page shows its steps as they arrive over the event stream
+(EventSource), survives the stream's reconnects without showing anything twice, and ends
+on the run's outcome. Served by pytest-django's `live_server` from tests/urls.py, which
+mounts the example's view with a test agent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.http import HttpRequest
+
+from django_agentruns import stream
+from django_agentruns.models import AgentRun, RunEvent, Status
+from tests import helpers
+from tests.testapp.models import SideEffect
+
+try:
+    from playwright.sync_api import Browser, Page, expect, sync_playwright
+except ImportError:  # the skip below says what to install
+    sync_playwright = None
+
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOTS = helpers.REPO_ROOT / os.environ.get("AGENTRUNS_SCREENSHOTS", "artifacts/screenshots")
+DEMO_TEMPLATES = helpers.REPO_ROOT / "example_project" / "demo" / "templates"
+LIVE_PAGE = "/demo/live/"
+ASYNC_UNSAFE = "DJANGO_ALLOW_ASYNC_UNSAFE"
+
+# In CI (CI=true) a missing browser is a failure, not a skip: .ci/run installs it.
+MAY_SKIP = not os.environ.get("CI")
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.slow,
+    pytest.mark.skipif(MAY_SKIP and sync_playwright is None, reason="playwright is not importable: "
+                       "pip install playwright (never `playwright install`)"),
+    pytest.mark.skipif(MAY_SKIP and not CHROMIUM.exists(),
+                       reason=f"{CHROMIUM} is missing: apt-get install -y chromium"),
+]
+
+
+@pytest.fixture(scope="module")
+def _allow_orm_beside_playwright() -> Iterator[None]:
+    """Playwright's sync API keeps an event loop on this thread, and Django's ORM would take
+    the test's own queries (and pytest-django's flush) for async code. This module only."""
+    before = os.environ.get(ASYNC_UNSAFE)
+    os.environ[ASYNC_UNSAFE] = "true"
+    yield
+    if before is None:
+        del os.environ[ASYNC_UNSAFE]
+    else:
+        os.environ[ASYNC_UNSAFE] = before
+
+
+@pytest.fixture(scope="module")
+def browser(_allow_orm_beside_playwright: None) -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        yield launched
+        launched.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1100, "height": 700})
+    context.set_default_timeout(10_000)
+    yield context.new_page()
+    context.close()
+
+
+@pytest.fixture
+def demo_templates(settings: Any) -> None:
+    """The example app is not installed in the tests: find its templates by directory."""
+    settings.TEMPLATES = [{**settings.TEMPLATES[0], "DIRS": [DEMO_TEMPLATES]}]
+
+
+@pytest.fixture
+def viewer(transactional_db: None) -> User:
+    user = User.objects.create_user("viewer", password="pw", is_staff=True)
+    user.user_permissions.set(Permission.objects.filter(
+        content_type__app_label="django_agentruns", codename="view_agentrun"))
+    return user
+
+
+@pytest.fixture
+def resumes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Streams end after a second (the browser then reconnects and resumes); the
+    Last-Event-ID of each reconnect is recorded here."""
+    seen: list[str] = []
+    position = stream._position
+
+    def recording(request: HttpRequest) -> int | None:
+        if "Last-Event-ID" in request.headers:
+            seen.append(request.headers["Last-Event-ID"])
+        return position(request)
+
+    monkeypatch.setattr(stream, "MAX_LIFE", 1.0)
+    monkeypatch.setattr(stream, "_position", recording)
+    return seen
+
+
+def test_a_run_started_on_the_page_is_watched_live_to_its_end(
+        page: Page, live_server: Any, viewer: User, demo_templates: None,
+        worker_env: dict[str, str], resumes: list[str]) -> None:
+    page.goto(f"{live_server.url}/admin/login/?next={LIVE_PAGE}")
+    page.fill("#id_username", "viewer")
+    page.fill("#id_password", "pw")
+    page.click("input[type=submit]")
+    expect(page.locator("#start")).to_be_visible()
+
+    with helpers.start_manage(["runworker"], worker_env) as worker:
+        page.click("#start")
+        status = page.locator("#run-status")
+        steps = page.locator("#events li[data-type=step]")
+        expect(steps).to_have_count(1)
+        expect(status).to_have_attribute("data-status", "running")
+        run = AgentRun.objects.get(agent="tests.live_steps")
+        # Live: the first step is shown while the run waits at its gate.
+        assert run.status == Status.RUNNING
+
+        # Let the stream end and the browser come back with Last-Event-ID at least once,
+        # then finish the run.
+        helpers.wait_until(lambda: resumes, message="the browser to reconnect and resume")
+        SideEffect.objects.create(run_id=run.pk, note="open")
+        expect(status).to_have_attribute("data-status", "succeeded", timeout=20_000)
+        expect(status).to_have_text(f"Run #{run.pk}: succeeded (completed)")
+        expect(steps).to_have_count(2)
+        worker.stop()
+
+    shown = page.locator("#events li").evaluate_all(
+        "items => items.map(i => [Number(i.dataset.seq), i.dataset.type])")
+    trail = [list(e) for e in RunEvent.objects.filter(run=run).order_by("seq")
+             .values_list("seq", "type")]
+    assert shown == trail  # every event once, in order, across the reconnects
+    assert trail[-1][1] == "run.succeeded"
+    assert all(int(seq) >= 1 for seq in resumes)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "live-run.png"), full_page=True)
