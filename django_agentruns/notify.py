@@ -64,7 +64,9 @@ class Listener:
                     # Catch up on anything enqueued while we were not listening.
                     self.wake.set()
                     while not self.stopping.is_set():
-                        for note in conn.notifies(timeout=0.5):
+                        # Short: the worker joins this thread when it stops, so this
+                        # timeout is how long a stop (or a burst worker's exit) waits.
+                        for note in conn.notifies(timeout=0.05):
                             if note.payload in self.queues:
                                 self.wake.set()
             except Exception:  # any failure: reconnect; polling covers the gap

@@ -1,0 +1,118 @@
+"""Why a run is not starting: the due query's reasons, said in words. Read-only.
+
+`why_not_started` asks the same questions the due query (`transitions.due_queued`) and the
+claim ask, one at a time, and says which ones hold a run back. It only reads: it is safe
+to call from the admin, a shell or `manage.py why` on a live system.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db.models import Q
+from django.utils import timezone
+
+from .models import AgentRun, Status
+from .registry import find_agent
+from .transitions import holding_statuses
+
+NOT_QUEUED = "not_queued"
+UNKNOWN_AGENT = "unknown_agent"
+CANCEL_REQUESTED = "cancel_requested"
+WAITING = "waiting"
+BLOCKED = "blocked"
+
+
+@dataclass(frozen=True)
+class Hold:
+    """One reason a run is not starting. `blocker` is the run holding its scope, if any."""
+
+    code: str
+    message: str
+    blocker: int | None = None
+    blocker_status: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def why_not_started(run: AgentRun | int, at: datetime | None = None) -> list[Hold]:
+    """Every reason `run` is not starting now; empty if it is due and a worker may take it.
+
+    A run that is not queued gives one reason, its status. A queued run may have several:
+    an unknown agent, a pending cancel request, a due time still ahead, an earlier run of
+    its scope holding it back (ordered agents).
+    """
+    at = at or timezone.now()
+    if not isinstance(run, AgentRun):
+        run = AgentRun.objects.get(pk=run)
+    if run.status != Status.QUEUED:
+        return [Hold(NOT_QUEUED, _not_queued(run, at))]
+    holds = []
+    spec = find_agent(run.agent)
+    if spec is None:
+        holds.append(Hold(UNKNOWN_AGENT, f"agent {run.agent!r} is not registered here; a "
+                                         "worker that does not know it dead-letters the run"))
+    if run.cancel_requested_at is not None:
+        holds.append(Hold(CANCEL_REQUESTED, f"a cancel was requested at "
+                                            f"{_when(run.cancel_requested_at)}"
+                                            f"{_because(run.cancel_reason)}"))
+    if run.available_at > at:
+        seconds = (run.available_at - at).total_seconds()
+        what = "retry backoff" if run.requeue_count else "run_after"
+        holds.append(Hold(WAITING, f"waiting until {_when(run.available_at)} "
+                                   f"({seconds:.1f}s from now, {what})"))
+    if spec is not None and spec.ordered:
+        blocker = _scope_holder(run, spec.dead_letters_block)
+        if blocker is not None:
+            holds.append(_blocked(run, blocker, at))
+    return holds
+
+
+def _scope_holder(run: AgentRun, dead_letters_block: bool) -> AgentRun | None:
+    """The first run ahead of `run` in its scope's firing order that holds the scope."""
+    ahead = Q(fired_seq__lt=run.fired_seq) | Q(fired_seq=run.fired_seq, id__lt=run.pk)
+    return (AgentRun.objects.filter(ahead, agent=run.agent, scope=run.scope,
+                                    status__in=holding_statuses(dead_letters_block))
+            .order_by("fired_seq", "id").first())
+
+
+def _blocked(run: AgentRun, blocker: AgentRun, at: datetime) -> Hold:
+    scope = f"scope {run.scope!r}" if run.scope else "the empty scope"
+    text = (f"blocked by run #{blocker.pk} ({blocker.status}), ahead of it in firing order "
+            f"in {scope}")
+    if blocker.status == Status.FAILED:
+        text += (f"; it is dead-lettered ({blocker.reason}) and {run.agent!r} lets dead "
+                 "letters block its scope: retry or cancel it to go on")
+    elif blocker.status == Status.QUEUED and blocker.available_at > at:
+        text += f"; it is waiting until {_when(blocker.available_at)}"
+    elif blocker.status == Status.RUNNING and blocker.lease_expires is not None \
+            and blocker.lease_expires < at:
+        text += "; its lease lapsed, so the reaper or a worker's claim will take it back"
+    return Hold(BLOCKED, text, blocker=blocker.pk, blocker_status=blocker.status)
+
+
+def _not_queued(run: AgentRun, at: datetime) -> str:
+    text = f"run #{run.pk} is {run.status}, not queued"
+    if run.status == Status.RUNNING:
+        text += f" (attempt {run.attempt}, worker {run.claimed_by or '?'}"
+        if run.lease_expires is None:
+            text += ", interactive: no lease)"
+        elif run.lease_expires < at:
+            text += f", lease lapsed at {_when(run.lease_expires)}: it will be taken back)"
+        else:
+            text += f", lease until {_when(run.lease_expires)})"
+        if run.cancel_requested_at is not None:
+            text += f"; a cancel was requested at {_when(run.cancel_requested_at)}"
+    elif run.reason:
+        text += f" ({run.reason})"
+    return text
+
+
+def _when(value: datetime) -> str:
+    return value.isoformat(timespec="milliseconds")
+
+
+def _because(reason: str) -> str:
+    return f": {reason}" if reason else ""
