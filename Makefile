@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= example,postgres,dev
 
-.PHONY: venv demo test lint typecheck clean distclean
+.PHONY: venv demo test lint typecheck clean distclean bench
 
 venv:
 	@scripts/venv.sh $(VENV) -e '.[$(EXTRAS)]'
@@ -23,6 +23,13 @@ lint: venv
 
 typecheck: venv
 	$(PY) -m mypy django_agentruns
+
+# Side-by-side benchmark against django-tasks-db and procrastinate on PostgreSQL (about
+# 15 min; BENCH_ARGS=--quick for a 2-3 min smoke run). Writes bench/results.md.
+# BENCH_PG_URL names the server (default postgres://postgres@127.0.0.1:5432).
+bench:
+	@scripts/venv.sh $(VENV) -e '.[$(EXTRAS),bench]'
+	$(PY) -m bench $(BENCH_ARGS)
 
 clean:
 	rm -rf .tmp .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info artifacts

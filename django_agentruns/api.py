@@ -8,14 +8,14 @@ import socket
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
 from . import execution, signals, transitions
-from .context import AttemptControl, ensure_json
+from .context import AttemptControl, ensure_json, storable_text, unstorable_text
 from .exceptions import InvalidInputError, RunNotFoundError
 from .models import AgentRun
 from .notify import notify_on_commit
@@ -118,23 +118,28 @@ def _build(request: RunRequest, at: datetime) -> AgentRun:
 def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:
     if not isinstance(value, str):
         raise InvalidInputError(f"{name} must be a string, not {type(value).__name__}")
-    if (not value and not allow_empty) or len(value) > limit or "\x00" in value:
+    if (not value and not allow_empty) or len(value) > limit or unstorable_text(value):
         raise InvalidInputError(f"{name} must be {'0' if allow_empty else '1'}-{limit} "
-                                f"characters with no NUL, not {value[:50]!r}")
+                                f"characters with no NUL or surrogate, not {value[:50]!r}")
     return value
 
 
 def _due_time(run_after: datetime | timedelta | float | None, at: datetime) -> datetime:
     if run_after is None:
         return at
-    if isinstance(run_after, datetime):
-        if timezone.is_naive(run_after):
-            raise InvalidInputError("run_after must be an aware datetime")
-        return run_after
-    if isinstance(run_after, timedelta):
-        return at + run_after
+    try:
+        if isinstance(run_after, datetime):
+            if timezone.is_naive(run_after):
+                raise InvalidInputError("run_after must be an aware datetime")
+            run_after.astimezone(UTC)  # stored in UTC: must be representable there
+            return run_after
+        if isinstance(run_after, timedelta):
+            return at + run_after
+    except OverflowError:
+        raise InvalidInputError(f"run_after is out of range: {run_after!r}") from None
+    # Range first: math.isfinite() cannot take an int too large for a float.
     if isinstance(run_after, int | float) and not isinstance(run_after, bool) \
-            and math.isfinite(run_after) and 0 <= run_after < 10**9:
+            and 0 <= run_after < 10**9 and math.isfinite(run_after):
         return at + timedelta(seconds=run_after)
     raise InvalidInputError(f"run_after must be a datetime, a timedelta or seconds >= 0, "
                             f"not {run_after!r}")
@@ -145,7 +150,7 @@ def cancel(run_id: int, reason: str = "") -> CancelResult:
 
     A finished run gives `CancelResult.NOT_CANCELLABLE`, not an error.
     """
-    result = transitions.cancel(_run_id(run_id), str(reason)[:2000])
+    result = transitions.cancel(_run_id(run_id), storable_text(str(reason)[:2000]))
     if result is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
     return result
@@ -153,7 +158,7 @@ def cancel(run_id: int, reason: str = "") -> CancelResult:
 
 def retry(run_id: int, by: str = "") -> bool:
     """Requeue a failed or cancelled run with a fresh budget. False: it is neither."""
-    result = transitions.operator_retry(_run_id(run_id), by=str(by)[:255])
+    result = transitions.operator_retry(_run_id(run_id), by=storable_text(str(by)[:255]))
     if result is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
     if result:

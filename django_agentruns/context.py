@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -82,13 +83,59 @@ class AttemptControl:
                 self.in_storage -= 1
 
 
+# Deeper JSON is refused: SQLite's JSON functions stop at 1000 levels, PostgreSQL does not.
+MAX_JSON_DEPTH = 500
+# Text neither engine stores alike: PostgreSQL refuses NUL in text and jsonb, and surrogate
+# code points are not Unicode text at all (a pair given as two of them comes back as one).
+_UNSTORABLE_TEXT = re.compile("[\x00\ud800-\udfff]")
+
+
+def unstorable_text(text: str) -> bool:
+    """Whether `text` holds a NUL character or a surrogate code point."""
+    return _UNSTORABLE_TEXT.search(text) is not None
+
+
+def storable_text(text: str) -> str:
+    """Free text (an error message, a reason) as every engine stores it: NUL characters and
+    surrogates written as backslash escapes, the rest unchanged."""
+    if not unstorable_text(text):
+        return text
+    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def ensure_json(value: Any, what: str) -> Any:
-    """Return `value` if it is plain JSON (no NaN, no objects), else raise a clear error."""
+    """Return `value` if it is plain JSON (no NaN, no objects), else raise a clear error.
+
+    The value must also store the same on every engine: no NUL characters or surrogates
+    in its text, no nesting deeper than MAX_JSON_DEPTH.
+    """
     try:
         json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidInputError(f"{what} must be JSON-serialisable: {exc}") from exc
+    problem = _unstorable(value)
+    if problem:
+        raise InvalidInputError(f"{what} cannot be stored: {problem}")
     return value
+
+
+def _unstorable(value: Any) -> str | None:
+    """What in a JSON-serialisable value no engine stores faithfully, if anything."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if unstorable_text(item):
+                return f"the text {item[:40]!r} holds a NUL character or a surrogate code point"
+        elif isinstance(item, dict | list | tuple):
+            if depth >= MAX_JSON_DEPTH:
+                return f"it is nested more than {MAX_JSON_DEPTH} levels deep"
+            if isinstance(item, dict):
+                stack.extend((key, depth + 1) for key in item if isinstance(key, str))
+                stack.extend((child, depth + 1) for child in item.values())
+            else:
+                stack.extend((child, depth + 1) for child in item)
+    return None
 
 
 class RunContext:

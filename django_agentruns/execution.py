@@ -18,7 +18,7 @@ from asgiref.sync import async_to_sync
 
 from . import policy, signals, transitions
 from .conf import app_settings
-from .context import AttemptControl, RunContext, StopReason, ensure_json
+from .context import AttemptControl, RunContext, StopReason, ensure_json, storable_text
 from .exceptions import AttemptStopped, AttemptTimeout, InvalidInputError, RunCancelledError
 from .models import AgentRun
 from .registry import AgentSpec
@@ -137,10 +137,12 @@ def describe(error: BaseException) -> ErrorInfo:
     cls = type(error)
     name = cls.__qualname__ if cls.__module__ == "builtins" else \
         f"{cls.__module__}.{cls.__qualname__}"
+    # storable_text: an agent's error may carry any text; a NUL or a lone surrogate in it
+    # must not make the outcome impossible to record (the run would stay running).
     return ErrorInfo(
-        type=name,
-        message=str(error)[:10000],
-        traceback="".join(traceback.format_exception(error))[-20000:],
+        type=storable_text(name),
+        message=storable_text(str(error)[:10000]),
+        traceback=storable_text("".join(traceback.format_exception(error))[-20000:]),
     )
 
 

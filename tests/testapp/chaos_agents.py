@@ -6,9 +6,13 @@ One body serves three agents, steered by the run's input:
   "model call"), then records its side effect and checkpoints, in ONE transaction;
 - ``fail`` at step ``fail_at``: ``"transient"`` raises `Retryable` on the first
   ``fail_attempts`` attempts, ``"fatal"`` raises `NotRetryable`;
-- ``slow`` (``tests.chaos_slow`` only): attempt 1 sleeps ``slow`` seconds at step
-  ``slow_at`` without a context call, past its timeout, so the worker stops renewing the
-  lease and another worker takes the run over while this attempt still runs.
+- ``slow_at`` (``tests.chaos_slow`` only): before that step (or, if it is ``steps``,
+  before returning) attempt 1 makes a "call" that outlives its timeout and its lease: it
+  makes no context call, so its worker stops renewing the lease and another worker takes
+  the run over; the call returns only once that next attempt is running (or after
+  ``slow`` seconds). Slow mid-run, its next context call stops it; slow at the end, it
+  returns an output, and only the fence on its settlement keeps it from settling the run
+  under the new attempt's feet. Later attempts make the call in ``finish`` seconds.
 
 The side effect (a `SideEffect` row, note ``"effect"``) and the checkpoint commit together
 or not at all: if the checkpoint's fenced UPDATE matches no row (the attempt lost the run),
@@ -25,6 +29,7 @@ from typing import Any
 from django.db import transaction
 
 from django_agentruns import NotRetryable, Retryable, RunContext, agent
+from django_agentruns.models import AgentRun, Status
 
 from .models import SideEffect
 
@@ -60,10 +65,25 @@ def run_steps(ctx: RunContext) -> dict[str, Any]:
             if spec.get("fail") == "transient" and ctx.attempt <= int(spec.get("fail_attempts",
                                                                                1)):
                 raise Retryable(f"transient failure at step {step}, attempt {ctx.attempt}")
-        if step == spec.get("slow_at") and ctx.attempt == 1:
-            time.sleep(float(spec.get("slow", 0)))  # no context call: the lease lapses
+        slow_down(ctx, step)
         record_step(ctx, step)
+    slow_down(ctx, steps)
     return {"steps": steps}
+
+
+def slow_down(ctx: RunContext, step: int) -> None:
+    if step != ctx.input.get("slow_at"):
+        return
+    if ctx.attempt > 1:
+        time.sleep(float(ctx.input.get("finish", 0)))
+        return
+    # No context call in here: the lease keeper gives up on this attempt after its timeout,
+    # the lease lapses, and the run is taken over while this still "waits for the model".
+    deadline = time.monotonic() + float(ctx.input.get("slow", 0))
+    taken_over = AgentRun.objects.filter(pk=ctx.run_id, status=Status.RUNNING,
+                                         attempt__gt=ctx.attempt)
+    while time.monotonic() < deadline and not taken_over.exists():
+        time.sleep(0.02)
 
 
 @agent(CHAOS, max_requeues=CHAOS_MAX_REQUEUES)
@@ -80,3 +100,10 @@ def chaos_ordered(ctx: RunContext) -> dict[str, Any]:
        max_requeues=CHAOS_MAX_REQUEUES)
 def chaos_slow(ctx: RunContext) -> dict[str, Any]:
     return run_steps(ctx)
+
+
+@agent("tests.raises", max_requeues=0)
+def raises(ctx: RunContext) -> None:
+    """Raises ValueError with the text given as code points (JSON input cannot hold NUL or
+    lone surrogates, an exception's message can): bad-input tests record odd errors."""
+    raise ValueError("".join(chr(c) for c in ctx.input["codepoints"]))
