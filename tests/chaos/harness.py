@@ -1,0 +1,556 @@
+"""Run many multi-step runs through real worker processes while breaking things.
+
+`Chaos.run()` enqueues a planned mix of runs, starts `runworker` subprocesses and then,
+until every run has settled (or the chaos phase is over):
+
+- SIGKILLs a random worker about once a second and starts a new one;
+- freezes a random worker (SIGSTOP) for longer than a lease, then thaws it (SIGCONT), so
+  its attempts wake up after another worker took their runs over;
+- runs ``manage.py reap`` in a loop, as cron would;
+- SIGTERMs one busy worker (graceful stop) and expects it to exit 0;
+- restarts PostgreSQL once (``pg_ctlcluster ... restart``), closing this process's own
+  connections around it and waiting until the server answers again;
+- cancels a few runs, queued or running;
+- enqueues more runs as it goes.
+
+Then it kills what is left, drains the backlog with fresh workers, stops them with SIGTERM
+(exit 0 expected), and checks the database with `invariants.check_all`.
+
+The database must be a test database the caller owns (pytest's, or the one
+``python -m tests.chaos`` creates): the harness writes to it from many processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from django.db import DatabaseError, InterfaceError, connection, connections
+
+from django_agentruns import RunRequest, cancel, enqueue_many
+from django_agentruns.models import TERMINAL, AgentRun, RunEvent, Status
+from django_agentruns.registry import get_agent
+from tests import helpers
+from tests.chaos.invariants import Checker, PlannedRun, check_all
+from tests.testapp.chaos_agents import CHAOS, CHAOS_ORDERED, CHAOS_SLOW
+
+T = TypeVar("T")
+
+# Summary lines of every chaos run in this process, for pytest's terminal summary.
+SUMMARIES: list[str] = []
+
+
+@dataclass
+class ChaosConfig:
+    runs: int = 500
+    workers: int = 3
+    concurrency: int = 4
+    seed: int | None = None
+    chaos_seconds: float = 90.0  # the fault phase ends at this, or when every run settled
+    kill_every: float = 1.0  # mean seconds between SIGKILLs
+    freeze_every: float = 6.0  # mean seconds between freezes; 0: none
+    cancel_every: float = 4.0  # mean seconds between cancels; 0: none
+    pg_restart: str = "cluster"  # cluster | terminate | none (PostgreSQL only)
+    sigterm: bool = True
+    trickle: float = 0.25  # fraction of the runs enqueued during the chaos, not up front
+    drain_workers: int = 2
+    drain_timeout: float = 120.0
+    lease_ttl: float = 2.0
+    grace: float = 0.3  # a SIGTERMed chaos worker's grace: short, so attempts are abandoned
+
+    def worker_settings(self) -> dict[str, Any]:
+        return {"LEASE_TTL": self.lease_ttl, "POLL_INTERVAL": 0.1, "REAP_INTERVAL": 1.0,
+                "BACKOFF_BASE": 0.05, "BACKOFF_CAP": 0.4, "CLAIM_BATCH": 4}
+
+
+@dataclass
+class ChaosReport:
+    runs: int = 0
+    kills: int = 0
+    restarts: int = 0
+    sigterms: int = 0
+    freezes: int = 0
+    cancels: int = 0
+    reaps: int = 0
+    reap_failures: int = 0
+    workers_started: int = 0
+    seconds: float = 0.0
+    statuses: dict[str, int] = field(default_factory=dict)
+    abandoned: int = 0
+    fenced: int = 0  # attempts whose worker logged "lease lost ... nothing recorded"
+    checker: Checker = field(default_factory=Checker)
+    problems: list[str] = field(default_factory=list)  # harness-level violations
+    harness_checks: int = 0
+
+    @property
+    def violations(self) -> list[str]:
+        return self.problems + self.checker.violations
+
+    @property
+    def checks(self) -> int:
+        return self.checker.checks + self.harness_checks
+
+    def summary(self) -> str:
+        return (f"chaos: runs={self.runs} kills={self.kills} restarts={self.restarts} "
+                f"sigterms={self.sigterms} checks={self.checks} "
+                f"violations={len(self.violations)}")
+
+    def details(self) -> str:
+        return (f"chaos details ({connection.vendor}): {self.seconds:.0f}s, "
+                f"{self.workers_started} workers started, freezes={self.freezes} "
+                f"cancels={self.cancels} reaps={self.reaps} (failed {self.reap_failures}), "
+                f"abandoned attempts={self.abandoned}, stale attempts fenced off="
+                f"{self.fenced}, outcomes={self.statuses}")
+
+
+def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
+    """A mix of runs: ordered scopes, transient and fatal failures, slow past the lease."""
+    plan: list[PlannedRun] = []
+
+    def base() -> dict[str, Any]:
+        return {"steps": rng.randint(2, 4), "sleep": rng.choice([0.02, 0.05, 0.1])}
+
+    n_ordered = runs // 5
+    scope_size = 5
+    for i in range(n_ordered):
+        spec = base()
+        if rng.random() < 0.25:
+            spec |= {"fail": "transient", "fail_at": rng.randrange(spec["steps"]),
+                     "fail_attempts": 1}
+        plan.append(PlannedRun("ordered", CHAOS_ORDERED, spec, scope=f"scope-{i // scope_size}",
+                               fired_seq=i % scope_size))
+    kinds = (["flaky"] * 14 + ["fatal"] * 6 + ["doomed"] * 4 + ["slow"] * 5
+             + ["plain"] * 51)
+    for _ in range(runs - n_ordered):
+        kind = rng.choice(kinds)
+        spec = base()
+        agent = CHAOS
+        priority = 0
+        if kind == "flaky":
+            spec |= {"fail": "transient", "fail_at": rng.randrange(spec["steps"]),
+                     "fail_attempts": rng.randint(1, 2)}
+        elif kind == "fatal":
+            spec |= {"fail": "fatal", "fail_at": rng.randrange(spec["steps"])}
+        elif kind == "doomed":
+            spec |= {"fail": "transient", "fail_at": 0, "fail_attempts": 1000}
+        elif kind == "slow":
+            agent = CHAOS_SLOW
+            # Waits for the takeover; gives up (and is stopped or fenced off) after 10 s.
+            spec |= {"steps": 3, "sleep": 0.02, "slow_at": rng.choice([1, 3]), "slow": 10,
+                     "finish": 0.5}
+            priority = 10  # taken over at once by whichever worker has a free slot
+        plan.append(PlannedRun(kind, agent, spec, priority=priority))
+    return plan
+
+
+def guarded(func: Callable[[], T], default: T) -> T:
+    """A query from the harness: on a database error (a restart) close and carry on."""
+    try:
+        return func()
+    except (DatabaseError, InterfaceError):
+        connections.close_all()
+        return default
+
+
+class Chaos:
+    def __init__(self, config: ChaosConfig, env: dict[str, str],
+                 log: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.env = {**env, "AGENTRUNS_TEST_SETTINGS": json.dumps(config.worker_settings())}
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.report = ChaosReport()
+        self.plan: dict[int, PlannedRun] = {}
+        self.pending: list[PlannedRun] = []  # the trickle, enqueued during the chaos
+        self.slow: list[PlannedRun] = []  # enqueued one by one during the chaos
+        self.cancels: dict[int, str] = {}
+        self.workers: list[helpers.ManageProcess] = []
+        # Frozen workers and the timers that thaw them: a timer, not this loop, since this
+        # loop may itself wait on a lock the frozen worker holds (SQLite's write lock).
+        self.frozen: dict[helpers.ManageProcess, threading.Timer] = {}
+        self.stopping: list[helpers.ManageProcess] = []  # SIGTERMed, must exit 0
+        self.reaper: helpers.ManageProcess | None = None
+        self.next_reap = 0.0
+        self.logs: list[str] = []
+        # pid -> until when (monotonic) SIGKILL spares it: a worker running a slow attempt 1,
+        # so that attempt lives to be taken over and then tries to write (see chaos_agents).
+        self.spared: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ the whole run
+
+    def run(self) -> ChaosReport:
+        started = time.monotonic()
+        planned = make_plan(self.config.runs, self.rng)
+        ordered = [p for p in planned if p.kind == "ordered"]
+        slow = [p for p in planned if p.kind == "slow"]
+        rest = [p for p in planned if p.kind not in ("ordered", "slow")]
+        self.rng.shuffle(rest)
+        n_trickle = int(len(rest) * self.config.trickle)
+        self.pending = rest[:n_trickle]
+        # One slow run every couple of seconds: a slow attempt holds a worker's slot until
+        # it is taken over, and the takeover needs a free slot somewhere.
+        self.slow = slow
+        self._enqueue(ordered + rest[n_trickle:])
+        try:
+            self._chaos_phase()
+            self._drain()
+        finally:
+            self._cleanup()
+        self.report.seconds = time.monotonic() - started
+        self.report.runs = len(self.plan)
+        self.report.checker = check_all(
+            self.plan, self.cancels, self._lease_ttls(), log_text=self.logs,
+            timeouts={name: get_agent(name).timeout for name in self._lease_ttls()})
+        self.report.statuses = _outcomes()
+        self.report.abandoned = RunEvent.objects.filter(type="run.abandoned").count()
+        self.report.fenced = sum(text.count("nothing recorded") for text in self.logs)
+        SUMMARIES.extend([self.report.summary(), self.report.details()])
+        return self.report
+
+    def _lease_ttls(self) -> dict[str, float]:
+        return {name: float(get_agent(name).lease_ttl or self.config.lease_ttl)
+                for name in (CHAOS, CHAOS_ORDERED, CHAOS_SLOW)}
+
+    def _enqueue(self, runs: list[PlannedRun]) -> None:
+        created = enqueue_many([RunRequest(p.agent, p.input, scope=p.scope, priority=p.priority,
+                                           fired_seq=p.fired_seq) for p in runs])
+        for run, planned in zip(created, runs, strict=True):
+            self.plan[run.pk] = planned
+
+    def _enqueue_slow(self) -> None:
+        self._enqueue(self.slow[:1])
+        del self.slow[:1]
+
+    def _enqueue_next(self, size: int = 20) -> None:
+        """Enqueue the next few runs of the trickle (kept for later if the database is away)."""
+        self._enqueue(self.pending[:size])
+        del self.pending[:size]
+
+    # ------------------------------------------------------------------ chaos phase
+
+    def _chaos_phase(self) -> None:
+        cfg = self.config
+        for _ in range(cfg.workers):
+            self._start_worker()
+        begin = time.monotonic()
+        next_kill = begin + self._interval(cfg.kill_every)
+        next_freeze = begin + self._interval(cfg.freeze_every) if cfg.freeze_every else None
+        next_cancel = begin + self._interval(cfg.cancel_every) if cfg.cancel_every else None
+        next_trickle = begin + 1.0
+        next_slow = begin + 1.0
+        restart_due = connection.vendor == "postgresql" and cfg.pg_restart != "none"
+        sigterm_due = cfg.sigterm
+        progress = 0.0
+        next_progress = begin
+        while True:
+            now = time.monotonic()
+            if now >= next_progress:
+                progress = guarded(self._progress, progress)
+                guarded(self._spare_slow, None)
+                next_progress = now + 0.5
+            if (progress >= 1.0 and not self.pending and not self.slow) \
+                    or now - begin > cfg.chaos_seconds:
+                break
+            self._collect_stopped()
+            self._reap_loop(now)
+            if now >= next_kill:
+                self._kill_one()
+                next_kill = now + self._interval(cfg.kill_every)
+            if next_freeze is not None and now >= next_freeze:
+                self._freeze_one()
+                next_freeze = now + self._interval(cfg.freeze_every)
+            if next_cancel is not None and now >= next_cancel:
+                guarded(self._cancel_one, None)
+                next_cancel = now + self._interval(cfg.cancel_every)
+            if self.pending and now >= next_trickle:
+                guarded(self._enqueue_next, None)
+                next_trickle = now + 0.5
+            if self.slow and now >= next_slow:
+                guarded(self._enqueue_slow, None)
+                next_slow = now + 2.0
+            if sigterm_due and progress >= 0.2 and self._sigterm_busy():
+                sigterm_due = False
+            if restart_due and (progress >= 0.4 or now - begin > cfg.chaos_seconds * 0.4):
+                self._restart_postgres()
+                restart_due = False
+            time.sleep(0.05)
+        self.log(f"chaos phase over after {time.monotonic() - begin:.0f}s, "
+                 f"{progress:.0%} settled")
+        self.report.harness_checks += 2
+        if restart_due:
+            self.report.problems.append("the PostgreSQL restart never happened")
+        if sigterm_due:
+            self.report.problems.append("no worker was busy to SIGTERM")
+
+    def _interval(self, mean: float) -> float:
+        return self.rng.uniform(0.5 * mean, 1.5 * mean)
+
+    def _progress(self) -> float:
+        if not self.plan:
+            return 0.0
+        done = AgentRun.objects.filter(status__in=TERMINAL).count()
+        return done / len(self.plan)
+
+    # ------------------------------------------------------------------ workers
+
+    def _start_worker(self, concurrency: int | None = None, grace: float | None = None
+                      ) -> helpers.ManageProcess:
+        args = ["runworker", "--concurrency", str(concurrency or self.config.concurrency),
+                "--grace", str(self.config.grace if grace is None else grace)]
+        worker = helpers.start_manage(args, self.env)
+        self.workers.append(worker)
+        self.report.workers_started += 1
+        return worker
+
+    def _retire(self, worker: helpers.ManageProcess) -> None:
+        """Reap a dead worker process and keep its output for the log checks."""
+        worker.popen.wait()
+        self.logs.append(worker.stderr)
+        worker.close()
+        if worker in self.workers:
+            self.workers.remove(worker)
+        self.frozen.pop(worker, None)
+
+    def _killable(self) -> list[helpers.ManageProcess]:
+        return [w for w in self.workers if w not in self.stopping and w.returncode is None]
+
+    def _spare_slow(self) -> None:
+        now = time.monotonic()
+        owners = AgentRun.objects.filter(agent=CHAOS_SLOW, attempt=1,
+                                         status=Status.RUNNING).values_list("claimed_by",
+                                                                            flat=True)
+        for pid in _pids(owners):
+            self.spared[pid] = now + 3.0
+        for pid, until in list(self.spared.items()):
+            if until < now:
+                del self.spared[pid]
+
+    def _kill_one(self) -> None:
+        candidates = [w for w in self._killable() if w.pid not in self.spared]
+        if candidates:
+            victim = self.rng.choice(candidates)
+            victim.kill()
+            self._retire(victim)
+            self.report.kills += 1
+        # Died by themselves? Replace them too; a crashed worker is a finding.
+        for worker in [w for w in self.workers if w.returncode is not None
+                       and w not in self.stopping]:
+            self.report.problems.append(f"a worker exited {worker.returncode} on its own:\n"
+                                        f"{worker.stderr[-3000:]}")
+            self._retire(worker)
+        while len(self._killable()) < self.config.workers:
+            self._start_worker()
+
+    def _freeze_one(self) -> None:
+        """SIGSTOP a busy worker for longer than a lease: its runs are taken over meanwhile,
+        and when it thaws its attempts carry on as if nothing happened, until a write of
+        theirs meets the fence (or the lease keeper finds the lease lost)."""
+        busy = guarded(self._busy_pids, set())
+        candidates = [w for w in self._killable()
+                      if not (w in self.frozen and self.frozen[w].is_alive())]
+        candidates = [w for w in candidates if w.pid in busy] or candidates
+        if not candidates:
+            return
+        victim = self.rng.choice(candidates)
+        victim.send_signal(signal.SIGSTOP)
+        timer = threading.Timer(self.config.lease_ttl * 1.5, _thaw, args=(victim,))
+        timer.daemon = True
+        timer.start()
+        self.frozen[victim] = timer
+        self.report.freezes += 1
+
+    def _thaw_all(self) -> None:
+        for worker, timer in list(self.frozen.items()):
+            timer.cancel()
+            _thaw(worker)
+        self.frozen.clear()
+
+    def _busy_pids(self) -> set[int]:
+        return _pids(AgentRun.objects.filter(status=Status.RUNNING
+                                             ).values_list("claimed_by", flat=True))
+
+    def _sigterm_busy(self) -> bool:
+        """SIGTERM one worker that holds runs right now; it must stop cleanly (exit 0)."""
+        busy = guarded(self._busy_pids, set())
+        candidates = [w for w in self._killable() if w.pid in busy
+                      and not (w in self.frozen and self.frozen[w].is_alive())]
+        if not candidates:
+            return False
+        victim = self.rng.choice(candidates)
+        victim.terminate()
+        self.stopping.append(victim)
+        self.report.sigterms += 1
+        self._start_worker()
+        return True
+
+    def _collect_stopped(self, timeout: float | None = None) -> None:
+        """Workers that were SIGTERMed must exit 0 within their grace and a margin."""
+        for worker in list(self.stopping):
+            if timeout is not None:
+                try:
+                    worker.popen.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    worker.kill()
+            if worker.returncode is None:
+                continue
+            self.report.harness_checks += 1
+            if worker.returncode != 0:
+                self.report.problems.append(
+                    f"a SIGTERMed worker exited {worker.returncode}:\n{worker.stderr[-3000:]}")
+            self.stopping.remove(worker)
+            self._retire(worker)
+
+    # ------------------------------------------------------------------ other faults
+
+    def _reap_loop(self, now: float) -> None:
+        """`manage.py reap` one after another, a second apart, as a cron job would."""
+        if self.reaper is not None and self.reaper.returncode is not None:
+            self.report.reaps += 1
+            if self.reaper.returncode != 0:
+                self.report.reap_failures += 1  # the database was away: cron tries again
+            self.reaper.close()
+            self.reaper = None
+            self.next_reap = now + 1.0
+        if self.reaper is None and now >= self.next_reap:
+            self.reaper = helpers.start_manage(["reap"], self.env)
+
+    def _cancel_one(self) -> None:
+        live = list(AgentRun.objects.exclude(
+            status__in=TERMINAL).exclude(pk__in=list(self.cancels)).values_list("pk",
+                                                                                  flat=True))
+        if live:
+            run_id = self.rng.choice(live)
+            self.cancels[run_id] = cancel(run_id, reason="chaos").value
+            self.report.cancels += 1
+
+    def _restart_postgres(self) -> None:
+        """Restart the server (or, in "terminate" mode, end every session on this database)."""
+        self.log(f"restarting PostgreSQL ({self.config.pg_restart})")
+        params = _connection_params()
+        connections.close_all()  # this process's own sessions die with the server
+        if self.config.pg_restart == "cluster":
+            version = postgres_version()
+            subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main",
+                            "restart"], check=True, timeout=120, capture_output=True)
+        else:
+            import psycopg
+
+            with psycopg.connect(**params, autocommit=True) as conn:
+                conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                             "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        wait_for_postgres(params)
+        self.report.restarts += 1
+
+    # ------------------------------------------------------------------ drain
+
+    def _drain(self) -> None:
+        self._thaw_all()
+        self._collect_stopped(timeout=self.config.grace + 10)
+        for worker in list(self.workers):
+            if worker.returncode is None:
+                worker.kill()
+            self._retire(worker)
+        if self.pending or self.slow:
+            self._enqueue(self.pending + self.slow)
+            self.pending, self.slow = [], []
+        drainers = [self._start_worker(grace=5.0) for _ in range(self.config.drain_workers)]
+        for worker in drainers:  # serving (signal handlers in place) before any SIGTERM
+            helpers.wait_until(lambda w=worker: "serving queues" in w.stderr, timeout=60,
+                               message="a drain worker to start serving")
+        deadline = time.monotonic() + self.config.drain_timeout
+        while time.monotonic() < deadline:
+            if guarded(self._progress, 0.0) >= 1.0:
+                break
+            self._reap_loop(time.monotonic())
+            time.sleep(0.2)
+        else:
+            self.log(f"drain: not every run settled within {self.config.drain_timeout}s")
+        self.stopping.extend(drainers)
+        for worker in drainers:
+            worker.terminate()
+        self._collect_stopped(timeout=15)
+
+    def _cleanup(self) -> None:
+        self._thaw_all()
+        for worker in [*self.workers, *self.stopping]:
+            if worker.returncode is None:
+                worker.kill()
+            self._retire(worker)
+        self.stopping.clear()
+        if self.reaper is not None:
+            self.reaper.close()
+            self.reaper = None
+
+
+def _pids(worker_ids: Iterable[str]) -> set[int]:
+    """The process ids in worker ids of the form host:pid:random."""
+    return {int(w.split(":")[-2]) for w in worker_ids if w.count(":") >= 2}
+
+
+def _thaw(worker: helpers.ManageProcess) -> None:
+    if worker.popen.poll() is None:
+        worker.send_signal(signal.SIGCONT)
+
+
+def _outcomes() -> dict[str, int]:
+    rows = AgentRun.objects.values_list("status", "reason")
+    counts: dict[str, int] = {}
+    for status, reason in rows:
+        key = f"{status}/{reason}" if status == Status.FAILED else status
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _connection_params() -> dict[str, Any]:
+    params = dict(connection.get_connection_params())
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    return params
+
+
+def postgres_version() -> str:
+    """The local cluster's major version, from /etc/postgresql (the newest if several)."""
+    root = Path("/etc/postgresql")
+    versions = sorted((p.name for p in root.iterdir() if p.is_dir()),
+                      key=lambda v: [int(x) for x in v.split(".") if x.isdigit()]) \
+        if root.is_dir() else []
+    if not versions:
+        raise RuntimeError("no PostgreSQL cluster in /etc/postgresql to restart; "
+                           "use pg_restart='terminate' against a remote server")
+    return versions[-1]
+
+
+def wait_for_postgres(params: dict[str, Any], timeout: float = 60) -> None:
+    import psycopg
+
+    def answers() -> bool:
+        try:
+            psycopg.connect(**{**params, "connect_timeout": 2}).close()
+        except psycopg.Error:
+            return False
+        return True
+
+    helpers.wait_until(answers, timeout=timeout, interval=0.2,
+                       message="PostgreSQL to answer again after the restart")
+
+
+def default_restart_mode() -> str:
+    """``CHAOS_PG_RESTART`` = cluster (default) | terminate | none.
+
+    "terminate" ends only this database's sessions instead of restarting the server: use
+    it on a server shared with other work, where a restart would break that work too.
+    """
+    mode = os.environ.get("CHAOS_PG_RESTART", "cluster")
+    if mode not in ("cluster", "terminate", "none"):
+        raise ValueError(f"CHAOS_PG_RESTART must be cluster, terminate or none, not {mode!r}")
+    return mode

@@ -1,0 +1,48 @@
+"""Proof under fire: hundreds of multi-step runs through workers that keep being killed.
+
+See `tests.chaos.harness` for the faults and `tests.chaos.invariants` for what is checked.
+Each test prints ``chaos: runs=N kills=K restarts=R sigterms=S checks=C violations=V`` in
+pytest's terminal summary and fails, listing them, if any violation was found.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos.harness import Chaos, ChaosConfig, ChaosReport, default_restart_mode
+
+
+def assert_no_violations(report: ChaosReport) -> None:
+    shown = "\n".join(f"- {v}" for v in report.violations[:50])
+    more = len(report.violations) - 50
+    assert not report.violations, (
+        f"{report.summary()}\n{report.details()}\n{shown}"
+        + (f"\n... and {more} more" if more > 0 else ""))
+
+
+@pytest.mark.slow
+@pytest.mark.postgres_only
+def test_chaos_on_postgresql(worker_env: dict[str, str]) -> None:
+    config = ChaosConfig(runs=500, workers=3, concurrency=4, seed=1,
+                         pg_restart=default_restart_mode(), drain_workers=3)
+    report = Chaos(config, worker_env).run()
+    assert_no_violations(report)
+    # The faults happened, and hit busy workers: otherwise this proves nothing.
+    assert report.runs == 500
+    assert report.kills >= 20, report.summary()
+    assert report.restarts == (0 if config.pg_restart == "none" else 1), report.summary()
+    assert report.sigterms == 1, report.summary()
+    assert report.abandoned >= 10, report.details()
+
+
+@pytest.mark.slow
+@pytest.mark.sqlite_only
+def test_chaos_on_sqlite(worker_env: dict[str, str]) -> None:
+    config = ChaosConfig(runs=150, workers=2, concurrency=3, seed=2, pg_restart="none",
+                         freeze_every=8.0, drain_workers=2)
+    report = Chaos(config, worker_env).run()
+    assert_no_violations(report)
+    assert report.runs == 150
+    assert report.kills >= 5, report.summary()
+    assert report.sigterms == 1, report.summary()
+    assert report.abandoned >= 3, report.details()

@@ -1,0 +1,142 @@
+"""Connection faults at the worst moments (PostgreSQL): the worker logs, backs off, goes on,
+and no run is lost.
+
+Each fault is placed exactly: a second real connection holds a lock, so the worker's claim
+(or settle) waits on it, visibly, in ``pg_stat_activity``; then its session is terminated,
+or its statement times out, while it waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection
+
+from django_agentruns import enqueue
+from django_agentruns.models import AgentRun, RunEvent, Status
+from tests import helpers
+from tests.testapp.chaos_agents import CHAOS
+from tests.testapp.models import SideEffect
+
+TABLE = AgentRun._meta.db_table
+CLAIM_SQL = "%SKIP LOCKED%"  # the claim's SELECT of due (or lapsed) runs
+SETTLE_SQL = f'UPDATE "{TABLE}" SET "status"%'  # settle_succeeded's guarded UPDATE
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres_only]
+
+
+@contextmanager
+def second_connection() -> Iterator[psycopg.Connection[Any]]:
+    """A connection of its own to the test database, outside Django (so: outside its
+    transaction handling), for holding locks and terminating sessions."""
+    params = dict(connection.get_connection_params())
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    with psycopg.connect(**params, autocommit=True) as conn:
+        yield conn
+
+
+def waiting_backend(admin: psycopg.Connection[Any], query_like: str,
+                    exclude: tuple[int, ...] = ()) -> int | None:
+    """The pid of a session on the test database waiting on a lock in a query like this."""
+    row = admin.execute(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+        "AND wait_event_type = 'Lock' AND query LIKE %s AND pid <> ALL(%s) ORDER BY pid",
+        [query_like, list(exclude)]).fetchone()
+    return None if row is None else int(row[0])
+
+
+def terminate(admin: psycopg.Connection[Any], pid: int) -> None:
+    row = admin.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone()
+    assert row is not None
+    assert row[0], f"backend {pid} was not terminated"
+
+
+def statuses(run_ids: list[int]) -> set[str]:
+    return set(AgentRun.objects.filter(pk__in=run_ids).values_list("status", flat=True))
+
+
+def test_connection_terminated_mid_claim_loses_nothing(worker_env: dict[str, str]) -> None:
+    runs = [enqueue(CHAOS, {"steps": 2}).pk for _ in range(4)]
+    with second_connection() as locker, second_connection() as admin:
+        # EXCLUSIVE lets plain reads through but stops the claim's SELECT ... FOR UPDATE.
+        locker.execute("BEGIN")
+        locker.execute(f'LOCK TABLE "{TABLE}" IN EXCLUSIVE MODE')
+        with helpers.start_manage(["runworker", "--concurrency", "2"], worker_env) as worker:
+            killed: tuple[int, ...] = ()
+            for round_ in range(2):  # the first claim, then the retry after the backoff
+                pid = helpers.wait_until(lambda k=killed: waiting_backend(admin, CLAIM_SQL, k),
+                                         timeout=30, message=f"a claim blocked ({round_})")
+                terminate(admin, pid)
+                killed += (pid,)
+            # Nothing was claimed while the claims died: the runs are all still queued.
+            assert statuses(runs) == {Status.QUEUED}
+            locker.execute("ROLLBACK")
+            helpers.wait_until(lambda: statuses(runs) == {Status.SUCCEEDED}, timeout=30,
+                               message="every run to succeed once the lock is gone")
+            assert worker.returncode is None, worker.output()
+            log = worker.stderr
+            assert worker.stop() == 0, worker.output()
+    assert log.count("worker pass failed") >= 2, log
+    assert "terminating connection due to administrator command" in log, log
+    # The killed claims rolled back whole: one attempt each, no takeover, no double effect.
+    assert set(AgentRun.objects.filter(pk__in=runs).values_list("attempt", flat=True)) == {1}
+    assert not RunEvent.objects.filter(run_id__in=runs, type="run.abandoned").exists()
+    assert SideEffect.objects.filter(run_id__in=runs, note="effect").count() == 2 * len(runs)
+
+
+def test_connection_terminated_mid_settle_loses_nothing(worker_env: dict[str, str]) -> None:
+    run = enqueue("tests.busy_sleep", {"seconds": 30}).pk
+    with helpers.start_manage(["runworker"], worker_env) as worker:
+        helpers.wait_until(lambda: SideEffect.objects.filter(run_id=run, note="start").exists(),
+                           message="the agent to start")
+        with second_connection() as locker, second_connection() as admin:
+            locker.execute("BEGIN")
+            locker.execute(f'SELECT 1 FROM "{TABLE}" WHERE id = %s FOR UPDATE', [run])
+            SideEffect.objects.create(run_id=run, note="open")  # the agent returns now
+            pid = helpers.wait_until(lambda: waiting_backend(admin, SETTLE_SQL), timeout=30,
+                                     message="settle_succeeded blocked on the row lock")
+            terminate(admin, pid)
+            locker.execute("ROLLBACK")
+        # The outcome was not written; the run stays running until its lease lapses, then
+        # the worker's own claim (or reap) takes it back, and attempt 2 settles it.
+        helpers.wait_until(lambda: statuses([run]) == {Status.SUCCEEDED}, timeout=30,
+                           message="the run to succeed on its second attempt")
+        assert worker.returncode is None, worker.output()
+        log = worker.stderr
+        assert worker.stop() == 0, worker.output()
+    assert "could not record the attempt's outcome" in log, log
+    row = AgentRun.objects.get(pk=run)
+    assert row.attempt == 2
+    types = list(RunEvent.objects.filter(run_id=run).values_list("type", flat=True))
+    assert types == ["run.started", "run.abandoned", "run.retrying", "run.started",
+                     "run.succeeded"], types
+
+
+def test_statement_timeout_on_the_claim_is_logged_and_survived(
+    worker_env: dict[str, str],
+) -> None:
+    # The worker's sessions get a 300 ms statement_timeout (DATABASE_URL ?options=...).
+    env = {**worker_env,
+           "DATABASE_URL": worker_env["DATABASE_URL"] + "?options=-c%20statement_timeout%3D300"}
+    runs = [enqueue(CHAOS, {"steps": 2}).pk for _ in range(3)]
+    with second_connection() as locker:
+        locker.execute("BEGIN")
+        locker.execute(f'LOCK TABLE "{TABLE}" IN EXCLUSIVE MODE')
+        with helpers.start_manage(["runworker"], env) as worker:
+            helpers.wait_until(lambda: worker.stderr.count("statement timeout") >= 2,
+                               timeout=30, message="two claims to time out")
+            assert statuses(runs) == {Status.QUEUED}
+            locker.execute("ROLLBACK")
+            helpers.wait_until(lambda: statuses(runs) == {Status.SUCCEEDED}, timeout=30,
+                               message="every run to succeed once the lock is gone")
+            assert worker.returncode is None, worker.output()
+            log = worker.stderr
+            assert worker.stop() == 0, worker.output()
+    assert "worker pass failed" in log, log
+    assert "canceling statement due to statement timeout" in log, log
+    assert set(AgentRun.objects.filter(pk__in=runs).values_list("attempt", flat=True)) == {1}

@@ -1,0 +1,456 @@
+"""Bad input, generated (guarantee 10): whatever a caller passes, `enqueue` either stores
+exactly what JSON would keep or raises `InvalidInputError` / `UnknownAgentError`, and a
+refused call writes nothing; whatever AGENTRUNS holds, the system checks report it with
+stable ids and never crash.
+
+The examples in test_enqueue.py and test_checks.py name the known cases; these properties
+look for the unknown ones, on both engines (a value SQLite stores may be one PostgreSQL
+refuses: NUL characters, lone surrogates, deep nesting).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from datetime import UTC, datetime, timedelta, timezone
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from django.db import transaction
+from django.test import override_settings
+from django.utils import timezone as django_tz
+from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import strategies as st
+
+from django_agentruns import (
+    CancelResult,
+    InvalidInputError,
+    RunRequest,
+    UnknownAgentError,
+    cancel,
+    enqueue,
+    enqueue_many,
+    retry,
+    run_now,
+)
+from django_agentruns import checks as agentruns_checks
+from django_agentruns.conf import AppSettings, Defaults
+from django_agentruns.context import unstorable_text
+from django_agentruns.models import AgentRun, RunEvent
+
+AGENT = "tests.noop"
+DOCUMENTED = (InvalidInputError, UnknownAgentError)
+CHECK_IDS = {value for value in vars(agentruns_checks).values()
+             if isinstance(value, str) and re.fullmatch(r"agentruns\.[EW]\d{3}", value)}
+
+# Each example runs in the test's transaction, rolled back after: no need for a clean slate.
+PROPERTY = settings(max_examples=150, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+
+
+class Nested(list[Any]):
+    """Lists `depth` deep, with a short repr (hypothesis prints failing examples)."""
+
+    def __init__(self, depth: int) -> None:
+        value: list[Any] = []
+        for _ in range(depth - 1):
+            value = [value]
+        super().__init__([value])
+        self.depth = depth
+
+    def __repr__(self) -> str:
+        return f"Nested({self.depth})"
+
+
+def nested(depth: int) -> Any:
+    return Nested(depth)
+
+
+class Opaque:
+    """Not JSON, and says so in its repr."""
+
+    def __repr__(self) -> str:
+        return "<Opaque>"
+
+
+# Text as callers really send it, odd Unicode included: NUL, lone surrogates, emoji,
+# combining marks, right-to-left, private use.
+odd_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=30) | \
+    st.sampled_from(["\x00", "a\x00b", "\ud800", "x\udfff", "\ud83d\ude00", "😀", "é",
+                     "\u202e", "\ufeff", "\uffff", "\U0010ffff", "\\u0000", '"', "\\"])
+json_leaves = st.none() | st.booleans() | st.integers() | \
+    st.floats(allow_nan=True, allow_infinity=True) | odd_text
+junk = st.builds(Opaque) | st.builds(object) | st.sets(st.integers(), max_size=3) | \
+    st.binary(max_size=10) | st.just(Decimal("1.5")) | st.datetimes() | \
+    st.just(float("nan")) | st.just(float("-inf")) | st.complex_numbers(max_magnitude=5)
+payloads = st.recursive(
+    json_leaves | junk,
+    lambda children: st.lists(children, max_size=4) | st.tuples(children, children)
+    | st.dictionaries(odd_text | st.integers() | st.floats() | st.booleans() | st.none()
+                      | st.tuples(st.integers()), children, max_size=4),
+    max_leaves=25,
+)
+
+
+def run_count() -> int:
+    return AgentRun.objects.count()
+
+
+def as_json(value: Any) -> Any:
+    """What storing `value` as JSON keeps of it: tuples become lists, keys strings."""
+    return json.loads(json.dumps(value, allow_nan=False))
+
+
+def same_json(stored: Any, expected: Any) -> bool:
+    """Equal as JSON values. A number may come back as another type of the same value:
+    PostgreSQL's jsonb keeps numbers as numerics, so 5.6e16 is read back as an int."""
+    if isinstance(expected, dict):
+        return isinstance(stored, dict) and stored.keys() == expected.keys() and all(
+            same_json(stored[k], v) for k, v in expected.items())
+    if isinstance(expected, list):
+        return isinstance(stored, list) and len(stored) == len(expected) and all(
+            same_json(a, b) for a, b in zip(stored, expected, strict=True))
+    if isinstance(expected, float) and isinstance(stored, int) \
+            and not isinstance(stored, bool):
+        return float(stored) == expected
+    return type(stored) is type(expected) and stored == expected
+
+
+def attempt(call: Any) -> tuple[Any, BaseException | None]:
+    """Call, in a savepoint of its own (so a database error cannot poison the test's
+    transaction and hide what it left behind), and return the result or the exception."""
+    try:
+        with transaction.atomic():
+            return call(), None
+    except Exception as exc:
+        return None, exc
+
+
+@pytest.mark.django_db
+@PROPERTY
+@given(value=payloads)
+@example(value={"text": "a\x00b"})
+@example(value={"a\x00": 1})
+@example(value=["\ud800"])
+@example(value={"pair": "\ud83d\ude00"})  # two code points, not one emoji
+@example(value=nested(200))
+@example(value=nested(5000))
+@example(value=nested(200_000))
+@example(value={1: "int key", "1": "str key"})
+@example(value={"big": 10**100, "small": -(10**100), "tiny": 5e-324})
+def test_enqueue_input_is_stored_as_json_keeps_it_or_refused(value: Any) -> None:
+    before = run_count()
+    run, error = attempt(lambda: enqueue(AGENT, value))
+    if error is not None:
+        assert isinstance(error, InvalidInputError), f"{type(error).__name__}: {error}"
+        assert str(error), "an error without a message"
+        assert run_count() == before, "a refused enqueue left a row behind"
+        return
+    assert run_count() == before + 1
+    stored = AgentRun.objects.get(pk=run.pk).input
+    assert same_json(stored, as_json({} if value is None else value)), stored
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("size", [1_000_000, 8_000_000])
+def test_a_huge_payload_is_stored_whole(size: int) -> None:
+    value = {"blob": "x" * size, "items": list(range(size // 100))}
+    run = enqueue(AGENT, value)
+    assert AgentRun.objects.get(pk=run.pk).input == value
+
+
+anything = payloads | st.integers(min_value=-(2**70), max_value=2**70) | \
+    st.timedeltas() | st.datetimes(timezones=st.none() | st.just(UTC)) | \
+    st.just(timedelta.max) | st.just(timedelta.min) | st.just(datetime.max.replace(tzinfo=UTC))
+agent_names = st.sampled_from([AGENT, "tests.chaos", "tests.ordered", "no.such.agent", ""]) | \
+    anything
+scopes = st.sampled_from(["", "ticket-42", "s" * 255, "s" * 256]) | anything
+queues = st.sampled_from([None, "default", "other", "", "q" * 100, "q" * 101]) | anything
+priorities = st.none() | st.integers(min_value=-40_000, max_value=40_000) | anything
+run_afters = st.none() | st.floats() | st.integers() | st.timedeltas() | \
+    st.datetimes(timezones=st.none() | st.just(UTC) | st.just(timezone(timedelta(hours=-12)))) \
+    | anything
+fired_seqs = st.integers(min_value=-(2**64), max_value=2**64) | anything
+
+
+@pytest.mark.django_db
+@PROPERTY
+@given(agent=agent_names, scope=scopes, queue=queues, priority=priorities,
+       run_after=run_afters, fired_seq=fired_seqs)
+@example(agent=AGENT, scope="\ud800", queue=None, priority=None, run_after=None, fired_seq=0)
+@example(agent=AGENT, scope="", queue="q\udfff", priority=None, run_after=None, fired_seq=0)
+@example(agent=AGENT, scope="", queue=None, priority=None, run_after=timedelta.max,
+         fired_seq=0)
+@example(agent=AGENT, scope="", queue=None, priority=None, run_after=timedelta.min,
+         fired_seq=0)
+@example(agent=AGENT, scope="", queue=None, priority=None,
+         run_after=datetime.max.replace(tzinfo=UTC), fired_seq=0)
+@example(agent=["unhashable"], scope="", queue=None, priority=None, run_after=None,
+         fired_seq=0)
+def test_every_argument_of_enqueue_is_checked(
+    agent: Any, scope: Any, queue: Any, priority: Any, run_after: Any, fired_seq: Any,
+) -> None:
+    before = run_count()
+    run, error = attempt(lambda: enqueue(agent, {"n": 1}, scope=scope, queue=queue,
+                                         priority=priority, run_after=run_after,
+                                         fired_seq=fired_seq))
+    if error is not None:
+        assert isinstance(error, DOCUMENTED), f"{type(error).__name__}: {error}"
+        assert run_count() == before, "a refused enqueue left a row behind"
+        if isinstance(error, UnknownAgentError):
+            assert repr(str(agent)) in str(error)
+        return
+    stored = AgentRun.objects.get(pk=run.pk)
+    assert (stored.agent, stored.scope, stored.fired_seq) == (agent, scope, fired_seq)
+    assert stored.queue == (queue if queue is not None else "default")
+    if priority is not None:
+        assert stored.priority == priority
+    if isinstance(run_after, datetime):
+        assert stored.available_at == run_after
+    assert not RunEvent.objects.filter(run_id=run.pk).exists()
+
+
+requests = st.fixed_dictionaries(
+    {"agent": st.sampled_from([AGENT, "tests.chaos"]), "input": payloads},
+    optional={"scope": scopes, "queue": queues, "priority": priorities,
+              "run_after": run_afters, "fired_seq": fired_seqs,
+              "surprise": anything},
+)
+
+
+@pytest.mark.django_db
+@settings(PROPERTY, max_examples=80)
+@given(batch=st.lists(requests, min_size=1, max_size=5), as_objects=st.booleans())
+def test_enqueue_many_writes_all_or_nothing(batch: list[dict[str, Any]],
+                                            as_objects: bool) -> None:
+    before = run_count()
+    if as_objects:
+        assume(all("surprise" not in r for r in batch))
+        given_requests: list[Any] = [RunRequest(**r) for r in batch]
+    else:
+        given_requests = batch
+    runs, error = attempt(lambda: enqueue_many(given_requests))
+    if error is not None:
+        assert isinstance(error, DOCUMENTED), f"{type(error).__name__}: {error}"
+        assert run_count() == before, "part of a refused batch was written"
+        return
+    assert run_count() == before + len(batch)
+    for run, request in zip(runs, batch, strict=True):
+        stored = AgentRun.objects.get(pk=run.pk)
+        value = request["input"]
+        assert same_json(stored.input, as_json({} if value is None else value)), stored.input
+
+
+# --------------------------------------------------------------------------- free text
+
+@pytest.mark.django_db
+@PROPERTY
+@given(message=odd_text)
+@example(message="a\x00b")
+@example(message="lone \ud800 surrogate")
+def test_an_agent_error_with_any_message_is_recorded(message: str) -> None:
+    """The error is the agent's to raise, so it is recorded as well as it can be (NUL and
+    surrogates escaped), never replaced by a database error that leaves the run running."""
+    with pytest.raises(ValueError) as raised:  # noqa: PT011 (any message: it is the input)
+        run_now("tests.raises", {"codepoints": [ord(c) for c in message]})
+    assert str(raised.value) == message
+    assert type(raised.value) is ValueError, "the agent's error, not a storage error"
+    run = AgentRun.objects.filter(agent="tests.raises").latest("pk")
+    assert (run.status, run.reason, run.error_type) == ("failed", "error", "ValueError")
+    assert not unstorable_text(run.error_message)
+    if not unstorable_text(message):
+        assert run.error_message == message
+
+
+@pytest.mark.django_db
+@PROPERTY
+@given(reason=odd_text | anything, by=odd_text | anything)
+@example(reason="nul \x00", by="lone \udc80")
+def test_cancel_and_retry_take_any_reason_and_operator(reason: Any, by: Any) -> None:
+    run = enqueue(AGENT)
+    result, error = attempt(lambda: cancel(run.pk, reason=reason))
+    assert error is None, f"{type(error).__name__}: {error}"
+    assert result is CancelResult.CANCELLED
+    retried, error = attempt(lambda: retry(run.pk, by=by))
+    assert error is None, f"{type(error).__name__}: {error}"
+    assert retried is True
+    assert AgentRun.objects.get(pk=run.pk).status == "queued"
+
+
+# --------------------------------------------------------------------------- settings
+
+NUMBERS = {"LEASE_TTL", "POLL_INTERVAL", "BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL",
+           "GRACE", "MAX_REQUEUES", "CLAIM_BATCH", "BACKOFF_JITTER"}
+odd_numbers = st.integers() | st.floats() | st.just(10**400) | st.just(-(10**400)) | \
+    st.just(float("nan")) | st.just(float("inf")) | st.just(1e308) | st.booleans()
+setting_values = odd_numbers | st.none() | odd_text | st.lists(st.integers(), max_size=2) | \
+    st.builds(Opaque) | st.just(Decimal("2.5")) | st.just("60")
+unknown_keys = st.text(min_size=1, max_size=12).filter(lambda k: k not in AppSettings.known())\
+    | st.integers() | st.tuples(st.integers())
+classifiers = st.sampled_from([None, "django_agentruns.policy.http_status",
+                               "django_agentruns.conf.SETTING_NAME", "no_such_module.f",
+                               "django_agentruns.no_such_function", "classify", "", "a..b"]) \
+    | setting_values
+
+
+def check_messages(value: Any) -> list[Any]:
+    with override_settings(AGENTRUNS=value):
+        return agentruns_checks.check_settings()
+
+
+def assert_well_formed(messages: list[Any]) -> None:
+    for message in messages:
+        assert message.id in CHECK_IDS, message
+        assert message.msg, message
+        assert message.hint, message
+
+
+@PROPERTY
+@given(value=st.dictionaries(st.sampled_from(sorted(AppSettings.known())), setting_values)
+       | st.dictionaries(unknown_keys, setting_values, max_size=3)
+       | st.dictionaries(st.sampled_from(sorted(AppSettings.known())) | unknown_keys,
+                         setting_values, max_size=6))
+@example(value={"LEASE_TTL": 10**400})
+@example(value={"MAX_REQUEUES": 10**400})
+@example(value={1: "a", "TYPO": 2})
+@example(value={"BACKOFF_BASE": 10**400, "BACKOFF_CAP": 1})
+def test_the_settings_check_reports_any_value_without_crashing(value: dict[Any, Any]) -> None:
+    messages = check_messages(value)
+    assert_well_formed(messages)
+    ids = [m.id for m in messages]
+    # Each unknown key is named by an E002 of its own.
+    for key in set(value) - AppSettings.known():
+        assert any(m.id == agentruns_checks.E002_UNKNOWN_SETTING and repr(key) in m.msg
+                   for m in messages), (key, messages)
+    # A known key's value is judged by that key alone: reported or not, the same as when
+    # it stands alone (apart from the rules that relate two settings: E006, W003).
+    for key in set(value) & NUMBERS:
+        alone = {m.id for m in check_messages({key: value[key]})} - {
+            agentruns_checks.E006_BACKOFF_ORDER, agentruns_checks.W003_SHORT_LEASE}
+        if agentruns_checks.E003_BAD_NUMBER in alone:
+            assert any(m.id == agentruns_checks.E003_BAD_NUMBER and repr(key) in m.msg
+                       for m in messages), (key, messages)
+    assert ids.count(agentruns_checks.E001_NOT_A_DICT) == 0
+
+
+@PROPERTY
+@given(value=setting_values | st.lists(setting_values, max_size=3) | st.tuples(st.integers())
+       | st.sets(st.integers(), max_size=2))
+def test_an_agentruns_setting_that_is_not_a_dict_is_e001(value: Any) -> None:
+    assume(value is not None and not isinstance(value, dict))
+    messages = check_messages(value)
+    assert [m.id for m in messages] == [agentruns_checks.E001_NOT_A_DICT]
+    assert_well_formed(messages)
+
+
+def good_number(key: str) -> st.SearchStrategy[Any]:
+    """Values each numeric setting accepts (the README's table): sensible magnitudes."""
+    if key == "CLAIM_BATCH":
+        return st.integers(min_value=1, max_value=1000)
+    if key == "MAX_REQUEUES":
+        return st.integers(min_value=0, max_value=1000)
+    if key == "BACKOFF_JITTER":
+        return st.floats(min_value=0, max_value=1)
+    if key in ("LEASE_TTL", "POLL_INTERVAL"):
+        return st.floats(min_value=0.001, max_value=86_400) | \
+            st.integers(min_value=1, max_value=86_400)
+    return st.floats(min_value=0, max_value=86_400) | st.integers(min_value=0, max_value=86_400)
+
+
+def bad_number(key: str) -> st.SearchStrategy[Any]:
+    """Values no numeric setting may hold: not numbers, not finite, out of range."""
+    wrong_type = st.none() | st.booleans() | odd_text | st.just(Decimal("1")) | \
+        st.lists(st.integers(), max_size=1) | st.just(10**400)
+    not_finite = st.sampled_from([float("nan"), float("inf"), float("-inf")])
+    if key == "CLAIM_BATCH":
+        out = st.integers(max_value=0) | st.floats(min_value=1.5, max_value=10, exclude_max=True)
+    elif key == "MAX_REQUEUES":
+        out = st.integers(max_value=-1) | st.just(2.5)
+    elif key == "BACKOFF_JITTER":
+        out = st.floats(min_value=1, exclude_min=True, allow_infinity=False) | \
+            st.floats(max_value=0, exclude_max=True, allow_infinity=False)
+    elif key in ("LEASE_TTL", "POLL_INTERVAL"):
+        out = st.floats(max_value=0, allow_infinity=False) | st.integers(max_value=0)
+    else:
+        out = st.floats(max_value=0, exclude_max=True, allow_infinity=False) | \
+            st.integers(max_value=-1)
+    return wrong_type | not_finite | out
+
+
+@PROPERTY
+@given(data=st.data(), keys=st.sets(st.sampled_from(sorted(NUMBERS)), min_size=1))
+def test_bad_numbers_get_e003_and_good_ones_nothing(data: st.DataObject,
+                                                    keys: set[str]) -> None:
+    value: dict[str, Any] = {}
+    bad: set[str] = set()
+    for key in sorted(keys):
+        if data.draw(st.booleans(), label=f"{key} bad"):
+            value[key] = data.draw(bad_number(key), label=key)
+            bad.add(key)
+        else:
+            value[key] = data.draw(good_number(key), label=key)
+    messages = check_messages(value)
+    assert_well_formed(messages)
+    flagged = {key for key in NUMBERS for m in messages
+               if m.id == agentruns_checks.E003_BAD_NUMBER and repr(key) in m.msg}
+    assert flagged == bad, messages
+    base = value.get("BACKOFF_BASE", Defaults.BACKOFF_BASE)
+    cap = value.get("BACKOFF_CAP", Defaults.BACKOFF_CAP)
+    backoff_disorder = not ({"BACKOFF_BASE", "BACKOFF_CAP"} & bad) and cap < base
+    others = {m.id for m in messages} - {agentruns_checks.E003_BAD_NUMBER,
+                                         agentruns_checks.W003_SHORT_LEASE}
+    assert others == ({agentruns_checks.E006_BACKOFF_ORDER} if backoff_disorder else set())
+
+
+@PROPERTY
+@given(classifier=classifiers, queue=st.sampled_from(["default", "", "q" * 101]) | setting_values,
+       token=st.none() | odd_text | st.text(min_size=16, max_size=40) | setting_values)
+def test_classifier_queue_and_token_are_reported_never_raised(classifier: Any, queue: Any,
+                                                              token: Any) -> None:
+    messages = check_messages({"CLASSIFIER": classifier, "DEFAULT_QUEUE": queue,
+                               "METRICS_TOKEN": token})
+    assert_well_formed(messages)
+    good_queue = isinstance(queue, str) and 1 <= len(queue) <= 100
+    assert (agentruns_checks.E005_BAD_QUEUE in {m.id for m in messages}) is not good_queue
+    if isinstance(token, str) and len(token) >= 16:
+        assert agentruns_checks.E007_BAD_METRICS_TOKEN not in {m.id for m in messages}
+    if token is not None and isinstance(token, str):
+        assert all(token not in m.msg for m in messages if len(token) >= 4), \
+            "a secret leaked into a check message"
+    if classifier is None or classifier == "django_agentruns.policy.http_status":
+        assert agentruns_checks.E004_BAD_CLASSIFIER not in {m.id for m in messages}
+
+
+DURATIONS = NUMBERS - {"MAX_REQUEUES", "CLAIM_BATCH", "BACKOFF_JITTER"}
+
+
+@PROPERTY
+@given(key=st.sampled_from(sorted(NUMBERS)),
+       value=odd_numbers | st.floats(min_value=1e5, max_value=1e300)
+       | st.integers(min_value=2**20, max_value=2**80))
+@example(key="LEASE_TTL", value=1e12)  # a lease that would end after the year 9999
+@example(key="POLL_INTERVAL", value=1e10)  # longer than a thread may wait
+@example(key="BACKOFF_CAP", value=10**15)
+@example(key="MAX_REQUEUES", value=2**31)  # does not fit the column
+def test_a_number_the_check_accepts_is_one_the_library_can_use(key: str, value: Any) -> None:
+    if agentruns_checks.E003_BAD_NUMBER in {m.id for m in check_messages({key: value})}:
+        return
+    if key in DURATIONS:
+        # Lease ends, backoff due times and deadlines are now + the setting; workers wait
+        # on threading events for up to POLL_INTERVAL.
+        django_tz.now() + timedelta(seconds=value)
+        assert value <= threading.TIMEOUT_MAX
+    elif key == "MAX_REQUEUES":
+        assert value <= 2**31 - 1, "AgentRun.max_requeues is an integer column"
+
+
+def test_property_strategies_reach_every_number_rule() -> None:
+    """The numeric keys here are the ones the check knows: a new one must be added."""
+    assert {k for k in AppSettings.known()
+            if isinstance(getattr(Defaults, k), int | float)
+            and not isinstance(getattr(Defaults, k), bool)} == NUMBERS
+    assert math.isfinite(Defaults.LEASE_TTL)
