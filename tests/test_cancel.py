@@ -31,16 +31,7 @@ from tests.testapp.models import SideEffect
 
 TTL = float(app_settings.LEASE_TTL)  # tests/settings.py: 2 s
 STOP_BOUND = TTL / 3 + 1.0  # guarantee 7's bound, with a second of slack for polling
-WORKER_THREADS = ("agentruns-keeper", "agentruns-listen")
 
-
-def wait_for_worker_threads() -> None:
-    """A stopped in-process worker's keeper and LISTEN threads close their connections up to
-    half a second after `Worker.run` returns; an open session would block dropping the
-    PostgreSQL test database."""
-    helpers.wait_until(lambda: not any(t.name in WORKER_THREADS and t.is_alive()
-                                       for t in threading.enumerate()),
-                       message="the worker's threads to end")
 
 
 def run(run_id: int) -> AgentRun:
@@ -89,7 +80,6 @@ def claim_one(agent: str, worker: str = "w1") -> AttemptRef:
 def burst() -> None:
     """Run everything due with an in-process worker, in this thread, until nothing is due."""
     Worker(burst=True, reap_interval=0).run(install_signals=False)
-    wait_for_worker_threads()
 
 
 @contextmanager
@@ -114,7 +104,6 @@ def background_worker(concurrency: int = 2) -> Iterator[Worker]:
         worker.stop()
         thread.join(timeout=30)
         assert not thread.is_alive(), "the worker did not stop"
-        wait_for_worker_threads()
     assert not errors, errors
 
 

@@ -9,9 +9,8 @@ mounts the example's view with a test agent.
 
 from __future__ import annotations
 
-import os
+import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,61 +20,26 @@ from django.http import HttpRequest
 from django_agentruns import stream
 from django_agentruns.models import AgentRun, RunEvent, Status
 from tests import helpers
+from tests.browser import BROWSER_MARKS, SCREENSHOTS, launched_browser, new_page
 from tests.testapp.models import SideEffect
 
-try:
-    from playwright.sync_api import Browser, Page, expect, sync_playwright
-except ImportError:  # the skip below says what to install
-    sync_playwright = None
+with contextlib.suppress(ImportError):  # tests.browser's marks skip (or fail in CI)
+    from playwright.sync_api import Browser, Page, expect
 
-CHROMIUM = Path("/usr/bin/chromium")
-SCREENSHOTS = helpers.REPO_ROOT / os.environ.get("AGENTRUNS_SCREENSHOTS", "artifacts/screenshots")
 DEMO_TEMPLATES = helpers.REPO_ROOT / "example_project" / "demo" / "templates"
 LIVE_PAGE = "/demo/live/"
-ASYNC_UNSAFE = "DJANGO_ALLOW_ASYNC_UNSAFE"
 
-# In CI (CI=true) a missing browser is a failure, not a skip: .ci/run installs it.
-MAY_SKIP = not os.environ.get("CI")
-
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.slow,
-    pytest.mark.skipif(MAY_SKIP and sync_playwright is None, reason="playwright is not importable: "
-                       "pip install playwright (never `playwright install`)"),
-    pytest.mark.skipif(MAY_SKIP and not CHROMIUM.exists(),
-                       reason=f"{CHROMIUM} is missing: apt-get install -y chromium"),
-]
+pytestmark = BROWSER_MARKS
 
 
 @pytest.fixture(scope="module")
-def _allow_orm_beside_playwright() -> Iterator[None]:
-    """Playwright's sync API keeps an event loop on this thread, and Django's ORM would take
-    the test's own queries (and pytest-django's flush) for async code. This module only."""
-    before = os.environ.get(ASYNC_UNSAFE)
-    os.environ[ASYNC_UNSAFE] = "true"
-    yield
-    if before is None:
-        del os.environ[ASYNC_UNSAFE]
-    else:
-        os.environ[ASYNC_UNSAFE] = before
-
-
-@pytest.fixture(scope="module")
-def browser(_allow_orm_beside_playwright: None) -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run"])
-        yield launched
-        launched.close()
+def browser() -> Iterator[Browser]:
+    yield from launched_browser()
 
 
 @pytest.fixture
 def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context(viewport={"width": 1100, "height": 700})
-    context.set_default_timeout(10_000)
-    yield context.new_page()
-    context.close()
+    yield from new_page(browser, 1100, 700)
 
 
 @pytest.fixture

@@ -31,16 +31,7 @@ from tests.testapp.models import SideEffect
 TIMEOUT_ERROR = "django_agentruns.exceptions.AttemptTimeout"
 
 
-WORKER_THREADS = ("agentruns-keeper", "agentruns-listen")
 
-
-def wait_for_worker_threads() -> None:
-    """A stopped in-process worker's keeper and LISTEN threads close their connections up to
-    half a second after `Worker.run` returns; an open session would block dropping the
-    PostgreSQL test database."""
-    helpers.wait_until(lambda: not any(t.name in WORKER_THREADS and t.is_alive()
-                                       for t in threading.enumerate()),
-                       message="the worker's threads to end")
 
 
 def run(run_id: int) -> AgentRun:
@@ -60,7 +51,6 @@ def burst() -> float:
     """Run everything due in an in-process worker, in this thread; return the seconds taken."""
     began = time.monotonic()
     Worker(burst=True, reap_interval=0).run(install_signals=False)
-    wait_for_worker_threads()
     return time.monotonic() - began
 
 
@@ -154,7 +144,6 @@ def test_sync_agent_stuck_past_its_timeout_loses_its_lease_and_is_reclaimed() ->
     finally:
         worker.stop()
         thread.join(timeout=20)
-        wait_for_worker_threads()
 
     row = run(stuck.pk)
     assert (row.status, row.attempt, row.output) == (Status.SUCCEEDED, 2, {"attempt": 2})

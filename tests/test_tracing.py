@@ -8,7 +8,6 @@ worker so their spans end in this process.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,6 @@ import pytest
 from django_agentruns import Retryable, enqueue, tracing
 from django_agentruns.models import AgentRun
 from django_agentruns.worker import Worker
-from tests import helpers
 
 try:
     from opentelemetry import trace
@@ -33,7 +31,6 @@ MAY_SKIP = not os.environ.get("CI")
 pytestmark = pytest.mark.skipif(MAY_SKIP and trace is None, reason="opentelemetry-sdk is not "
                                 "installed: pip install 'django-agentruns[test]'")
 
-WORKER_THREADS = ("agentruns-keeper", "agentruns-listen")
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +60,6 @@ def attempt_spans(exporter: InMemorySpanExporter, run: AgentRun) -> list[Readabl
 
 def burst() -> None:
     Worker(burst=True, reap_interval=0).run(install_signals=False)
-    helpers.wait_until(lambda: not any(t.name in WORKER_THREADS and t.is_alive()
-                                       for t in threading.enumerate()),
-                       message="the worker's threads to end")
 
 
 def a_run(**fields: Any) -> AgentRun:

@@ -4,7 +4,6 @@ worker keeps serving, and no run is lost (at worst an attempt is retried)."""
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 import pytest
@@ -14,17 +13,6 @@ from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, Status
 from django_agentruns.worker import Worker
 from tests import helpers
-
-WORKER_THREADS = ("agentruns-keeper", "agentruns-listen")
-
-
-def wait_for_worker_threads() -> None:
-    """A stopped in-process worker's keeper and LISTEN threads close their connections up to
-    half a second after `Worker.run` returns; an open session would block dropping the
-    PostgreSQL test database."""
-    helpers.wait_until(lambda: not any(t.name in WORKER_THREADS and t.is_alive()
-                                       for t in threading.enumerate()),
-                       message="the worker's threads to end")
 
 
 def statuses(run_ids: list[int]) -> dict[int, str]:
@@ -105,7 +93,6 @@ def test_a_failed_worker_pass_is_logged_and_retried(
     worker = Worker(burst=True, reap_interval=0)
     with caplog.at_level(logging.ERROR, logger="django_agentruns.worker"):
         stats = worker.run(install_signals=False)
-    wait_for_worker_threads()
 
     assert stats.pass_errors == 1
     assert stats.claimed == 1
