@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from django.db import close_old_connections
+from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
 from . import execution, metrics, reaper, tracing, transitions
@@ -253,7 +253,7 @@ class Worker:
                 # The agent may have left this thread's connection broken (the database
                 # restarted mid-run): replace it before the outcome is written.
                 close_old_connections()
-                settlement = execution.record(live.spec, control.ref, outcome)
+                settlement = self._record(live, outcome)
                 span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
             execution.log_settlement(control.ref, run.agent, settlement, outcome)
             self.stats.settled[settlement.value] = self.stats.settled.get(settlement.value, 0) + 1
@@ -271,6 +271,28 @@ class Worker:
                     del self._live[run.pk]
             close_old_connections()
             self._wake.set()
+
+    def _record(self, live: _Live, outcome: execution.Outcome) -> transitions.Settlement:
+        """Write the outcome, retrying a database error for up to half the lease.
+
+        Each settle is one guarded transaction, so a retry after a commit whose answer was
+        lost finds the guard unmatched and writes nothing twice. Past half the lease the
+        run is left to lapse and be reclaimed, as if this worker had died.
+        """
+        deadline = time.monotonic() + (live.control.ref.lease_ttl or 0.0) / 2
+        wait = 0.05
+        while True:
+            try:
+                return execution.record(live.spec, live.control.ref, outcome)
+            except DatabaseError as exc:
+                if time.monotonic() + wait > deadline:
+                    raise
+                logger.warning("run %s: recording the outcome failed (%s); retrying in %.2fs",
+                               live.run.pk, exc, wait,
+                               extra=_extra(live.control.ref, live.run.agent))
+                connection.close()
+                time.sleep(wait)
+                wait = min(1.0, wait * 2)
 
     def _outcome(self, live: _Live) -> execution.Outcome:
         if live.spec is None:

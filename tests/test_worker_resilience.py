@@ -104,3 +104,31 @@ def test_a_failed_worker_pass_is_logged_and_retried(
     row = AgentRun.objects.get(pk=queued.pk)
     assert (row.status, row.attempt, row.output) == (Status.SUCCEEDED, 1,
                                                      {"ok": True, "input": {"n": 1}})
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_outcome_that_fails_to_record_is_retried_within_the_lease(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A settle that meets a database error (e.g. 'too many clients') is tried again, so the
+    run is not left running for the reaper to take back."""
+    real_settle = transitions.settle_succeeded
+    calls: list[int] = []
+
+    def settle_failing_twice(*args: Any, **kwargs: Any) -> transitions.Settlement:
+        calls.append(1)
+        if len(calls) <= 2:
+            raise OperationalError("FATAL:  sorry, too many clients already")
+        return real_settle(*args, **kwargs)
+
+    monkeypatch.setattr(transitions, "settle_succeeded", settle_failing_twice)
+    queued = enqueue("tests.noop", {"n": 2})
+    with caplog.at_level(logging.WARNING, logger="django_agentruns.worker"):
+        stats = Worker(burst=True, reap_interval=0).run(install_signals=False)
+
+    assert len(calls) == 3
+    assert stats.settled == {"succeeded": 1}
+    retries = [r for r in caplog.records if "recording the outcome failed" in r.getMessage()]
+    assert len(retries) == 2
+    row = AgentRun.objects.get(pk=queued.pk)
+    assert (row.status, row.attempt, row.requeue_count) == (Status.SUCCEEDED, 1, 0)
