@@ -466,3 +466,20 @@ def test_without_the_tasks_framework_the_module_imports_and_the_backend_refuses(
                           check=False)
     assert done.returncode == 0, done.stderr
     assert f"refused: {UNAVAILABLE_REASON}" in done.stdout
+
+
+def test_a_backend_without_the_app_installed_fails_its_system_check(tasks: ModuleType) -> None:
+    from django.apps import apps
+
+    from django_agentruns.tasks.backend import E008_APP_NOT_INSTALLED, AgentRunsBackend
+
+    backend = AgentRunsBackend("default", {})
+    assert backend.check() == []
+    real = apps.is_installed
+    try:
+        apps.is_installed = lambda name: name != "django_agentruns"  # type: ignore[method-assign]
+        (message,) = backend.check()
+    finally:
+        apps.is_installed = real  # type: ignore[method-assign]
+    assert message.id == E008_APP_NOT_INSTALLED
+    assert "INSTALLED_APPS" in message.msg

@@ -11,6 +11,8 @@ from datetime import datetime, timedelta
 from inspect import iscoroutinefunction
 from typing import Any
 
+from django.apps import apps
+from django.core.checks import CheckMessage, Error
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.utils import timezone
@@ -19,6 +21,7 @@ from . import compat
 from .results import ASYNC_AGENT, SYNC_AGENT, TASK_AGENTS, read_result, task_input
 
 QUEUE_MAX = 100  # AgentRun.queue's length
+E008_APP_NOT_INSTALLED = "agentruns.E008"
 
 
 class AgentRunsBackend(compat.BaseTaskBackend):
@@ -31,6 +34,17 @@ class AgentRunsBackend(compat.BaseTaskBackend):
         if not compat.TASKS_AVAILABLE:
             raise ImproperlyConfigured(compat.UNAVAILABLE_REASON)
         super().__init__(alias, params)
+
+    def check(self, **kwargs: Any) -> list[CheckMessage]:
+        """The backend is configured but the app is not installed: no table, no worker."""
+        messages = list(super().check(**kwargs))
+        if not apps.is_installed("django_agentruns"):
+            messages.append(Error(
+                f"TASKS[{self.alias!r}] uses django_agentruns.tasks.AgentRunsBackend but "
+                "'django_agentruns' is not in INSTALLED_APPS.",
+                hint="Add 'django_agentruns' to INSTALLED_APPS and run migrate.",
+                id=E008_APP_NOT_INSTALLED))
+        return messages
 
     def validate_task(self, task: compat.Task[Any, Any]) -> None:
         super().validate_task(task)
