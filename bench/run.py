@@ -1,0 +1,717 @@
+"""Side-by-side benchmark: django-agentruns against django-tasks-db and procrastinate.
+
+    python -m bench [--quick] [--reps N] [--no-sqlite]
+
+One invocation runs every workload for every engine, interleaved (each repetition
+visits the engines in a rotated order), each trial on a fresh PostgreSQL database
+copied from a migrated template. It prints a markdown table of medians with the ratio
+of ours to the best peer, and writes it to bench/results.md with the machine it ran on.
+See bench/README.md for what each workload measures and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import psutil
+import psycopg
+
+from bench.engines import ENGINES, OURS, OURS_POOL, PEERS, Engine
+from bench.pg import PREFIX, REPO_ROOT, Admin, DbStats, django_env, migrate
+
+T = TypeVar("T")
+
+RUN_DB = f"{PREFIX}_run"
+RESULTS = Path(__file__).resolve().parent / "results.md"
+POLL = 0.02  # seconds between two looks at the queue while workers drain it
+
+
+@dataclass(frozen=True)
+class Plan:
+    reps: int
+    drain_runs: int
+    drain_cap: float
+    enqueue_one_runs: int
+    bulk_runs: int
+    bulk_batch: int
+    latency_rate: float
+    latency_seconds: float
+    io_runs: int
+    io_serial_runs: int
+    io_cap: float
+    io_concurrency: tuple[int, ...]
+    sqlite: bool
+    worker_warmup: float = 2.5
+    """Seconds an idle worker gets to start (and LISTEN) before the latency producer."""
+
+
+FULL = Plan(reps=3, drain_runs=5000, drain_cap=10.0, enqueue_one_runs=500, bulk_runs=2000,
+            bulk_batch=1000, latency_rate=20.0, latency_seconds=10.0, io_runs=1000,
+            io_serial_runs=70, io_cap=7.0, io_concurrency=(50, 100, 200), sqlite=True)
+QUICK = Plan(reps=1, drain_runs=1000, drain_cap=3.0, enqueue_one_runs=150, bulk_runs=1000,
+             bulk_batch=500, latency_rate=20.0, latency_seconds=3.0, io_runs=300,
+             io_serial_runs=20, io_cap=2.5, io_concurrency=(100,), sqlite=True,
+             worker_warmup=1.5)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- targets
+
+
+class Target(Protocol):
+    """The fresh database of one trial."""
+
+    url: str
+    polls: int
+
+    def open_poller(self) -> None: ...
+    def count(self, sql: str) -> int: ...
+    def close_poller(self) -> None: ...
+    def settle(self) -> None: ...
+    def stats(self) -> DbStats | None: ...
+    def drop(self) -> None: ...
+
+
+class PgTarget:
+    def __init__(self, admin: Admin) -> None:
+        self.admin = admin
+        self.url = admin.fresh(RUN_DB)
+        self.polls = 0
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def open_poller(self) -> None:
+        self._conn = psycopg.connect(self.url, autocommit=True)
+
+    def count(self, sql: str) -> int:
+        assert self._conn is not None
+        self.polls += 1  # each one is a committed transaction, subtracted from the worker's
+        row = self._conn.execute(sql).fetchone()  # type: ignore[arg-type]
+        return int(row[0]) if row else 0
+
+    def close_poller(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def settle(self) -> None:
+        self.admin.wait_idle(RUN_DB)
+
+    def stats(self) -> DbStats:
+        return self.admin.stats(RUN_DB)
+
+    def drop(self) -> None:
+        self.close_poller()
+        self.admin.drop(RUN_DB)
+
+
+class SqliteTarget:
+    def __init__(self, template: Path) -> None:
+        self.path = template.with_name("run.sqlite3")
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        shutil.copyfile(template, self.path)
+        self.url = f"sqlite:///{self.path}"
+        self.polls = 0
+        self._conn: sqlite3.Connection | None = None
+
+    def open_poller(self) -> None:
+        self._conn = sqlite3.connect(self.path, timeout=30)
+
+    def count(self, sql: str) -> int:
+        assert self._conn is not None
+        self.polls += 1
+        return int(self._conn.execute(sql).fetchone()[0])
+
+    def close_poller(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def settle(self) -> None:
+        pass
+
+    def stats(self) -> None:
+        return None
+
+    def drop(self) -> None:
+        self.close_poller()
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def client(url: str, engine: Engine, *args: str, env: dict[str, str] | None = None,
+           timeout: float = 600) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "bench.client", engine.key, *args],
+                          env=env or django_env(url), cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench.client {engine.key} {' '.join(args)} failed:\n{proc.stderr}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def start_workers(engine: Engine, count: int, concurrency: int, burst: bool,
+                  env: dict[str, str], logfile: Path) -> list[subprocess.Popen[bytes]]:
+    with open(logfile, "ab") as out:  # each child keeps its own copy of the descriptor
+        return [subprocess.Popen(engine.worker(concurrency, burst), env=env, cwd=REPO_ROOT,
+                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+                for _ in range(count)]
+
+
+def stop_workers(workers: Sequence[subprocess.Popen[bytes]], wait_first: float) -> None:
+    """Let burst workers exit on their own for `wait_first` s, then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + wait_first
+    for w in workers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.wait(max(0.0, deadline - time.monotonic()))
+    for w in workers:
+        if w.poll() is None:
+            w.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    for w in workers:
+        try:
+            w.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.kill()
+            w.wait()
+
+
+def peak_rss(handles: list[psutil.Process], peak: int) -> int:
+    for h in handles:
+        with contextlib.suppress(psutil.Error):
+            peak = max(peak, h.memory_info().rss)
+    return peak
+
+
+# --------------------------------------------------------------------------- trials
+
+
+def drain(target: Target, engine: Engine, kind: str, runs: int, processes: int,
+          concurrency: int, cap: float, logs: Path) -> dict[str, Any]:
+    """`runs` queued runs of `kind`; workers started; timed until the queue is empty
+    (or `cap` seconds). Commits, rows and statements are counted for the workers alone."""
+    client(target.url, engine, "prefill", kind, str(runs))
+    target.settle()
+    before = target.stats()
+    statements = logs / f"statements-{engine.key}-{time.monotonic_ns()}.txt"
+    env = django_env(target.url, BENCH_STATEMENTS_FILE=str(statements), **dict(engine.env))
+    sql = engine.pending_sql()
+    target.open_poller()
+    polls_before = target.polls
+    start = time.perf_counter()
+    workers = start_workers(engine, processes, concurrency, True, env,
+                            logs / f"{engine.key}-{kind}.log")
+    handles = [psutil.Process(w.pid) for w in workers]
+    peak = 0
+    while True:
+        remaining = target.count(sql)
+        now = time.perf_counter()
+        peak = peak_rss(handles, peak)
+        if remaining == 0 or now - start >= cap or all(w.poll() is not None for w in workers):
+            break
+        time.sleep(POLL)
+    elapsed = now - start
+    failed = [w.returncode for w in workers if w.poll() not in (None, 0)]
+    stop_workers(workers, wait_first=30.0 if remaining == 0 else 0.0)
+    # Runs in flight when the cap struck finish during the graceful stop: count them too
+    # when dividing the workers' commits and statements.
+    finished = runs - target.count(sql)
+    polls = target.polls - polls_before
+    target.close_poller()
+    target.settle()
+    after = target.stats()
+    done = runs - remaining
+    if failed or done == 0:
+        tail = (logs / f"{engine.key}-{kind}.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{engine.key} workers failed (exit {failed}, {done} done):\n{tail}")
+    result: dict[str, Any] = {"runs_per_s": done / elapsed, "done": done, "elapsed": elapsed,
+                              "capped": remaining > 0 and elapsed >= cap,
+                              # the workers left before the queue was done (a failed settle
+                              # leaves its run running until the lease lapses)
+                              "incomplete": remaining > 0 and elapsed < cap,
+                              "rss_mb": peak / 2**20}
+    if before is not None and after is not None:
+        result["commits"] = (after.commits - before.commits - polls) / finished
+        result["rows"] = (after.rows_written - before.rows_written) / finished
+    if statements.exists():
+        total = sum(int(line.split()[1]) for line in statements.read_text().splitlines())
+        result["statements"] = total / finished
+    return result
+
+
+def enqueue_one(target: Target, engine: Engine, runs: int) -> float:
+    result = client(target.url, engine, "enqueue-one", str(runs))
+    return float(result["count"] / result["seconds"])
+
+
+def enqueue_bulk(target: Target, engine: Engine, runs: int, batch: int) -> float:
+    result = client(target.url, engine, "enqueue-bulk", str(runs), str(batch))
+    return float(result["count"] / result["seconds"])
+
+
+def latency(target: Target, engine: Engine, rate: float, seconds: float, warmup: float,
+            logs: Path) -> dict[str, float]:
+    """Open-loop producer at `rate`/s against one idle worker; each agent writes its start
+    time, the producer its enqueue time, so both ends are measured the same way."""
+    starts = logs / f"latency-{engine.key}-{time.monotonic_ns()}.txt"
+    env = django_env(target.url, BENCH_LATENCY_FILE=str(starts))
+    workers = start_workers(engine, 1, 1, False, env, logs / f"{engine.key}-latency.log")
+    try:
+        time.sleep(warmup)
+        produced = client(target.url, engine, "produce", str(rate), str(seconds), "1",
+                          env=env, timeout=seconds + 120)
+        expected = int(produced["measured"])
+        deadline = time.monotonic() + 15
+
+        def measured() -> list[float]:
+            if not starts.exists():
+                return []
+            rows = [line.split() for line in starts.read_text().splitlines()]
+            return [1000 * (float(s) - float(t0)) for token, t0, s in rows if token[0] == "m"]
+
+        values = measured()
+        while len(values) < expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+            values = measured()
+    finally:
+        stop_workers(workers, wait_first=0.0)
+    if not values:
+        raise RuntimeError(f"{engine.key}: no latency samples")
+    return {"p50": percentile(values, 50), "p95": percentile(values, 95),
+            "p99": percentile(values, 99), "n": len(values), "missing": expected - len(values)}
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest rank: the smallest value with at least p% of the sample at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+# --------------------------------------------------------------------------- results
+
+HIGHER, LOWER = "↑", "↓"
+
+ROWS: list[tuple[str, str, str, str]] = [
+    # key, label, better, unit format
+    ("drain1", "no-op drain, 1 worker process (runs/s)", HIGHER, "rate"),
+    ("drain4", "no-op drain, 4 worker processes (runs/s)", HIGHER, "rate"),
+    ("enq_one", "enqueue one by one, a transaction each (runs/s)", HIGHER, "rate"),
+    ("enq_bulk", "enqueue in bulk, {batch} per transaction (runs/s)", HIGHER, "rate"),
+    ("lat_p50", "enqueue→start latency p50, idle worker, {rate:g}/s (ms)", LOWER, "ms"),
+    ("lat_p95", "enqueue→start latency p95 (ms)", LOWER, "ms"),
+    ("lat_p99", "enqueue→start latency p99 (ms)", LOWER, "ms"),
+    ("io_sleep_sync", "I/O-bound 100 ms sync agent, 1 process, best concurrency (runs/s)",
+     HIGHER, "rate"),
+    ("io_sleep_async", "I/O-bound 100 ms async agent, 1 process, best concurrency (runs/s)",
+     HIGHER, "rate"),
+    ("pool_sleep_sync", "I/O-bound sync, ours with Django's pool of 16 connections, c={pool_c} "
+     "(runs/s)", HIGHER, "rate"),
+    ("pool_sleep_async", "I/O-bound async, ours with Django's pool of 16 connections, "
+     "c={pool_c} (runs/s)", HIGHER, "rate"),
+    ("commits1", "worker commits per run, no-op drain, 1 process", LOWER, "per"),
+    ("commits4", "worker commits per run, no-op drain, 4 processes", LOWER, "per"),
+    ("statements1", "worker SQL statements per run, no-op drain, 1 process", LOWER, "per"),
+    ("rows1", "rows written per run, no-op drain, 1 process", LOWER, "per"),
+    ("rss_drain", "worker peak RSS, no-op drain, 1 process (MB)", LOWER, "mb"),
+    ("rss_io", "worker peak RSS, I/O async at best concurrency (MB)", LOWER, "mb"),
+    ("sqlite_drain1", "SQLite (ours only): no-op drain, 1 worker process (runs/s)", HIGHER,
+     "rate"),
+    ("sqlite_enq_one", "SQLite (ours only): enqueue one by one (runs/s)", HIGHER, "rate"),
+]
+
+
+class Results:
+    def __init__(self) -> None:
+        self.values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        # I/O sweeps: (kind, engine) -> concurrency -> runs/s per rep; and peak RSS
+        self.io: dict[tuple[str, str], dict[int, list[float]]] = defaultdict(
+            lambda: defaultdict(list))
+        self.io_rss: dict[tuple[str, str], dict[int, list[float]]] = defaultdict(
+            lambda: defaultdict(list))
+        self.capped: set[str] = set()
+        self.incomplete: set[str] = set()
+        # The concurrency the first repetition's sweep found best, kept for the others.
+        self.chosen: dict[tuple[str, str], int] = {}
+
+    def flag(self, key: str, engine: Engine, result: dict[str, Any]) -> None:
+        if result.get("capped"):
+            self.capped.add(f"{key}:{engine.key}")
+        if result.get("incomplete"):
+            self.incomplete.add(f"{key}:{engine.key}")
+
+    def add(self, key: str, engine: Engine, value: float) -> None:
+        self.values[key][engine.key].append(value)
+
+    def best_concurrency(self, kind: str, engine: Engine) -> int | None:
+        if (kind, engine.key) in self.chosen:
+            return self.chosen[(kind, engine.key)]
+        sweep = self.io.get((kind, engine.key))
+        if not sweep:
+            return None
+        return max(sweep, key=lambda c: statistics.median(sweep[c]))
+
+    def finish_io(self) -> None:
+        """Turn each engine's I/O sweep into its best-concurrency row."""
+        for (kind, key), sweep in self.io.items():
+            engine = next(e for e in ENGINES if e.key == key)
+            best = self.best_concurrency(kind, engine)
+            assert best is not None
+            self.values[f"io_{kind}"][key] = list(sweep[best])
+            for flags in (self.capped, self.incomplete):
+                if f"io_{kind}@{best}:{key}" in flags:
+                    flags.add(f"io_{kind}:{key}")
+            if kind == "sleep_async":
+                self.values["rss_io"][key] = list(self.io_rss[(kind, key)][best])
+
+    def median(self, key: str, engine: Engine) -> float | None:
+        values = self.values.get(key, {}).get(engine.key)
+        return statistics.median(values) if values else None
+
+
+def fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "—"
+    if unit == "rate":
+        return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+    if unit == "ms":
+        return f"{value:,.1f}"
+    if unit == "per":
+        return f"{value:.2f}"
+    return f"{value:.0f}"
+
+
+def table(results: Results, plan: Plan) -> str:
+    lines = ["| workload | ours | django-tasks-db | procrastinate | ratio ours / best peer |",
+             "|---|---:|---:|---:|---:|"]
+    for key, label, better, unit in ROWS:
+        if key not in results.values:
+            continue
+        label = label.format(batch=f"{plan.bulk_batch:,}", rate=plan.latency_rate,
+                             pool_c=max(plan.io_concurrency))
+        cells = []
+        for engine in ENGINES:
+            text = fmt(results.median(key, engine), unit)
+            if key.startswith("io_") and results.median(key, engine) is not None:
+                kind = key[3:]
+                best = results.best_concurrency(kind, engine)
+                text += f" (c={best})" if engine.concurrent else " (c=1)"
+            if f"{key}:{engine.key}" in results.capped:
+                text += "*"
+            if f"{key}:{engine.key}" in results.incomplete:
+                text += "†"
+            cells.append(text)
+        ours = results.median(key, OURS)
+        # The pool rows are ours alone: they compare with the peers' I/O rows.
+        peer_key = key.replace("pool_", "io_", 1)
+        peers = [v for v in (results.median(peer_key, e) for e in PEERS) if v is not None]
+        if ours is None or not peers:
+            ratio = "—"
+        else:
+            best_peer = max(peers) if better == HIGHER else min(peers)
+            ratio = f"{ours / best_peer:.2f}x" if best_peer else "—"
+        lines.append(f"| {label} {better} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def sweep_table(results: Results) -> str:
+    concs = sorted({c for sweep in results.io.values() for c in sweep})
+    lines = ["| agent | engine | " + " | ".join(f"c={c}" for c in concs) + " |",
+             "|---|---|" + "---:|" * len(concs)]
+    for kind in ("sleep_sync", "sleep_async"):
+        for engine in ENGINES:
+            sweep = results.io.get((kind, engine.key), {})
+            cells = []
+            for c in concs:
+                text = fmt(statistics.median(sweep[c]), "rate") if c in sweep else "—"
+                if f"io_{kind}@{c}:{engine.key}" in results.capped:
+                    text += "*"
+                if f"io_{kind}@{c}:{engine.key}" in results.incomplete:
+                    text += "†"
+                cells.append(text)
+            lines.append(f"| {kind} | {engine.label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def versions() -> dict[str, str]:
+    out = {"Python": platform.python_version()}
+    for name in ("Django", "django-agentruns", "django-tasks-db", "procrastinate", "psycopg"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def machine(admin: Admin) -> dict[str, str]:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    info = {
+        "CPUs (nproc)": f"{os.cpu_count()} ({cpu})" if cpu else str(os.cpu_count()),
+        "RAM": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+        "OS": platform.platform(),
+        "PostgreSQL": admin.value("SHOW server_version"),
+        "synchronous_commit / fsync": f"{admin.value('SHOW synchronous_commit')} / "
+                                      f"{admin.value('SHOW fsync')}",
+        "max_connections (server-wide)": admin.value("SHOW max_connections"),
+        "pg_stat_statements": pg_stat_statements(admin),
+    }
+    info.update(versions())
+    return info
+
+
+def pg_stat_statements(admin: Admin) -> str:
+    if "pg_stat_statements" in admin.value("SHOW shared_preload_libraries"):
+        return "preloaded (statements are still counted in the workers, the same way for all)"
+    return ("not in shared_preload_libraries, so the extension cannot collect: statements "
+            "are counted in the worker processes instead (psycopg execute calls)")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def run_trial(admin: Admin, what: str, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(target, *args)` on a fresh database, dropped afterwards; if the server dropped
+    a connection meanwhile (a restart), the trial runs once more."""
+    for attempt in (1, 2):
+        target = PgTarget(admin)
+        try:
+            return fn(target, *args)
+        except psycopg.OperationalError as exc:
+            if attempt == 2:
+                raise
+            log(f"{what}: {exc!s:.200}; trying again in 10 s")
+            time.sleep(10)
+        finally:
+            target.drop()
+    raise AssertionError("unreachable")
+
+
+def rotate(rep: int) -> list[Engine]:
+    k = rep % len(ENGINES)
+    return [*ENGINES[k:], *ENGINES[:k]]
+
+
+def run_rep(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
+            sqlite_template: Path | None, started: float) -> None:
+    order = rotate(rep)
+
+    def note(workload: str, engine: Engine, text: str) -> None:
+        log(f"[rep {rep + 1}/{plan.reps} {time.monotonic() - started:6.0f}s] "
+            f"{workload:<14} {engine.key:<13} {text}")
+
+    for key, processes in (("drain1", 1), ("drain4", 4)):
+        for engine in order:
+            r = run_trial(admin, f"{key} {engine.key}", drain, engine, "noop",
+                          plan.drain_runs, processes, 1, plan.drain_cap, logs)
+            results.add(key, engine, r["runs_per_s"])
+            results.flag(key, engine, r)
+            results.add(f"commits{processes}", engine, r["commits"])
+            if processes == 1:
+                results.add("statements1", engine, r.get("statements", math.nan))
+                results.add("rows1", engine, r["rows"])
+                results.add("rss_drain", engine, r["rss_mb"])
+            note(key, engine, f"{r['runs_per_s']:8.1f} runs/s  {r['done']} in "
+                 f"{r['elapsed']:.1f}s  commits/run {r['commits']:.2f}  "
+                 f"statements/run {r.get('statements', math.nan):.2f}  "
+                 f"RSS {r['rss_mb']:.0f} MB")
+    for engine in order:
+        rate = run_trial(admin, f"enqueue one {engine.key}", enqueue_one, engine,
+                         plan.enqueue_one_runs)
+        results.add("enq_one", engine, rate)
+        note("enqueue one", engine, f"{rate:8.1f} runs/s")
+    for engine in order:
+        rate = run_trial(admin, f"enqueue bulk {engine.key}", enqueue_bulk, engine,
+                         plan.bulk_runs, plan.bulk_batch)
+        results.add("enq_bulk", engine, rate)
+        note("enqueue bulk", engine, f"{rate:8.1f} runs/s")
+    for engine in order:
+        lat = run_trial(admin, f"latency {engine.key}", latency, engine, plan.latency_rate,
+                        plan.latency_seconds, plan.worker_warmup, logs)
+        for p in ("p50", "p95", "p99"):
+            results.add(f"lat_{p}", engine, lat[p])
+        note("latency", engine, f"p50 {lat['p50']:.1f}  p95 {lat['p95']:.1f}  "
+             f"p99 {lat['p99']:.1f} ms  ({lat['n']} samples, {lat['missing']} missing)")
+    for kind in ("sleep_sync", "sleep_async"):
+        for engine in order:
+            if not engine.concurrent:
+                concs = [1]
+            elif rep == 0:
+                concs = list(plan.io_concurrency)
+            else:  # later repetitions re-measure the concurrency the sweep found best
+                concs = [results.best_concurrency(kind, engine) or plan.io_concurrency[0]]
+            runs = plan.io_runs if engine.concurrent else plan.io_serial_runs
+            for c in concs:
+                r = run_trial(admin, f"{kind} {engine.key} c={c}", drain, engine, kind, runs,
+                              1, c, plan.io_cap, logs)
+                results.io[(kind, engine.key)][c].append(r["runs_per_s"])
+                results.flag(f"io_{kind}@{c}", engine, r)
+                results.io_rss[(kind, engine.key)][c].append(r["rss_mb"])
+                note(kind, engine, f"c={c:<4} {r['runs_per_s']:8.1f} runs/s  "
+                     f"{r['done']} in {r['elapsed']:.1f}s  RSS {r['rss_mb']:.0f} MB"
+                     f"{'  (workers left runs unfinished)' if r['incomplete'] else ''}")
+            if rep == 0:
+                best = results.best_concurrency(kind, engine)
+                assert best is not None
+                results.chosen[(kind, engine.key)] = best
+        # Ours again at the highest concurrency, with a connection pool (see engines.py).
+        c = max(plan.io_concurrency)
+        r = run_trial(admin, f"{kind} ours+pool", drain, OURS_POOL, kind, plan.io_runs, 1, c,
+                      plan.io_cap, logs)
+        results.add(f"pool_{kind}", OURS, r["runs_per_s"])
+        results.flag(f"pool_{kind}", OURS, r)
+        note(kind, OURS_POOL, f"c={c:<4} {r['runs_per_s']:8.1f} runs/s  pool of 16  "
+             f"{r['done']} in {r['elapsed']:.1f}s  RSS {r['rss_mb']:.0f} MB")
+    if sqlite_template is not None and rep == 0:  # cheap extra rows: one repetition
+        target_s = SqliteTarget(sqlite_template)
+        try:
+            r = drain(target_s, OURS, "noop", plan.drain_runs, 1, 1, plan.drain_cap, logs)
+        finally:
+            target_s.drop()
+        results.add("sqlite_drain1", OURS, r["runs_per_s"])
+        results.flag("sqlite_drain1", OURS, r)
+        note("sqlite drain1", OURS, f"{r['runs_per_s']:8.1f} runs/s")
+        target_s = SqliteTarget(sqlite_template)
+        try:
+            rate = enqueue_one(target_s, OURS, plan.enqueue_one_runs)
+        finally:
+            target_s.drop()
+        results.add("sqlite_enq_one", OURS, rate)
+        note("sqlite enq one", OURS, f"{rate:8.1f} runs/s")
+
+
+def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, str],
+           seconds: float, quick: bool) -> str:
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# django-agentruns benchmark: ours vs django-tasks-db vs procrastinate",
+        "",
+        f"Run {when} with `python -m bench{' --quick' if quick else ''}"
+        f"{'' if plan.reps == (QUICK if quick else FULL).reps else f' --reps {plan.reps}'}`"
+        f" in {seconds / 60:.1f} min: {plan.reps} repetition(s), engines interleaved, "
+        "a fresh database per trial. Medians; ↑ higher is better, ↓ lower is better; the "
+        "ratio compares ours with the better of the two peers (above 1 is ours ahead on ↑ "
+        "rows, behind on ↓ rows).",
+        "",
+        table(results, plan),
+        "",
+        "`*` a trial hit the time cap before the queue emptied: its rate is runs finished / "
+        "time elapsed. `†` in a trial the worker exited with runs unfinished (a settle "
+        "that failed, e.g. on the server's connection limit, leaves its run running until "
+        "the lease lapses): runs finished / time to exit. `(c=N)`: the concurrency with the "
+        "best median, chosen in the first repetition. The SQLite rows are "
+        "one repetition, ours only (procrastinate needs PostgreSQL; not a comparison).",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in info.items()),
+        f"| load average (1 min) at start / end | {load[0]} / {load[1]} |",
+        "",
+        "## I/O-bound sweep (one worker process, runs/s, median per concurrency)",
+        "",
+        sweep_table(results),
+        "",
+        "## Settings of this run",
+        "",
+        f"- no-op drains: {plan.drain_runs:,} runs queued first (not timed), then timed from "
+        f"the first worker's start until no run is queued or running, or {plan.drain_cap:g} s",
+        f"- enqueue one by one: {plan.enqueue_one_runs:,} runs, each in its own transaction "
+        f"(autocommit, as a plain view); bulk: {plan.bulk_runs:,} runs, {plan.bulk_batch:,} "
+        "per transaction (ours `enqueue_many`, procrastinate `batch_defer`, django-tasks-db a "
+        "loop of `enqueue()` in one transaction: it has no bulk API)",
+        f"- latency: one idle worker (concurrency 1), an open-loop producer at "
+        f"{plan.latency_rate:g} runs/s for {plan.latency_seconds:g} s after 1 s of warm-up; "
+        "the agent writes its start time, the producer its enqueue time",
+        f"- I/O-bound: {plan.io_runs:,} runs ({plan.io_serial_runs} for django-tasks-db, "
+        f"which runs one task at a time) of a 100 ms sleep, one worker process, concurrency "
+        f"{', '.join(map(str, plan.io_concurrency))} (swept in the first repetition, the best "
+        f"re-measured after), cap {plan.io_cap:g} s",
+        "",
+        "## Raw values per repetition",
+        "",
+        "```json",
+        json.dumps({k: dict(v) for k, v in results.values.items()}, indent=None,
+                   default=lambda x: round(x, 3))[:20000],
+        "```",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run of about 2 minutes")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 quick)")
+    parser.add_argument("--no-sqlite", action="store_true", help="skip the SQLite extra rows")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    if args.reps is not None:
+        if args.reps < 1:
+            parser.error("--reps must be at least 1")
+        plan = replace(plan, reps=args.reps)
+    if args.no_sqlite:
+        plan = replace(plan, sqlite=False)
+
+    started = time.monotonic()
+    load_start = f"{os.getloadavg()[0]:.2f}"
+    admin = Admin()
+    results = Results()
+    with tempfile.TemporaryDirectory(prefix="agentruns-bench-") as tmp:
+        logs = Path(tmp)
+        try:
+            info = machine(admin)
+            log(f"bench: {info['CPUs (nproc)']}, PostgreSQL {info['PostgreSQL']}; "
+                "migrating the template database")
+            admin.make_template()
+            sqlite_template = None
+            if plan.sqlite:
+                sqlite_template = logs / "template.sqlite3"
+                migrate(f"sqlite:///{sqlite_template}")
+            for rep in range(plan.reps):
+                run_rep(rep, plan, admin, results, logs, sqlite_template, started)
+        finally:
+            admin.drop(RUN_DB)
+            admin.drop(f"{PREFIX}_tpl")
+            admin.close()
+    results.finish_io()
+    text = report(results, plan, info, (load_start, f"{os.getloadavg()[0]:.2f}"),
+                  time.monotonic() - started, args.quick)
+    args.output.write_text(text + "\n")
+    print(table(results, plan))
+    log(f"bench: wrote {args.output}")
+    return 0
