@@ -190,26 +190,31 @@ def claim(
     lease_ttls: dict[str, float],
     default_ttl: float,
     at: datetime | None = None,
+    *,
+    include_lapsed: bool = True,
 ) -> list[AgentRun]:
     """Take up to `limit` due runs for `worker_id`, in one short transaction.
 
     On PostgreSQL the due rows are locked with SKIP LOCKED, so concurrent workers take
     different runs without waiting. On SQLite the transaction holds the database's write
     lock (IMMEDIATE), and the UPDATE's status guard is the compare-and-set.
-    A lapsed run is taken as it stands, its lost attempt recorded as abandoned.
+    A lapsed run is taken as it stands, its lost attempt recorded as abandoned
+    (`include_lapsed=False` skips looking for them, for a worker that just did).
     """
     at = at or now()
     if limit <= 0:
         return []
     with transaction.atomic():
-        candidates = _lock(lapsed(queues, at).order_by("id"), limit)
-        room = limit - len(candidates)
+        locked = _lock(lapsed(queues, at).order_by("id"), limit) if include_lapsed else []
+        room = limit - len(locked)
         if room > 0:
-            candidates += _lock(due_queued(queues, at, scopes), room)
-        candidates = _recheck_order(candidates, scopes)
+            locked += _lock(due_queued(queues, at, scopes), room)
+        candidates = _recheck_order([_claim_row(run) for run in locked], scopes)
         ids = [c["id"] for c in candidates if c["status"] == Status.QUEUED]
+        reclaimed = False
         for row in candidates:
             if row["status"] == Status.RUNNING:
+                reclaimed = True
                 decision = _abandon_locked(row, Q(lease_expires__lt=at), at,
                                            why="lease lapsed", apply_backoff=False)
                 if decision is not None and decision.action == "retry":
@@ -220,13 +225,20 @@ def claim(
         agent_of = {c["id"]: c["agent"] for c in candidates}
         for run_id in ids:
             by_ttl.setdefault(lease_ttls.get(agent_of[run_id], default_ttl), []).append(run_id)
+        updated = 0
         for ttl, group in by_ttl.items():
-            AgentRun.objects.filter(pk__in=group, status=Status.QUEUED).update(
+            updated += AgentRun.objects.filter(pk__in=group, status=Status.QUEUED).update(
                 status=Status.RUNNING, claimed_by=worker_id, attempt=F("attempt") + 1,
                 lease_expires=at + timedelta(seconds=ttl), started_at=at,
             )
-        claimed = list(AgentRun.objects.filter(pk__in=ids, status=Status.RUNNING,
-                                               claimed_by=worker_id, started_at=at))
+        if updated == len(ids) and not reclaimed:
+            # Every locked row was updated as read: no need to read them back.
+            wanted = set(ids)
+            claimed = [_as_claimed(run, worker_id, at, by_ttl) for run in locked
+                       if run.pk in wanted]
+        else:  # a compare-and-set lost a row, or a reclaim changed one: read what we hold
+            claimed = list(AgentRun.objects.filter(pk__in=ids, status=Status.RUNNING,
+                                                   claimed_by=worker_id, started_at=at))
         _append_events([_lifecycle(r.pk, STARTED, r.attempt, worker=worker_id)
                         for r in claimed], at)
         for r in claimed:
@@ -236,10 +248,27 @@ def claim(
     return claimed
 
 
-def _lock(qs: QuerySet[AgentRun], limit: int) -> list[dict[str, Any]]:
+def _lock(qs: QuerySet[AgentRun], limit: int) -> list[AgentRun]:
     if is_postgres():
         qs = qs.select_for_update(skip_locked=True, of=("self",))
-    return list(qs.values(*_CLAIM_FIELDS)[:limit])
+    return list(qs[:limit])
+
+
+def _claim_row(run: AgentRun) -> dict[str, Any]:
+    return {field: getattr(run, "pk" if field == "id" else field) for field in _CLAIM_FIELDS}
+
+
+def _as_claimed(
+    run: AgentRun, worker_id: str, at: datetime, by_ttl: dict[float, list[int]]
+) -> AgentRun:
+    """The row as the claim's UPDATE left it."""
+    ttl = next(t for t, group in by_ttl.items() if run.pk in group)
+    run.status = Status.RUNNING
+    run.claimed_by = worker_id
+    run.attempt += 1
+    run.lease_expires = at + timedelta(seconds=ttl)
+    run.started_at = at
+    return run
 
 
 def _recheck_order(candidates: list[dict[str, Any]], scopes: ScopePolicy) -> list[dict[str, Any]]:
