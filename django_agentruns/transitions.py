@@ -17,8 +17,8 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import transaction
-from django.db.models import Exists, F, Max, OuterRef, Q, QuerySet
+from django.db import connection, transaction
+from django.db.models import Exists, F, Field, Max, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from . import policy, signals
@@ -77,6 +77,9 @@ def _append_events(
     """
     if not events:
         return
+    if len(events) == 1:
+        _append_one(events[0], at)
+        return
     run_ids = {e[0] for e in events}
     last = dict(
         RunEvent.objects.filter(run_id__in=run_ids)
@@ -89,6 +92,36 @@ def _append_events(
         rows.append(RunEvent(run_id=run_id, seq=seq, type=type_, payload=payload,
                              attempt=attempt, event_id=event_id, created_at=at))
     RunEvent.objects.bulk_create(rows)
+
+
+def _append_one(
+    event: tuple[int, str, dict[str, Any], int, uuid.UUID], at: datetime, *,
+    unless_exists: bool = False,
+) -> bool:
+    """Append one event in one statement, its seq computed in the INSERT itself.
+
+    With `unless_exists`, an event whose id is already stored (a retry re-emitting) adds
+    nothing. Returns whether a row was added.
+    """
+    run_id, type_, payload, attempt, event_id = event
+    table = connection.ops.quote_name(RunEvent._meta.db_table)
+    sql = (f"INSERT INTO {table} (run_id, seq, event_id, type, payload, attempt, created_at) "
+           f"SELECT %s, COALESCE((SELECT MAX(seq) FROM {table} WHERE run_id = %s), 0) + 1, "
+           f"%s, %s, %s, %s, %s")
+    params = [run_id, run_id, _prep("event_id", event_id), type_, _prep("payload", payload),
+              attempt, _prep("created_at", at)]
+    if unless_exists:
+        sql += f" WHERE NOT EXISTS (SELECT 1 FROM {table} WHERE event_id = %s)"
+        params.append(params[2])
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return bool(cursor.rowcount)
+
+
+def _prep(name: str, value: Any) -> Any:
+    field = RunEvent._meta.get_field(name)
+    assert isinstance(field, Field)
+    return field.get_db_prep_value(value, connection)
 
 
 def _lifecycle(run_id: int, type_: str, attempt: int, **payload: Any) -> tuple[
@@ -363,8 +396,7 @@ def emit(
         renewal = _renew_locked(ref, at)
         if renewal is not Renewal.OK:
             return renewal
-        if not RunEvent.objects.filter(event_id=event_id).exists():
-            _append_events([(ref.run_id, type_, payload, ref.attempt, event_id)], at)
+        _append_one((ref.run_id, type_, payload, ref.attempt, event_id), at, unless_exists=True)
     return Renewal.OK
 
 
