@@ -49,34 +49,44 @@ class Admin:
     def __init__(self) -> None:
         self._conn = psycopg.connect(db_url("postgres"), autocommit=True)
 
-    @property
-    def conn(self) -> psycopg.Connection[Any]:
-        """The connection, opened again if the server dropped it (e.g. a restart)."""
-        if self._conn.closed or self._conn.broken:
-            self._conn = psycopg.connect(db_url("postgres"), autocommit=True)
-        return self._conn
-
     def close(self) -> None:
         self._conn.close()
 
+    def execute(self, query: Any, params: Any = None) -> Any:
+        """Execute on the admin connection; if the server dropped it (a restart by someone
+        else on a shared server), wait for the server, reconnect and try once more."""
+        try:
+            return self._conn.execute(query, params)
+        except psycopg.OperationalError:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    self._conn = psycopg.connect(db_url("postgres"), autocommit=True)
+                    break
+                except psycopg.OperationalError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(1)
+            return self._conn.execute(query, params)
+
     def value(self, query: str) -> str:
-        row = self.conn.execute(query).fetchone()  # type: ignore[arg-type]
+        row = self.execute(query).fetchone()
         return "" if row is None else str(row[0])
 
     def drop(self, name: str) -> None:
-        self.conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+        self.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
             sql.Identifier(name)))
 
     def make_template(self) -> None:
         """Create and migrate the template every fresh database is copied from."""
         self.drop(TEMPLATE)
-        self.conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(TEMPLATE)))
+        self.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(TEMPLATE)))
         migrate(db_url(TEMPLATE))
 
     def fresh(self, name: str) -> str:
         """A new database copied from the migrated template; returns its URL."""
         self.drop(name)
-        self.conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+        self.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
             sql.Identifier(name), sql.Identifier(TEMPLATE)))
         return db_url(name)
 
@@ -85,16 +95,16 @@ class Admin:
         exits, a moment after it leaves pg_stat_activity, hence the short pause."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            n = self.conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s",
-                                  [name]).fetchone()
+            n = self.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s",
+                             [name]).fetchone()
             if n is not None and n[0] == 0:
                 break
             time.sleep(0.05)
         time.sleep(0.3)
 
     def stats(self, name: str) -> DbStats:
-        self.conn.execute("SELECT pg_stat_clear_snapshot()")
-        row = self.conn.execute(
+        self.execute("SELECT pg_stat_clear_snapshot()")
+        row = self.execute(
             "SELECT xact_commit, tup_inserted + tup_updated + tup_deleted "
             "FROM pg_stat_database WHERE datname = %s", [name]).fetchone()
         assert row is not None

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.pg import PREFIX, REPO_ROOT, Admin, django_env
+from bench.pg import PREFIX, REPO_ROOT, TEMPLATE, Admin, django_env
 
 DB_NAME = f"{PREFIX}_prof"
 OUT = Path(__file__).resolve().parent / "profile.md"
@@ -65,6 +65,9 @@ def describe(shape_: str) -> str:
     verb = shape_.split(" ", 1)[0]
     table = re.search(r'(?:FROM|UPDATE|INTO) "(\w+)"', shape_)
     name = table.group(1).removeprefix("django_agentruns_") if table else "?"
+    if verb == "INSERT":
+        return (f"INSERT {name}" + (" (seq from a MAX(seq) subquery)" if "MAX(" in shape_ else "")
+                + (" WHERE NOT EXISTS (...)" if "NOT EXISTS" in shape_ else ""))
     where = shape_.split(" WHERE ", 1)[1] if " WHERE " in shape_ else ""
     where = re.sub(r'"django_agentruns_\w+"\.', "", where).replace('"', "")
     where = re.sub(r" (ORDER BY|LIMIT|FOR UPDATE|GROUP BY|RETURNING).*", "", where)
@@ -387,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--no-py-spy", action="store_true")
     parser.add_argument("--keep-template", action="store_true",
-                        help="reuse the migrated template database left by an earlier run")
+                        help="reuse the migrated template database and leave it in place")
     parser.add_argument("--child", choices=["plain", "cprofile"], help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -406,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     finally:
         admin.drop(DB_NAME)
+        if not args.keep_template:
+            admin.drop(TEMPLATE)
         admin.close()
     return 0
 

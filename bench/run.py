@@ -230,13 +230,18 @@ def drain(target: Target, engine: Engine, kind: str, runs: int, processes: int,
                             logs / f"{engine.key}-{kind}.log")
     handles = [psutil.Process(w.pid) for w in workers]
     peak = 0
-    while True:
-        remaining = target.count(sql)
-        now = time.perf_counter()
-        peak = peak_rss(handles, peak)
-        if remaining == 0 or now - start >= cap or all(w.poll() is not None for w in workers):
-            break
-        time.sleep(POLL)
+    try:
+        while True:
+            remaining = target.count(sql)
+            now = time.perf_counter()
+            peak = peak_rss(handles, peak)
+            if remaining == 0 or now - start >= cap or all(w.poll() is not None
+                                                           for w in workers):
+                break
+            time.sleep(POLL)
+    except BaseException:
+        stop_workers(workers, wait_first=0.0)
+        raise
     elapsed = now - start
     failed = [w.returncode for w in workers if w.poll() not in (None, 0)]
     stop_workers(workers, wait_first=30.0 if remaining == 0 else 0.0)
@@ -510,13 +515,17 @@ def run_trial(admin: Admin, what: str, fn: Callable[..., T], *args: Any) -> T:
         target = PgTarget(admin)
         try:
             return fn(target, *args)
-        except psycopg.OperationalError as exc:
+        except (psycopg.OperationalError, RuntimeError) as exc:
+            # On a shared server someone may restart PostgreSQL under us: once more.
             if attempt == 2:
                 raise
-            log(f"{what}: {exc!s:.200}; trying again in 10 s")
+            log(f"{what} failed ({str(exc).strip().splitlines()[-1][:200]}); "
+                "trying again in 10 s")
             time.sleep(10)
         finally:
-            target.drop()
+            target.close_poller()
+            with contextlib.suppress(psycopg.OperationalError):
+                target.drop()
     raise AssertionError("unreachable")
 
 
