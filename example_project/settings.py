@@ -8,6 +8,8 @@ from pathlib import Path
 
 import environ
 
+from django_agentruns.sqlite import SQLITE_OPTIONS
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env(
@@ -25,14 +27,7 @@ DATABASES = {
     "default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}"),
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    DATABASES["default"]["OPTIONS"] = {
-        # Writers take the lock at BEGIN and wait up to `timeout` for it, instead of failing
-        # with "database is locked" when a read transaction tries to upgrade.
-        "transaction_mode": "IMMEDIATE",
-        "timeout": 30,
-        # WAL: the admin can read while workers write.
-        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-    }
+    DATABASES["default"]["OPTIONS"] = {**SQLITE_OPTIONS}  # IMMEDIATE, timeout, WAL
 
 INSTALLED_APPS = [
     "django.contrib.admin",

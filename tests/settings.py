@@ -11,6 +11,8 @@ from pathlib import Path
 
 import environ
 
+from django_agentruns.sqlite import SQLITE_OPTIONS
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 TMP_DIR = BASE_DIR / ".tmp"
 TMP_DIR.mkdir(exist_ok=True)
@@ -25,14 +27,7 @@ DATABASES = {
     "default": env.db("DATABASE_URL", default=f"sqlite:///{TMP_DIR / 'tests.sqlite3'}"),
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    DATABASES["default"]["OPTIONS"] = {
-        # Take the write lock at BEGIN: a deferred transaction that upgrades to a writer
-        # fails at once with "database is locked" instead of waiting for `timeout`.
-        "transaction_mode": "IMMEDIATE",
-        "timeout": 30,
-        # WAL lets readers (the test process) run while a worker process writes.
-        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-    }
+    DATABASES["default"]["OPTIONS"] = {**SQLITE_OPTIONS}  # IMMEDIATE, timeout, WAL
     if not IN_TEST_SUBPROCESS:
         # One file per test process, so concurrent runs (and pytest-xdist) do not collide.
         stem = Path(DATABASES["default"]["NAME"]).stem
