@@ -92,10 +92,14 @@ async def _with_timeout(spec: AgentSpec, ctx: RunContext, control: AttemptContro
 
 
 def record(
-    spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome, *, interactive: bool = False
+    spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome, *, interactive: bool = False,
+    succeed: Callable[[AttemptRef, Any], Settlement] | None = None,
 ) -> Settlement:
-    """Hand the outcome to storage; a stop for a lost lease writes nothing at all."""
-    settlement = _store(spec, ref, outcome, interactive)
+    """Hand the outcome to storage; a stop for a lost lease writes nothing at all.
+
+    `succeed` writes a success (the worker passes its group commit).
+    """
+    settlement = _store(spec, ref, outcome, interactive, succeed)
     if settlement is Settlement.LOST:
         signals.send_after_commit(signals.run_lease_lost, run_id=ref.run_id, agent=ref.agent,
                                   attempt=ref.attempt, worker_id=ref.worker_id)
@@ -103,10 +107,11 @@ def record(
 
 
 def _store(
-    spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome, interactive: bool
+    spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome, interactive: bool,
+    succeed: Callable[[AttemptRef, Any], Settlement] | None,
 ) -> Settlement:
     if outcome.kind == "succeeded":
-        return transitions.settle_succeeded(ref, outcome.output)
+        return (succeed or transitions.settle_succeeded)(ref, outcome.output)
     if outcome.kind == "stopped":
         if outcome.stop_reason == StopReason.LEASE_LOST:
             return Settlement.LOST

@@ -12,16 +12,17 @@ lease cannot touch the run's new attempt.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connection, transaction
-from django.db.models import Exists, F, Field, Max, OuterRef, Q, QuerySet
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Exists, F, Field, OuterRef, Q, QuerySet
 from django.utils import timezone
 
-from . import policy, signals
+from . import policy, rawsql, signals
 from .conf import app_settings
 from .db import RowBefore, is_postgres, retry_on_lock
 from .models import AgentRun, Reason, RunEvent, Status
@@ -72,26 +73,15 @@ def _append_events(
 ) -> None:
     """Append (run_id, type, payload, attempt, event_id) rows with the next per-run seq.
 
-    Callers hold the runs' rows (guarded UPDATE in the same transaction), so no other
-    writer appends to these runs meanwhile and max(seq) + 1 is free.
+    One statement for any number of events. Callers hold the runs' rows (guarded UPDATE
+    in the same transaction), so no other writer appends to these runs meanwhile and
+    max(seq) + 1 is free.
     """
     if not events:
         return
-    if len(events) == 1:
-        _append_one(events[0], at)
-        return
-    run_ids = {e[0] for e in events}
-    last = dict(
-        RunEvent.objects.filter(run_id__in=run_ids)
-        .values("run_id").annotate(top=Max("seq")).values_list("run_id", "top")
-    )
-    rows = []
-    for run_id, type_, payload, attempt, event_id in events:
-        seq = (last.get(run_id) or 0) + 1
-        last[run_id] = seq
-        rows.append(RunEvent(run_id=run_id, seq=seq, type=type_, payload=payload,
-                             attempt=attempt, event_id=event_id, created_at=at))
-    RunEvent.objects.bulk_create(rows)
+    sql, params = rawsql.insert_events(events, at)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
 
 
 def _append_one(
@@ -229,7 +219,8 @@ def claim(
     """Take up to `limit` due runs for `worker_id`, in one short transaction.
 
     On PostgreSQL the due rows are locked with SKIP LOCKED, so concurrent workers take
-    different runs without waiting. On SQLite the transaction holds the database's write
+    different runs without waiting; where no agent keeps firing order, locking and
+    starting them is one statement. On SQLite the transaction holds the database's write
     lock (IMMEDIATE), and the UPDATE's status guard is the compare-and-set.
     A lapsed run is taken as it stands, its lost attempt recorded as abandoned
     (`include_lapsed=False` skips looking for them, for a worker that just did).
@@ -237,48 +228,123 @@ def claim(
     at = at or now()
     if limit <= 0:
         return []
+    queues = tuple(queues)
+    fast = is_postgres() and not scopes.ordered
+    if fast and not include_lapsed and not connection.in_atomic_block:
+        # One statement, committed on its own: lock, start, and the start events.
+        claimed = _claim_due_returning(worker_id, queues, limit, scopes, lease_ttls,
+                                       default_ttl, at)
+        _announce_started(claimed, worker_id)
+        return claimed
     with transaction.atomic():
-        locked = _lock(lapsed(queues, at).order_by("id"), limit) if include_lapsed else []
-        room = limit - len(locked)
+        claimed = _claim_lapsed(worker_id, queues, limit, lease_ttls, default_ttl, at) \
+            if include_lapsed else []
+        room = limit - len(claimed)
         if room > 0:
-            locked += _lock(due_queued(queues, at, scopes), room)
-        candidates = _recheck_order([_claim_row(run) for run in locked], scopes)
-        ids = [c["id"] for c in candidates if c["status"] == Status.QUEUED]
-        reclaimed = False
-        for row in candidates:
-            if row["status"] == Status.RUNNING:
-                reclaimed = True
-                decision = _abandon_locked(row, Q(lease_expires__lt=at), at,
-                                           why="lease lapsed", apply_backoff=False)
-                if decision is not None and decision.action == "retry":
-                    ids.append(row["id"])
-        if not ids:
-            return []
-        by_ttl: dict[float, list[int]] = {}
-        agent_of = {c["id"]: c["agent"] for c in candidates}
-        for run_id in ids:
-            by_ttl.setdefault(lease_ttls.get(agent_of[run_id], default_ttl), []).append(run_id)
-        updated = 0
-        for ttl, group in by_ttl.items():
-            updated += AgentRun.objects.filter(pk__in=group, status=Status.QUEUED).update(
-                status=Status.RUNNING, claimed_by=worker_id, attempt=F("attempt") + 1,
-                lease_expires=at + timedelta(seconds=ttl), started_at=at,
-            )
-        if updated == len(ids) and not reclaimed:
-            # Every locked row was updated as read: no need to read them back.
-            wanted = set(ids)
-            claimed = [_as_claimed(run, worker_id, at, by_ttl) for run in locked
-                       if run.pk in wanted]
-        else:  # a compare-and-set lost a row, or a reclaim changed one: read what we hold
-            claimed = list(AgentRun.objects.filter(pk__in=ids, status=Status.RUNNING,
-                                                   claimed_by=worker_id, started_at=at))
+            due = _claim_due_returning if fast else _claim_due_checked
+            started = due(worker_id, queues, room, scopes, lease_ttls, default_ttl, at)
+        else:
+            started = []
+        # The fast path's statement appended its own start events.
         _append_events([_lifecycle(r.pk, STARTED, r.attempt, worker=worker_id)
-                        for r in claimed], at)
-        for r in claimed:
-            send_after_commit(signals.run_started, run_id=r.pk, agent=r.agent,
-                              attempt=r.attempt, worker_id=worker_id)
+                        for r in (claimed if fast else claimed + started)], at)
+        claimed += started
+        _announce_started(claimed, worker_id)
+    return claimed
+
+
+def _announce_started(claimed: list[AgentRun], worker_id: str) -> None:
+    for r in claimed:
+        send_after_commit(signals.run_started, run_id=r.pk, agent=r.agent, attempt=r.attempt,
+                          worker_id=worker_id)
+
+
+def _claim_lapsed(
+    worker_id: str, queues: tuple[str, ...], limit: int, lease_ttls: dict[str, float],
+    default_ttl: float, at: datetime,
+) -> list[AgentRun]:
+    """Lapsed runs, their lost attempt recorded as abandoned, then started again."""
+    locked = _lock(lapsed(queues, at).order_by("id"), limit)
+    ids = []
+    for run in locked:
+        decision = _abandon_locked(_claim_row(run), Q(lease_expires__lt=at), at,
+                                   why="lease lapsed", apply_backoff=False)
+        if decision is not None and decision.action == "retry":
+            ids.append(run.pk)
+    return _start(worker_id, ids, {r.pk: r.agent for r in locked}, lease_ttls, default_ttl,
+                  at, read_back=None)
+
+
+def _claim_due_returning(
+    worker_id: str, queues: tuple[str, ...], limit: int, scopes: ScopePolicy,
+    lease_ttls: dict[str, float], default_ttl: float, at: datetime,
+) -> list[AgentRun]:
+    """PostgreSQL, no ordered agents: lock (SKIP LOCKED) and start in one statement."""
+    due = _compiled_due(connection.vendor, queues, scopes, limit, ids_only=True)
+    special = {agent: at + timedelta(seconds=ttl) for agent, ttl in lease_ttls.items()
+               if ttl != default_ttl}
+    sql, params = rawsql.claim_returning(due, at, worker_id, Status.RUNNING, Status.QUEUED,
+                                         special, at + timedelta(seconds=default_ttl), STARTED)
+    claimed = list(AgentRun.objects.raw(sql, params))
+    claimed.sort(key=lambda r: (-r.priority, r.available_at, r.fired_seq, r.pk))
+    return claimed
+
+
+def _claim_due_checked(
+    worker_id: str, queues: tuple[str, ...], limit: int, scopes: ScopePolicy,
+    lease_ttls: dict[str, float], default_ttl: float, at: datetime,
+) -> list[AgentRun]:
+    """Lock the due rows, re-check firing order under the lock, then start them."""
+    due = _compiled_due(connection.vendor, queues, scopes, limit, ids_only=False)
+    locked = list(AgentRun.objects.raw(due.sql, due.bind(at)))
+    candidates = _recheck_order([_claim_row(run) for run in locked], scopes)
+    ids = [c["id"] for c in candidates]
+    return _start(worker_id, ids, {r.pk: r.agent for r in locked}, lease_ttls, default_ttl, at,
+                  read_back=locked)
+
+
+def _start(
+    worker_id: str, ids: list[int], agent_of: dict[int, str], lease_ttls: dict[str, float],
+    default_ttl: float, at: datetime, *, read_back: list[AgentRun] | None,
+) -> list[AgentRun]:
+    """Start the queued runs `ids` (in that order) for `worker_id`; return them as started.
+
+    `read_back`: the rows as locked, to build the result from when every UPDATE matched
+    (else, or when None, they are read again).
+    """
+    if not ids:
+        return []
+    by_ttl: dict[float, list[int]] = {}
+    for run_id in ids:
+        by_ttl.setdefault(lease_ttls.get(agent_of[run_id], default_ttl), []).append(run_id)
+    updated = 0
+    for ttl, group in by_ttl.items():
+        updated += AgentRun.objects.filter(pk__in=group, status=Status.QUEUED).update(
+            status=Status.RUNNING, claimed_by=worker_id, attempt=F("attempt") + 1,
+            lease_expires=at + timedelta(seconds=ttl), started_at=at,
+        )
+    if read_back is not None and updated == len(ids):
+        # Every locked row was updated as read: no need to read them back.
+        wanted = set(ids)
+        claimed = [_as_claimed(run, worker_id, at, by_ttl) for run in read_back
+                   if run.pk in wanted]
+    else:  # a compare-and-set lost a row, or a reclaim changed one: read what we hold
+        claimed = list(AgentRun.objects.filter(pk__in=ids, status=Status.RUNNING,
+                                               claimed_by=worker_id, started_at=at))
     claimed.sort(key=lambda r: ids.index(r.pk))
     return claimed
+
+
+@functools.lru_cache(maxsize=512)
+def _compiled_due(
+    vendor: str, queues: tuple[str, ...], scopes: ScopePolicy, limit: int, *, ids_only: bool
+) -> rawsql.Compiled:
+    """The due query's SQL for this shape, compiled once (`vendor` keys the cache)."""
+    qs = due_queued(queues, rawsql.SENTINEL_TIME, scopes)
+    if vendor == "postgresql":
+        qs = qs.select_for_update(skip_locked=True, of=("self",))
+    with transaction.atomic():  # Django compiles FOR UPDATE only inside one (no statement runs)
+        return rawsql.Compiled(qs.values("id")[:limit] if ids_only else qs[:limit])
 
 
 def _lock(qs: QuerySet[AgentRun], limit: int) -> list[AgentRun]:
@@ -416,20 +482,68 @@ def checkpoint(ref: AttemptRef, state: Any, count: int, at: datetime | None = No
 # --------------------------------------------------------------------------- settle
 
 
-@retry_on_lock()
 def settle_succeeded(ref: AttemptRef, output: Any, at: datetime | None = None) -> Settlement:
+    return settle_succeeded_many(ref.worker_id, [(ref, output)], at)[ref]
+
+
+@retry_on_lock()
+def settle_succeeded_many(
+    worker_id: str, items: Sequence[tuple[AttemptRef, Any]], at: datetime | None = None
+) -> dict[AttemptRef, Settlement]:
+    """Record successful attempts of one worker: one transaction, two statements, any count.
+
+    Each run is fenced on its own (status, worker, attempt), so one lost lease in a batch
+    costs only that run its write.
+    """
     at = at or now()
-    with transaction.atomic():
-        updated = AgentRun.objects.filter(ref.guard()).update(
-            status=Status.SUCCEEDED, reason=Reason.COMPLETED, output=output,
-            finished_at=at, lease_expires=None,
-        )
-        if not updated:
-            return Settlement.LOST
-        _append_events([_lifecycle(ref.run_id, SUCCEEDED, ref.attempt)], at)
-        send_after_commit(signals.run_succeeded, run_id=ref.run_id, agent=ref.agent,
-                          attempt=ref.attempt)
-    return Settlement.SUCCEEDED
+    if not items:
+        return {}
+    if len({ref.run_id for ref, _ in items}) != len(items) or \
+            any(ref.worker_id != worker_id for ref, _ in items):
+        raise ValueError("a batch settles distinct runs of one worker")
+    rows = [(ref.run_id, ref.attempt, output, lifecycle_event_id()) for ref, output in items]
+    done: set[int] | None = None
+    if is_postgres() and not connection.in_atomic_block:
+        # One statement, committed on its own: the UPDATE and the end events together.
+        done = _succeed_in_one_statement(worker_id, rows, at)
+    if done is None:
+        sql, params = rawsql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
+                                              Reason.COMPLETED, SUCCEEDED, at,
+                                              with_events=False)
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute(sql, params)
+                done = {row[0] for row in cursor.fetchall()}
+            _append_events([(run_id, SUCCEEDED, {}, attempt, event_id)
+                            for run_id, attempt, _, event_id in rows if run_id in done], at)
+            _announce_succeeded(items, done)
+    else:
+        _announce_succeeded(items, done)
+    return {ref: Settlement.SUCCEEDED if ref.run_id in done else Settlement.LOST
+            for ref, _ in items}
+
+
+def _succeed_in_one_statement(
+    worker_id: str, rows: list[tuple[int, int, Any, uuid.UUID]], at: datetime
+) -> set[int] | None:
+    """None when an event of these runs was appended after the statement's snapshot (an
+    operator's cancel request, racing): its seq collided, nothing was written, and the
+    caller writes in two statements instead, the second seeing that event."""
+    sql, params = rawsql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
+                                          Reason.COMPLETED, SUCCEEDED, at, with_events=True)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return {row[0] for row in cursor.fetchall()}
+    except IntegrityError:
+        return None
+
+
+def _announce_succeeded(items: Sequence[tuple[AttemptRef, Any]], done: set[int]) -> None:
+    for ref, _ in items:
+        if ref.run_id in done:
+            send_after_commit(signals.run_succeeded, run_id=ref.run_id, agent=ref.agent,
+                              attempt=ref.attempt)
 
 
 @retry_on_lock()

@@ -30,6 +30,7 @@ from . import execution, metrics, reaper, tracing, transitions
 from .conf import app_settings
 from .context import AttemptControl, StopReason
 from .exceptions import AgentRunsError, UnknownAgentError
+from .group_commit import GroupCommit
 from .models import AgentRun
 from .notify import Listener
 from .registry import AgentSpec, all_agents, find_agent
@@ -118,6 +119,9 @@ class Worker:
         self._agents = all_agents()
         self._scopes = scope_policy(self._agents)
         self._ttls = {name: s.effective_lease_ttl() for name, s in self._agents.items()}
+        # Successes that finish together are written in one transaction.
+        self.successes = GroupCommit(
+            lambda items: transitions.settle_succeeded_many(self.worker_id, items))
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -290,7 +294,8 @@ class Worker:
         wait = 0.05
         while True:
             try:
-                return execution.record(live.spec, live.control.ref, outcome)
+                return execution.record(live.spec, live.control.ref, outcome,
+                                        succeed=self.successes.settle)
             except DatabaseError as exc:
                 if time.monotonic() + wait > deadline:
                     raise

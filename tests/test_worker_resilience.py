@@ -112,16 +112,16 @@ def test_an_outcome_that_fails_to_record_is_retried_within_the_lease(
 ) -> None:
     """A settle that meets a database error (e.g. 'too many clients') is tried again, so the
     run is not left running for the reaper to take back."""
-    real_settle = transitions.settle_succeeded
+    real_settle = transitions.settle_succeeded_many
     calls: list[int] = []
 
-    def settle_failing_twice(*args: Any, **kwargs: Any) -> transitions.Settlement:
+    def settle_failing_twice(*args: Any, **kwargs: Any) -> dict[Any, transitions.Settlement]:
         calls.append(1)
         if len(calls) <= 2:
             raise OperationalError("FATAL:  sorry, too many clients already")
         return real_settle(*args, **kwargs)
 
-    monkeypatch.setattr(transitions, "settle_succeeded", settle_failing_twice)
+    monkeypatch.setattr(transitions, "settle_succeeded_many", settle_failing_twice)
     queued = enqueue("tests.noop", {"n": 2})
     with caplog.at_level(logging.WARNING, logger="django_agentruns.worker"):
         stats = Worker(burst=True, reap_interval=0).run(install_signals=False)

@@ -23,11 +23,13 @@ from tests.testapp.chaos_agents import CHAOS
 from tests.testapp.models import SideEffect
 
 TABLE = AgentRun._meta.db_table
-# The claim's SELECT ... FOR UPDATE SKIP LOCKED of due (or lapsed) runs. Matched by its start:
-# pg_stat_activity keeps only the first 1 kB of a query, and the column list is long.
-CLAIM_SQL = f'SELECT "{TABLE}"."id", "{TABLE}"."agent"%'
+# The claim's SELECT ... FOR UPDATE SKIP LOCKED of lapsed runs, or its one statement that
+# locks and starts due runs. Matched by its start (a regular expression): pg_stat_activity
+# keeps only the first 1 kB of a query, and the column list is long.
+CLAIM_SQL = f'^(SELECT "{TABLE}"."id", "{TABLE}"."agent"|WITH picked AS \\(SELECT "{TABLE}"."id")'
 
-SETTLE_SQL = f'UPDATE "{TABLE}" SET "status"%'  # settle_succeeded's guarded UPDATE
+# settle_succeeded_many's guarded UPDATE (with its end events, in one statement)
+SETTLE_SQL = '^WITH v \\(run_id, run_attempt, run_output, run_event\\)'
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only]
 
@@ -43,13 +45,14 @@ def second_connection() -> Iterator[psycopg.Connection[Any]]:
         yield conn
 
 
-def waiting_backend(admin: psycopg.Connection[Any], query_like: str,
+def waiting_backend(admin: psycopg.Connection[Any], query_pattern: str,
                     exclude: tuple[int, ...] = ()) -> int | None:
-    """The pid of a session on the test database waiting on a lock in a query like this."""
+    """The pid of a session on the test database waiting on a lock in a query matching
+    this regular expression."""
     row = admin.execute(
         "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-        "AND wait_event_type = 'Lock' AND query LIKE %s AND pid <> ALL(%s) ORDER BY pid",
-        [query_like, list(exclude)]).fetchone()
+        "AND wait_event_type = 'Lock' AND query ~ %s AND pid <> ALL(%s) ORDER BY pid",
+        [query_pattern, list(exclude)]).fetchone()
     return None if row is None else int(row[0])
 
 
