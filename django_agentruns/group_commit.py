@@ -1,9 +1,10 @@
 """Successful outcomes of one worker's attempts, written together when they finish together.
 
-Group commit, as databases do it for their log: the attempt thread that finds no write in
-flight writes at once (alone, no wait); threads that finish while it writes queue up,
-and the first of them then writes them all in one transaction. No timer and no thread of
-its own: a lone success costs what it did before, a burst of them one transaction.
+Group commit, as databases do it for their log: one writer thread takes every success
+waiting and writes them in one transaction, while the next ones queue. No timer: a lone
+success is written at once; a burst of them costs one transaction. And one connection:
+attempts that never touch the database themselves need none of their own, so a worker at
+`--concurrency 200` does not hold 200 connections to settle its runs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from django.db import connection
 
 from .outcomes import AttemptRef, Settlement
 
@@ -22,27 +25,30 @@ WriteMany = Callable[[Sequence[tuple[AttemptRef, Any]]], dict[AttemptRef, Settle
 class _Waiter:
     ref: AttemptRef
     output: Any
-    wake: threading.Event = field(default_factory=threading.Event)
-    lead: bool = False  # this thread writes the next batch
-    finished: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
     result: Settlement | None = None
     error: BaseException | None = None
 
 
 class GroupCommit:
-    def __init__(self, write_many: WriteMany, max_batch: int = 256) -> None:
+    def __init__(self, write_many: WriteMany, max_batch: int = 256,
+                 on_error: Callable[[], None] | None = None) -> None:
+        """`on_error` runs in the writer thread after a failed write (e.g. to drop its
+        connection, which may be broken)."""
         self._write_many = write_many
         self._max_batch = max_batch
-        self._lock = threading.Lock()
+        self._on_error = on_error
+        self._cond = threading.Condition()
         self._queue: list[_Waiter] = []
-        self._writing = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
         self.batches = 0  # transactions written, for tests and the benchmark
         self.settled = 0
 
     @property
     def waiting(self) -> int:
         """Successes queued behind the write in flight."""
-        with self._lock:
+        with self._cond:
             return len(self._queue)
 
     def settle(self, ref: AttemptRef, output: Any) -> Settlement:
@@ -52,31 +58,52 @@ class GroupCommit:
         on its own (the writes are fenced, so a retry never writes twice).
         """
         me = _Waiter(ref, output)
-        with self._lock:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the worker's group commit is closed")
             self._queue.append(me)
-            if not self._writing:
-                self._writing = me.lead = True
-        while True:
-            if me.lead:
-                me.lead = False
-                self._write_batch()
-            if me.finished:
-                break
-            me.wake.wait()
-            me.wake.clear()  # the flags are read after clearing, so no wake-up is lost
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._write_loop,
+                                                name="agentruns-settle", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        me.done.wait()
         if me.error is not None:
             raise me.error
         assert me.result is not None
         return me.result
 
-    def _write_batch(self) -> None:
-        with self._lock:
-            batch, self._queue = self._queue[:self._max_batch], self._queue[self._max_batch:]
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued, then stop the writer thread (and its connection)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._closed:
+                        self._cond.wait()
+                    if not self._queue:
+                        return  # closed, and nothing left to write
+                    batch = self._queue[:self._max_batch]
+                    del self._queue[:self._max_batch]
+                self._write(batch)
+        finally:
+            connection.close()
+
+    def _write(self, batch: list[_Waiter]) -> None:
         try:
             results = self._write_many([(w.ref, w.output) for w in batch])
         except BaseException as exc:
             for w in batch:
                 w.error = exc
+            if self._on_error is not None:
+                self._on_error()
         else:
             self.batches += 1
             self.settled += len(batch)
@@ -84,14 +111,4 @@ class GroupCommit:
                 w.result = results[w.ref]
         finally:
             for w in batch:
-                w.finished = True
-            with self._lock:
-                # Hand the lead to the first waiter, so the next batch is written by a
-                # thread whose own outcome is in it; or stand down when none waits.
-                if self._queue:
-                    self._queue[0].lead = True
-                    self._queue[0].wake.set()
-                else:
-                    self._writing = False
-            for w in batch:
-                w.wake.set()
+                w.done.set()

@@ -119,9 +119,10 @@ class Worker:
         self._agents = all_agents()
         self._scopes = scope_policy(self._agents)
         self._ttls = {name: s.effective_lease_ttl() for name, s in self._agents.items()}
-        # Successes that finish together are written in one transaction.
+        # Successes that finish together are written in one transaction, on one connection.
         self.successes = GroupCommit(
-            lambda items: transitions.settle_succeeded_many(self.worker_id, items))
+            lambda items: transitions.settle_succeeded_many(self.worker_id, items),
+            on_error=_close_connections)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -392,6 +393,7 @@ class Worker:
                 except Exception:
                     logger.exception("could not abandon run %s", lv.run.pk)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.successes.close()
         self._keeper_stop.set()
         self._listener_stop.set()
         # Their connections must be closed when run() returns (a test database cannot be

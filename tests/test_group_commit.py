@@ -67,6 +67,7 @@ def settle_in_threads(group: GroupCommit, refs: list[AttemptRef], writer: GatedW
     writer.gate.set()
     for t in threads:
         t.join(20)
+    group.close()
     return results
 
 
@@ -75,7 +76,29 @@ def test_a_lone_success_is_written_at_once_as_a_batch_of_one() -> None:
     writer.first = False
     group = GroupCommit(writer)
     assert group.settle(ref(1), None) is Settlement.SUCCEEDED
-    assert writer.batches == [[1]]
+    assert group.settle(ref(2), None) is Settlement.SUCCEEDED
+    assert writer.batches == [[1], [2]]
+    group.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        group.settle(ref(3), None)
+
+
+def test_a_failed_write_is_followed_by_on_error_and_the_group_goes_on() -> None:
+    calls: list[int] = []
+    errors: list[str] = []
+
+    def write(items: Sequence[tuple[AttemptRef, Any]]) -> dict[AttemptRef, Settlement]:
+        calls.append(len(items))
+        if len(calls) == 1:
+            raise psycopg.OperationalError("server closed the connection")
+        return {r: Settlement.SUCCEEDED for r, _ in items}
+
+    group = GroupCommit(write, on_error=lambda: errors.append("closed"))
+    with pytest.raises(psycopg.OperationalError):
+        group.settle(ref(1), None)
+    assert errors == ["closed"]
+    assert group.settle(ref(1), None) is Settlement.SUCCEEDED
+    group.close()
 
 
 def test_successes_finishing_during_a_write_share_the_next_one() -> None:
@@ -107,8 +130,7 @@ def test_a_failed_write_reaches_every_success_in_its_batch() -> None:
     results = settle_in_threads(group, [ref(i) for i in range(1, 5)], writer)
     assert results[1] is Settlement.SUCCEEDED
     assert all(isinstance(results[i], psycopg.OperationalError) for i in (2, 3, 4))
-    # The group is usable again afterwards: a lone success goes straight through.
-    assert group.settle(ref(9), None) is Settlement.SUCCEEDED
+
 
 
 def claimed_runs(count: int) -> list[AgentRun]:
