@@ -54,7 +54,8 @@ def shape(sql: str) -> str:
     """A statement's shape: literals and IN-lists folded, so the same query groups."""
     s = re.sub(r"'[^']*'", "?", sql)
     s = re.sub(r"\b\d+(\.\d+)?\b", "?", s)
-    s = re.sub(r"\((\s*%s\s*,?)+\)", "(...)", s)
+    s = re.sub(r"\((\s*%s(::\w+)?\s*,?)+\)", "(...)", s)
+    s = re.sub(r"(\(\.\.\.\)(, )?)+", "(...)", s)
     s = re.sub(r"(\(\?(, \?)*\)(, )?)+", "(...)", s)
     s = re.sub(r"\s+", " ", s)
     return s
@@ -62,6 +63,14 @@ def shape(sql: str) -> str:
 
 def describe(shape_: str) -> str:
     """A readable digest of a statement shape: verb, table, WHERE, locking."""
+    if shape_.startswith("WITH picked AS"):
+        return ("claim in one statement: lock due agentrun (FOR UPDATE SKIP LOCKED), UPDATE "
+                "them, INSERT their runevent")
+    if shape_.startswith("WITH v (run_id, run_attempt"):
+        return ("settle successes: UPDATE agentrun FROM VALUES"
+                + (", INSERT their runevent (one statement)" if "INSERT" in shape_ else ""))
+    if shape_.startswith("WITH v (run_id, k"):
+        return "INSERT runevent, any number of rows (seq from a MAX(seq) subquery)"
     verb = shape_.split(" ", 1)[0]
     table = re.search(r'(?:FROM|UPDATE|INTO) "(\w+)"', shape_)
     name = table.group(1).removeprefix("django_agentruns_") if table else "?"

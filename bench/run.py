@@ -61,6 +61,8 @@ class Plan:
     io_cap: float
     io_concurrency: tuple[int, ...]
     sqlite: bool
+    drain_concurrency: int = 16
+    """The second no-op drain's concurrency per worker process (the first runs one at a time)."""
     worker_warmup: float = 2.5
     """Seconds an idle worker gets to start (and LISTEN) before the latency producer."""
 
@@ -325,8 +327,11 @@ HIGHER, LOWER = "↑", "↓"
 
 ROWS: list[tuple[str, str, str, str]] = [
     # key, label, better, unit format
-    ("drain1", "no-op drain, 1 worker process (runs/s)", HIGHER, "rate"),
-    ("drain4", "no-op drain, 4 worker processes (runs/s)", HIGHER, "rate"),
+    ("drain1", "no-op drain, 1 worker process, concurrency 1 (runs/s)", HIGHER, "rate"),
+    ("drain4", "no-op drain, 4 worker processes, concurrency 1 (runs/s)", HIGHER, "rate"),
+    ("drain1c", "no-op drain, 1 worker process, concurrency {drain_c} (runs/s)", HIGHER, "rate"),
+    ("drain4c", "no-op drain, 4 worker processes, concurrency {drain_c} (runs/s)", HIGHER,
+     "rate"),
     ("enq_one", "enqueue one by one, a transaction each (runs/s)", HIGHER, "rate"),
     ("enq_bulk", "enqueue in bulk, {batch} per transaction (runs/s)", HIGHER, "rate"),
     ("lat_p50", "enqueue→start latency p50, idle worker, {rate:g}/s (ms)", LOWER, "ms"),
@@ -342,6 +347,8 @@ ROWS: list[tuple[str, str, str, str]] = [
      "c={pool_c} (runs/s)", HIGHER, "rate"),
     ("commits1", "worker commits per run, no-op drain, 1 process", LOWER, "per"),
     ("commits4", "worker commits per run, no-op drain, 4 processes", LOWER, "per"),
+    ("commits1c", "worker commits per run, no-op drain, 1 process, concurrency {drain_c}",
+     LOWER, "per"),
     ("statements1", "worker SQL statements per run, no-op drain, 1 process", LOWER, "per"),
     ("rows1", "rows written per run, no-op drain, 1 process", LOWER, "per"),
     ("rss_drain", "worker peak RSS, no-op drain, 1 process (MB)", LOWER, "mb"),
@@ -419,7 +426,7 @@ def table(results: Results, plan: Plan) -> str:
         if key not in results.values:
             continue
         label = label.format(batch=f"{plan.bulk_batch:,}", rate=plan.latency_rate,
-                             pool_c=max(plan.io_concurrency))
+                             pool_c=max(plan.io_concurrency), drain_c=plan.drain_concurrency)
         cells = []
         for engine in ENGINES:
             text = fmt(results.median(key, engine), unit)
@@ -542,14 +549,18 @@ def run_rep(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
         log(f"[rep {rep + 1}/{plan.reps} {time.monotonic() - started:6.0f}s] "
             f"{workload:<14} {engine.key:<13} {text}")
 
-    for key, processes in (("drain1", 1), ("drain4", 4)):
+    c = plan.drain_concurrency
+    for key, processes, concurrency in (("drain1", 1, 1), ("drain4", 4, 1), ("drain1c", 1, c),
+                                        ("drain4c", 4, c)):
         for engine in order:
             r = run_trial(admin, f"{key} {engine.key}", drain, engine, "noop",
-                          plan.drain_runs, processes, 1, plan.drain_cap, logs)
+                          plan.drain_runs, processes, concurrency, plan.drain_cap, logs)
             results.add(key, engine, r["runs_per_s"])
             results.flag(key, engine, r)
-            results.add(f"commits{processes}", engine, r["commits"])
-            if processes == 1:
+            if key != "drain4c":
+                results.add(f"commits{processes}{'c' if concurrency > 1 else ''}", engine,
+                            r["commits"])
+            if key == "drain1":
                 results.add("statements1", engine, r.get("statements", math.nan))
                 results.add("rows1", engine, r["rows"])
                 results.add("rss_drain", engine, r["rss_mb"])
@@ -658,7 +669,9 @@ def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, 
         "## Settings of this run",
         "",
         f"- no-op drains: {plan.drain_runs:,} runs queued first (not timed), then timed from "
-        f"the first worker's start until no run is queued or running, or {plan.drain_cap:g} s",
+        f"the first worker's start until no run is queued or running, or {plan.drain_cap:g} s; "
+        f"each worker process at concurrency 1, then at {plan.drain_concurrency} "
+        f"(django-tasks-db's db_worker has no concurrency setting: one task at a time in both)",
         f"- enqueue one by one: {plan.enqueue_one_runs:,} runs, each in its own transaction "
         f"(autocommit, as a plain view); bulk: {plan.bulk_runs:,} runs, {plan.bulk_batch:,} "
         "per transaction (ours `enqueue_many`, procrastinate `batch_defer`, django-tasks-db a "
