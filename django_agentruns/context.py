@@ -109,14 +109,31 @@ def ensure_json(value: Any, what: str) -> Any:
     The value must also store the same on every engine: no NUL characters or surrogates
     in its text, no nesting deeper than MAX_JSON_DEPTH.
     """
+    json_text(value, what)
+    return value
+
+
+# One encoder for every call: json.dumps() builds a new one whenever it is given options.
+_STRICT_JSON = json.JSONEncoder(allow_nan=False)
+
+
+def json_text(value: Any, what: str) -> str:
+    """`value` as JSON text, checked as `ensure_json` checks it: the text enqueue stores.
+
+    The walk over the value runs only when the text shows it might find something: the
+    encoder escapes every NUL and surrogate (``\\u0000``, ``\\udXXX``), and nesting deeper
+    than MAX_JSON_DEPTH takes more opening brackets than that. Most values skip it.
+    """
     try:
-        json.dumps(value, allow_nan=False)
+        text = _STRICT_JSON.encode(value)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidInputError(f"{what} must be JSON-serialisable: {exc}") from exc
-    problem = _unstorable(value)
+    suspect = "\\u0000" in text or "\\ud" in text \
+        or text.count("[") + text.count("{") > MAX_JSON_DEPTH
+    problem = _unstorable(value) if suspect else None
     if problem:
         raise InvalidInputError(f"{what} cannot be stored: {problem}")
-    return value
+    return text
 
 
 def _unstorable(value: Any) -> str | None:
