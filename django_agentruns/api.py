@@ -18,7 +18,6 @@ from . import execution, signals, transitions
 from .context import AttemptControl, ensure_json, storable_text, unstorable_text
 from .exceptions import InvalidInputError, RunNotFoundError
 from .models import AgentRun
-from .notify import notify_on_commit
 from .registry import AgentSpec, get_agent
 from .transitions import AttemptRef, CancelResult
 
@@ -59,7 +58,6 @@ def enqueue(
     run = _build(request, timezone.now())
     with transaction.atomic():
         transitions.insert_runs([run])
-        notify_on_commit([run.queue])
         _announce([run])
     return run
 
@@ -72,7 +70,6 @@ def enqueue_many(requests: Iterable[RunRequest | Mapping[str, Any]]) -> list[Age
         return []
     with transaction.atomic():
         created = transitions.insert_runs(runs)
-        notify_on_commit(sorted({r.queue for r in runs}))
         _announce(created)
     return created
 
@@ -161,10 +158,7 @@ def retry(run_id: int, by: str = "") -> bool:
     result = transitions.operator_retry(_run_id(run_id), by=storable_text(str(by)[:255]))
     if result is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
-    if result:
-        run = AgentRun.objects.only("queue").get(pk=run_id)
-        notify_on_commit([run.queue])
-    return result
+    return result  # PostgreSQL's trigger wakes the queue's workers (migration 0002)
 
 
 def _run_id(run_id: Any) -> int:

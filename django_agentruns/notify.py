@@ -1,8 +1,10 @@
 """Wake idle workers when runs are queued (PostgreSQL LISTEN/NOTIFY).
 
-NOTIFY is transactional: it is delivered when the enqueuing transaction commits, never
-if it rolls back, and PostgreSQL folds identical notifications of one transaction into
-one, so a bulk enqueue sends one per queue, not one per run.
+The database sends the notifications: triggers on the runs table (migration 0002) NOTIFY
+CHANNEL with the queue's name for every INSERT of queued runs, however made, and for a run
+an operator retries. NOTIFY is transactional: it is delivered when the enqueuing
+transaction commits, never if it rolls back, and PostgreSQL folds identical notifications
+of one transaction into one, so a bulk enqueue sends one per queue, not one per run.
 """
 
 from __future__ import annotations
@@ -16,14 +18,7 @@ from django.db import connection
 logger = logging.getLogger("django_agentruns.worker")
 
 CHANNEL = "agentruns"
-
-
-def notify_on_commit(queues: Iterable[str]) -> None:
-    if connection.vendor != "postgresql":
-        return  # SQLite workers poll
-    with connection.cursor() as cursor:
-        for queue in queues:
-            cursor.execute("SELECT pg_notify(%s, %s)", [CHANNEL, queue])
+"""The channel the triggers NOTIFY and workers LISTEN on; the payload is the queue's name."""
 
 
 class Listener:

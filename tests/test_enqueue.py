@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connections, transaction
 from django.utils import timezone
 
 from django_agentruns import (
@@ -22,7 +22,6 @@ from django_agentruns import (
 )
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.registry import all_agents, unregister
-from tests import helpers
 
 pytestmark = pytest.mark.django_db
 
@@ -331,74 +330,3 @@ def test_enqueue_rolled_back_with_the_callers_savepoint() -> None:
         outer = enqueue("tests.noop", scope="outer")
         rolled_back(lambda: enqueue("tests.noop", scope="inner"))
     assert list(AgentRun.objects.values_list("pk", flat=True)) == [outer.pk]
-
-
-# --------------------------------------------------------------------------- NOTIFY
-
-
-def _listener() -> Any:
-    import psycopg
-
-    conn = psycopg.connect(helpers.database_url(connection.settings_dict), autocommit=True)
-    conn.execute("LISTEN agentruns")
-    return conn
-
-
-def _notifications_until(listener: Any, sentinel: str) -> list[str]:
-    """Payloads received up to and including `sentinel` (sent last, in its own commit).
-
-    NOTIFYs arrive in commit order, so anything a rolled-back transaction had sent would
-    show up before the sentinel: no sleeping for an absence.
-    """
-    payloads: list[str] = []
-    for note in listener.notifies(timeout=10):
-        payloads.append(note.payload)
-        if note.payload == sentinel:
-            return payloads
-    raise AssertionError(f"no {sentinel!r} notification within 10 s; got {payloads}")
-
-
-@pytest.mark.postgres_only
-@pytest.mark.django_db(transaction=True)
-def test_enqueue_notifies_on_commit_only() -> None:
-    listener = _listener()
-    try:
-        with transaction.atomic():
-            enqueue("tests.noop", queue="q-committed")
-        assert _notifications_until(listener, "q-committed") == ["q-committed"]
-
-        rolled_back(lambda: enqueue("tests.noop", queue="q-rolled-back"))
-        enqueue("tests.noop", queue="q-sentinel")
-        assert _notifications_until(listener, "q-sentinel") == ["q-sentinel"]
-    finally:
-        listener.close()
-
-
-@pytest.mark.postgres_only
-@pytest.mark.django_db(transaction=True)
-def test_enqueue_many_notifies_once_per_queue() -> None:
-    listener = _listener()
-    try:
-        enqueue_many([RunRequest("tests.noop", queue="qa"), RunRequest("tests.noop", queue="qb"),
-                      RunRequest("tests.noop", queue="qa"), RunRequest("tests.noop", queue="qa")])
-        enqueue("tests.noop", queue="q-sentinel")
-        received = _notifications_until(listener, "q-sentinel")
-        assert sorted(received[:-1]) == ["qa", "qb"]
-    finally:
-        listener.close()
-
-
-@pytest.mark.postgres_only
-@pytest.mark.django_db(transaction=True)
-def test_notification_not_seen_before_commit() -> None:
-    listener = _listener()
-    try:
-        with transaction.atomic():
-            enqueue("tests.noop", queue="q-pending")
-            # The listener notifies itself (autocommit). Had enqueue's NOTIFY been sent
-            # outside this transaction, it would arrive before this probe.
-            listener.execute("NOTIFY agentruns, 'probe'")
-            assert _notifications_until(listener, "probe") == ["probe"]
-        assert _notifications_until(listener, "q-pending") == ["q-pending"]
-    finally:
-        listener.close()

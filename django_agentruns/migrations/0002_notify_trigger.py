@@ -1,0 +1,74 @@
+"""PostgreSQL wakes idle workers itself: NOTIFY from triggers on the runs table.
+
+A statement-level AFTER INSERT trigger sends one NOTIFY per distinct queue of the queued
+rows a statement inserted, and a row-level AFTER UPDATE OF status trigger one for a run
+an operator sends back to the queue (failed or cancelled -> queued). NOTIFY is delivered
+when the transaction commits, never if it rolls back, and identical ones of a transaction
+are folded into one: a bulk enqueue wakes each queue once. Any INSERT wakes workers,
+`enqueue`'s or raw SQL's.
+
+The update trigger is per row with a WHEN clause, not per statement with transition
+tables: those cannot be limited to a column or a condition, so every claim, renewal and
+settle would collect its rows for it. Requeues of a running run (a retry after backoff, a
+lapsed lease) notify nobody: their own worker looks again at once, and a backoff is not
+due yet. SQLite has no NOTIFY; its workers poll, and these operations do nothing there.
+"""
+
+from django.db import migrations
+
+from django_agentruns.notify import CHANNEL
+
+
+def _table(apps, schema_editor):
+    model = apps.get_model("django_agentruns", "AgentRun")
+    return schema_editor.quote_name(model._meta.db_table)
+
+
+def create_triggers(apps, schema_editor):
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    table = _table(apps, schema_editor)
+    for statement in (
+        f"""CREATE FUNCTION agentruns_notify_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                PERFORM pg_notify('{CHANNEL}', queue)
+                FROM (SELECT DISTINCT queue FROM inserted WHERE status = 'queued') AS queues;
+                RETURN NULL;
+            END $$""",
+        f"""CREATE TRIGGER agentruns_notify_insert AFTER INSERT ON {table}
+            REFERENCING NEW TABLE AS inserted
+            FOR EACH STATEMENT EXECUTE FUNCTION agentruns_notify_inserted()""",
+        f"""CREATE FUNCTION agentruns_notify_requeued() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                PERFORM pg_notify('{CHANNEL}', NEW.queue);
+                RETURN NULL;
+            END $$""",
+        f"""CREATE TRIGGER agentruns_notify_retry AFTER UPDATE OF status ON {table}
+            FOR EACH ROW WHEN (NEW.status = 'queued' AND OLD.status IN ('failed', 'cancelled'))
+            EXECUTE FUNCTION agentruns_notify_requeued()""",
+    ):
+        schema_editor.execute(statement)
+
+
+def drop_triggers(apps, schema_editor):
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    table = _table(apps, schema_editor)
+    for statement in (
+        f"DROP TRIGGER IF EXISTS agentruns_notify_retry ON {table}",
+        "DROP FUNCTION IF EXISTS agentruns_notify_requeued()",
+        f"DROP TRIGGER IF EXISTS agentruns_notify_insert ON {table}",
+        "DROP FUNCTION IF EXISTS agentruns_notify_inserted()",
+    ):
+        schema_editor.execute(statement)
+
+
+class Migration(migrations.Migration):
+
+    dependencies = [
+        ("django_agentruns", "0001_initial"),
+    ]
+
+    operations = [
+        migrations.RunPython(create_triggers, drop_triggers, elidable=False),
+    ]

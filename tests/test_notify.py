@@ -1,0 +1,194 @@
+"""LISTEN/NOTIFY: PostgreSQL's triggers (migration 0002) wake workers, on commit only.
+
+Absences are asserted without sleeping: NOTIFYs arrive in commit order, so a sentinel
+sent after the transaction under test shows up after anything that transaction sent.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from django.core.management import call_command
+from django.db import connection, transaction
+
+from django_agentruns import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
+from django_agentruns.models import AgentRun, Status
+from django_agentruns.notify import CHANNEL, Listener
+from tests import helpers
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+T = TypeVar("T")
+TRIGGERS = ["agentruns_notify_insert", "agentruns_notify_retry"]
+
+
+@pytest.fixture
+def listener() -> Iterator[Any]:
+    """A plain psycopg connection in autocommit, LISTENing on the channel."""
+    import psycopg
+
+    conn = psycopg.connect(helpers.database_url(connection.settings_dict), autocommit=True)
+    conn.execute(f"LISTEN {CHANNEL}")
+    yield conn
+    conn.close()
+
+
+def notifications_until(listener: Any, sentinel: str, timeout: float = 10) -> list[str]:
+    """Payloads received up to and including `sentinel`, waiting at most `timeout` s."""
+    payloads: list[str] = []
+    for note in listener.notifies(timeout=timeout):
+        payloads.append(note.payload)
+        if note.payload == sentinel:
+            return payloads
+    raise AssertionError(f"no {sentinel!r} notification within {timeout} s; got {payloads}")
+
+
+def sent_before_sentinel(listener: Any, sentinel: str = "sentinel") -> list[str]:
+    """What was notified before now: NOTIFY `sentinel` in a commit of its own, read up to it."""
+    listener.execute(f"NOTIFY {CHANNEL}, '{sentinel}'")
+    return notifications_until(listener, sentinel)[:-1]
+
+
+def rolled_back(work: Callable[[], T]) -> T:
+    with transaction.atomic():
+        result = work()
+        transaction.set_rollback(True)
+    return result
+
+
+def triggers() -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT tgname FROM pg_trigger WHERE NOT tgisinternal "
+                       "AND tgrelid = %s::regclass ORDER BY tgname", [AgentRun._meta.db_table])
+        return [name for (name,) in cursor.fetchall()]
+
+
+# --------------------------------------------------------------------------- enqueue
+
+
+@pytest.mark.postgres_only
+def test_enqueue_notifies_on_commit_only(listener: Any) -> None:
+    with transaction.atomic():
+        enqueue("tests.noop", queue="q-committed")
+    assert notifications_until(listener, "q-committed") == ["q-committed"]
+
+    rolled_back(lambda: enqueue("tests.noop", queue="q-rolled-back"))
+    enqueue("tests.noop", queue="q-sentinel")
+    assert notifications_until(listener, "q-sentinel") == ["q-sentinel"]
+
+
+@pytest.mark.postgres_only
+def test_enqueue_in_autocommit_notifies_once(listener: Any) -> None:
+    assert connection.get_autocommit()
+    enqueue("tests.noop", queue="q-autocommit")
+    assert sent_before_sentinel(listener) == ["q-autocommit"]
+
+
+@pytest.mark.postgres_only
+def test_enqueue_many_notifies_once_per_queue(listener: Any) -> None:
+    with transaction.atomic():
+        enqueue_many([RunRequest("tests.noop", {"n": n}, queue="qa" if n % 3 else "qb")
+                      for n in range(1000)])
+        enqueue_many([RunRequest("tests.once", queue="qa")] * 10)
+    assert sorted(sent_before_sentinel(listener)) == ["qa", "qb"]
+
+
+@pytest.mark.postgres_only
+def test_a_rolled_back_enqueue_many_notifies_nobody(listener: Any) -> None:
+    rolled_back(lambda: enqueue_many([RunRequest("tests.noop", queue="qa"),
+                                      RunRequest("tests.noop", queue="qb")] * 500))
+    assert sent_before_sentinel(listener) == []
+    assert AgentRun.objects.count() == 0
+
+
+@pytest.mark.postgres_only
+def test_notification_not_seen_before_commit(listener: Any) -> None:
+    with transaction.atomic():
+        enqueue("tests.noop", queue="q-pending")
+        # The listener notifies itself (autocommit). Had the INSERT's NOTIFY been sent
+        # outside this transaction, it would arrive before this probe.
+        listener.execute(f"NOTIFY {CHANNEL}, 'probe'")
+        assert notifications_until(listener, "probe") == ["probe"]
+    assert notifications_until(listener, "q-pending") == ["q-pending"]
+
+
+@pytest.mark.postgres_only
+def test_any_insert_of_a_queued_run_notifies(listener: Any) -> None:
+    """The trigger sees every INSERT: one made without `enqueue` wakes workers too."""
+    AgentRun.objects.create(agent="tests.noop", queue="q-orm")
+    run_now("tests.noop")  # inserted running, not queued: nothing to wake anybody for
+    assert sent_before_sentinel(listener) == ["q-orm"]
+
+
+# --------------------------------------------------------------------------- back to the queue
+
+
+@pytest.mark.postgres_only
+def test_an_operator_retry_notifies(listener: Any) -> None:
+    run = enqueue("tests.noop", queue="q-retry")
+    cancel(run.pk)
+    assert sent_before_sentinel(listener, "enqueued") == ["q-retry"]  # the cancel: nothing
+
+    assert retry(run.pk) is True
+    assert sent_before_sentinel(listener, "retried") == ["q-retry"]
+
+
+@pytest.mark.postgres_only
+def test_a_requeue_of_a_running_run_does_not_notify(listener: Any) -> None:
+    """Its own worker looks again at once, and a backoff is not due: waking the others
+    would only cost them an empty claim."""
+    run = enqueue("tests.noop", queue="q-requeue")
+    AgentRun.objects.filter(pk=run.pk).update(status=Status.RUNNING)
+    AgentRun.objects.filter(pk=run.pk).update(status=Status.QUEUED)
+    AgentRun.objects.filter(pk=run.pk).update(priority=5)  # status untouched
+    assert sent_before_sentinel(listener) == ["q-requeue"]  # the enqueue's only
+
+
+@pytest.mark.postgres_only
+def test_a_workers_listener_wakes_on_enqueue() -> None:
+    wake, stopping = threading.Event(), threading.Event()
+    listening = Listener(["q-wake"], wake, stopping)
+    listening.start()
+    try:
+        assert listening.connected.wait(10), "the listener did not connect"
+        assert wake.wait(10), "no catch-up wake on connecting"
+        wake.clear()
+        enqueue("tests.noop", queue="q-wake")
+        assert wake.wait(10), "the enqueue did not wake the listener"
+    finally:
+        stopping.set()
+        listening.thread.join(10)
+    assert not listening.thread.is_alive()
+
+
+# --------------------------------------------------------------------------- the migration
+
+
+def test_the_trigger_migration_reverses_and_reapplies() -> None:
+    postgres = connection.vendor == "postgresql"
+    if postgres:
+        assert triggers() == TRIGGERS
+    try:
+        call_command("migrate", "django_agentruns", "0001", verbosity=0)
+        if postgres:
+            assert triggers() == []
+    finally:
+        call_command("migrate", "django_agentruns", verbosity=0)
+    if postgres:
+        assert triggers() == TRIGGERS
+    assert AgentRun.objects.get(pk=enqueue("tests.noop").pk).status == Status.QUEUED
+
+
+@pytest.mark.postgres_only
+def test_without_the_trigger_nothing_notifies(listener: Any) -> None:
+    try:
+        call_command("migrate", "django_agentruns", "0001", verbosity=0)
+        enqueue("tests.noop", queue="q-untriggered")
+        assert sent_before_sentinel(listener, "reversed") == []
+    finally:
+        call_command("migrate", "django_agentruns", verbosity=0)
+    enqueue("tests.noop", queue="q-triggered")
+    assert sent_before_sentinel(listener, "reapplied") == ["q-triggered"]
