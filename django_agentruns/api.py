@@ -11,15 +11,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db import transaction
 from django.utils import timezone
 
 from . import execution, signals, transitions
-from .context import AttemptControl, ensure_json, storable_text, unstorable_text
+from .context import AttemptControl, json_text, storable_text, unstorable_text
 from .exceptions import InvalidInputError, RunNotFoundError
 from .models import AgentRun
 from .registry import AgentSpec, get_agent
-from .transitions import AttemptRef, CancelResult
+from .transitions import AttemptRef, CancelResult, NewRun
 
 SCOPE_MAX = 255
 QUEUE_MAX = 100
@@ -52,25 +51,27 @@ def enqueue(
     """Queue a run of `agent`, in the caller's transaction: roll back and it never existed.
 
     `run_after` is a datetime, a timedelta or seconds from now. Raises
-    `UnknownAgentError` or `InvalidInputError` before anything is written.
+    `UnknownAgentError` or `InvalidInputError` before anything is written. One INSERT:
+    in autocommit it is the whole transaction (one round trip); PostgreSQL's trigger
+    wakes the queue's workers once it commits.
     """
+    at = timezone.now()
     request = RunRequest(agent, input, scope, queue, priority, run_after, fired_seq)
-    run = _build(request, timezone.now())
-    with transaction.atomic():
-        transitions.insert_runs([run])
-        _announce([run])
+    (run,) = transitions.insert_runs([_build(request, at, {})], at)
+    _announce([run])
     return run
 
 
 def enqueue_many(requests: Iterable[RunRequest | Mapping[str, Any]]) -> list[AgentRun]:
-    """Queue many runs in one transaction and one statement; all or none are written."""
+    """Queue many runs in one statement: all or none are written, in any transaction."""
     at = timezone.now()
-    runs = [_build(r if isinstance(r, RunRequest) else _request(r), at) for r in requests]
-    if not runs:
+    agents: dict[str, _AgentPolicy] = {}
+    new = [_build(r if isinstance(r, RunRequest) else _request(r), at, agents)
+           for r in requests]
+    if not new:
         return []
-    with transaction.atomic():
-        created = transitions.insert_runs(runs)
-        _announce(created)
+    created = transitions.insert_runs(new, at)
+    _announce(created)
     return created
 
 
@@ -89,14 +90,34 @@ def _request(data: Mapping[str, Any]) -> RunRequest:
         raise InvalidInputError(f"Bad run request {dict(data)!r}: {exc}") from exc
 
 
-def _build(request: RunRequest, at: datetime) -> AgentRun:
-    spec = get_agent(request.agent)
-    payload = ensure_json({} if request.input is None else request.input,
-                          f"Input of agent {request.agent!r}")
+@dataclass(frozen=True)
+class _AgentPolicy:
+    """What an agent's runs take from it and from the settings: looked up once per call."""
+
+    name: str
+    queue: str
+    priority: int
+    max_requeues: int
+
+
+def _policy(name: Any, agents: dict[str, _AgentPolicy]) -> _AgentPolicy:
+    known = agents.get(name) if isinstance(name, str) else None  # a list is no agent name
+    if known is None:
+        spec = get_agent(name)
+        known = agents[spec.name] = _AgentPolicy(spec.name, spec.effective_queue(),
+                                                 spec.priority, spec.effective_max_requeues())
+    return known
+
+
+def _build(request: RunRequest, at: datetime, agents: dict[str, _AgentPolicy]) -> NewRun:
+    """Check one request; `agents` keeps agent policies for the rest of the call."""
+    agent = _policy(request.agent, agents)
+    payload = {} if request.input is None else request.input
+    text = json_text(payload, f"Input of agent {request.agent!r}")
     scope = _check_str(request.scope, "scope", SCOPE_MAX, allow_empty=True)
-    queue = _check_str(request.queue if request.queue is not None else spec.effective_queue(),
+    queue = _check_str(request.queue if request.queue is not None else agent.queue,
                        "queue", QUEUE_MAX, allow_empty=False)
-    priority = spec.priority if request.priority is None else request.priority
+    priority = agent.priority if request.priority is None else request.priority
     if isinstance(priority, bool) or not isinstance(priority, int) or \
             not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
         raise InvalidInputError(f"priority must be an integer in {PRIORITY_RANGE}, "
@@ -105,11 +126,10 @@ def _build(request: RunRequest, at: datetime) -> AgentRun:
     if isinstance(fired_seq, bool) or not isinstance(fired_seq, int) or \
             not -(2**63) <= fired_seq < 2**63:
         raise InvalidInputError(f"fired_seq must be a 64-bit integer, not {fired_seq!r}")
-    return AgentRun(
-        agent=spec.name, queue=queue, priority=priority, scope=scope, fired_seq=fired_seq,
-        input=payload, max_requeues=spec.effective_max_requeues(),
-        available_at=_due_time(request.run_after, at), created_at=at,
-    )
+    return NewRun(agent=agent.name, queue=queue, priority=priority, scope=scope,
+                  fired_seq=fired_seq, input=payload, input_json=text,
+                  max_requeues=agent.max_requeues,
+                  available_at=_due_time(request.run_after, at))
 
 
 def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:
@@ -182,7 +202,11 @@ def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
     caller has the exception) and the reaper never touches the run.
     """
     spec: AgentSpec = get_agent(agent)
-    run = _build(RunRequest(agent, input, scope), timezone.now())
+    at = timezone.now()
+    new = _build(RunRequest(agent, input, scope), at, {})
+    run = AgentRun(agent=new.agent, queue=new.queue, priority=new.priority, scope=new.scope,
+                   fired_seq=new.fired_seq, input=new.input, max_requeues=new.max_requeues,
+                   available_at=new.available_at, created_at=at)
     worker_id = f"interactive:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     transitions.start_interactive(run, worker_id)
     ref = AttemptRef(run.pk, 1, worker_id, lease_ttl=None, agent=run.agent)

@@ -6,9 +6,11 @@ import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
+from unittest import mock
 
 import pytest
-from django.db import connections, transaction
+from django.db import connection, connections, transaction
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_agentruns import (
@@ -138,6 +140,39 @@ def test_enqueue_many_stores_every_request(custom_agent: str) -> None:
     assert second.max_requeues == 9
     assert (third.agent, third.queue) == ("tests.once", "other")
     assert all(r.status == Status.QUEUED for r in stored.values())
+
+
+def test_enqueue_many_keeps_the_request_order(custom_agent: str) -> None:
+    """Thousands of runs in one call (far more values than SQLite takes as parameters of
+    one statement), each returned run the row written for its request, ids ascending."""
+    requests = [RunRequest(custom_agent if n % 2 else "tests.noop", {"n": n}, scope=f"s{n % 7}",
+                           queue=None if n % 3 else f"q{n % 5}", fired_seq=n)
+                for n in range(3000)]
+    runs = enqueue_many(requests)
+    assert [r.pk for r in runs] == sorted(r.pk for r in runs)
+    stored = {r.pk: r for r in AgentRun.objects.all()}
+    assert len(stored) == 3000
+    for run, request in zip(runs, requests, strict=True):
+        row = stored[run.pk]
+        queue = request.queue or ("reports" if request.agent == custom_agent else "default")
+        assert (row.agent, row.input, row.scope, row.fired_seq, row.queue) == (
+            request.agent, request.input, request.scope, request.fired_seq, queue)
+        assert (run.agent, run.input, run.queue, run.priority, run.status, run.created_at,
+                run.available_at) == (row.agent, row.input, row.queue, row.priority,
+                                      row.status, row.created_at, row.available_at)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_enqueue_in_autocommit_is_one_statement_in_no_transaction_of_its_own() -> None:
+    """One INSERT is atomic by itself: no BEGIN and COMMIT round trips around it."""
+    with mock.patch.object(transaction.Atomic, "__enter__", autospec=True,
+                           side_effect=transaction.Atomic.__enter__) as opened, \
+            CaptureQueriesContext(connection) as queries:
+        run = enqueue("tests.noop", input={"n": 1})
+        runs = enqueue_many([RunRequest("tests.noop"), RunRequest("tests.once")])
+    assert opened.call_count == 0
+    assert len(queries) == 2
+    assert _count_elsewhere(pk__in=[run.pk, *(r.pk for r in runs)]) == 3  # committed
 
 
 def test_enqueue_many_of_nothing_writes_nothing() -> None:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import pytest
 from django.core.management import call_command
 from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 
 from django_agentruns import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
 from django_agentruns.models import AgentRun, Status
@@ -83,7 +84,9 @@ def test_enqueue_notifies_on_commit_only(listener: Any) -> None:
 @pytest.mark.postgres_only
 def test_enqueue_in_autocommit_notifies_once(listener: Any) -> None:
     assert connection.get_autocommit()
-    enqueue("tests.noop", queue="q-autocommit")
+    with CaptureQueriesContext(connection) as queries:
+        enqueue("tests.noop", queue="q-autocommit")
+    assert len(queries) == 1  # the INSERT: no pg_notify() round trip
     assert sent_before_sentinel(listener) == ["q-autocommit"]
 
 
