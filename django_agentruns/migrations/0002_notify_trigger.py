@@ -11,7 +11,8 @@ The update trigger is per row with a WHEN clause, not per statement with transit
 tables: those cannot be limited to a column or a condition, so every claim, renewal and
 settle would collect its rows for it. Requeues of a running run (a retry after backoff, a
 lapsed lease) notify nobody: their own worker looks again at once, and a backoff is not
-due yet. SQLite has no NOTIFY; its workers poll, and these operations do nothing there.
+due yet. SQLite has no NOTIFY; its workers poll, and this migration does nothing there.
+`manage.py sqlmigrate django_agentruns 0002` shows the SQL on PostgreSQL.
 """
 
 from django.db import migrations
@@ -19,48 +20,62 @@ from django.db import migrations
 from django_agentruns.notify import CHANNEL
 
 
-def _table(apps, schema_editor):
-    model = apps.get_model("django_agentruns", "AgentRun")
-    return schema_editor.quote_name(model._meta.db_table)
+class NotifyTriggers(migrations.operations.base.Operation):
+    """Creates the triggers on PostgreSQL (drops them backwards); nothing elsewhere."""
 
+    reversible = True
 
-def create_triggers(apps, schema_editor):
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    table = _table(apps, schema_editor)
-    for statement in (
-        f"""CREATE FUNCTION agentruns_notify_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                PERFORM pg_notify('{CHANNEL}', queue)
-                FROM (SELECT DISTINCT queue FROM inserted WHERE status = 'queued') AS queues;
-                RETURN NULL;
-            END $$""",
-        f"""CREATE TRIGGER agentruns_notify_insert AFTER INSERT ON {table}
-            REFERENCING NEW TABLE AS inserted
-            FOR EACH STATEMENT EXECUTE FUNCTION agentruns_notify_inserted()""",
-        f"""CREATE FUNCTION agentruns_notify_requeued() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                PERFORM pg_notify('{CHANNEL}', NEW.queue);
-                RETURN NULL;
-            END $$""",
-        f"""CREATE TRIGGER agentruns_notify_retry AFTER UPDATE OF status ON {table}
-            FOR EACH ROW WHEN (NEW.status = 'queued' AND OLD.status IN ('failed', 'cancelled'))
-            EXECUTE FUNCTION agentruns_notify_requeued()""",
-    ):
-        schema_editor.execute(statement)
+    def state_forwards(self, app_label, state):
+        pass  # no model changes
 
+    def database_forwards(self, app_label, schema_editor, from_state, to_state):
+        if schema_editor.connection.vendor == "postgresql":
+            for statement in self.create(self.table(schema_editor, to_state)):
+                schema_editor.execute(statement)
 
-def drop_triggers(apps, schema_editor):
-    if schema_editor.connection.vendor != "postgresql":
-        return
-    table = _table(apps, schema_editor)
-    for statement in (
-        f"DROP TRIGGER IF EXISTS agentruns_notify_retry ON {table}",
-        "DROP FUNCTION IF EXISTS agentruns_notify_requeued()",
-        f"DROP TRIGGER IF EXISTS agentruns_notify_insert ON {table}",
-        "DROP FUNCTION IF EXISTS agentruns_notify_inserted()",
-    ):
-        schema_editor.execute(statement)
+    def database_backwards(self, app_label, schema_editor, from_state, to_state):
+        if schema_editor.connection.vendor == "postgresql":
+            for statement in self.drop(self.table(schema_editor, from_state)):
+                schema_editor.execute(statement)
+
+    def describe(self):
+        return "PostgreSQL triggers that NOTIFY workers of queued runs"
+
+    @staticmethod
+    def table(schema_editor, state):
+        model = state.apps.get_model("django_agentruns", "AgentRun")
+        return schema_editor.quote_name(model._meta.db_table)
+
+    @staticmethod
+    def create(table):
+        return [
+            f"""CREATE FUNCTION agentruns_notify_inserted() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    PERFORM pg_notify('{CHANNEL}', queue)
+                    FROM (SELECT DISTINCT queue FROM inserted WHERE status = 'queued') AS queues;
+                    RETURN NULL;
+                END $$""",
+            f"""CREATE TRIGGER agentruns_notify_insert AFTER INSERT ON {table}
+                REFERENCING NEW TABLE AS inserted
+                FOR EACH STATEMENT EXECUTE FUNCTION agentruns_notify_inserted()""",
+            f"""CREATE FUNCTION agentruns_notify_requeued() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    PERFORM pg_notify('{CHANNEL}', NEW.queue);
+                    RETURN NULL;
+                END $$""",
+            f"""CREATE TRIGGER agentruns_notify_retry AFTER UPDATE OF status ON {table}
+                FOR EACH ROW WHEN (NEW.status = 'queued' AND OLD.status IN ('failed', 'cancelled'))
+                EXECUTE FUNCTION agentruns_notify_requeued()""",
+        ]
+
+    @staticmethod
+    def drop(table):
+        return [
+            f"DROP TRIGGER IF EXISTS agentruns_notify_retry ON {table}",
+            "DROP FUNCTION IF EXISTS agentruns_notify_requeued()",
+            f"DROP TRIGGER IF EXISTS agentruns_notify_insert ON {table}",
+            "DROP FUNCTION IF EXISTS agentruns_notify_inserted()",
+        ]
 
 
 class Migration(migrations.Migration):
@@ -70,5 +85,5 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
-        migrations.RunPython(create_triggers, drop_triggers, elidable=False),
+        NotifyTriggers(),
     ]
