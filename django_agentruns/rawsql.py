@@ -151,7 +151,7 @@ def claim_returning(
            f"claimed AS (UPDATE {table} SET status = %s, claimed_by = %s, "
            f"attempt = {table}.attempt + 1, lease_expires = {lease}, started_at = %s "
            f"FROM picked WHERE {table}.id = picked.id AND {table}.status = %s "
-           f"RETURNING {table}.*), "
+           f"RETURNING {table}.*, picked.started_at AS previous_started_at), "
            f"started AS ({_events_from('claimed', 'gen_random_uuid()')}) "
            f"SELECT * FROM claimed")
     return sql, params

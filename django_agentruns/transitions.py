@@ -289,10 +289,12 @@ def claim(
 ) -> list[AgentRun]:
     """Take up to `limit` due runs for `worker_id`, in one short transaction.
 
-    On PostgreSQL the due rows are locked with SKIP LOCKED, so concurrent workers take
-    different runs without waiting; where no agent keeps firing order, locking and
-    starting them is one statement. On SQLite the transaction holds the database's write
-    lock (IMMEDIATE), and the UPDATE's status guard is the compare-and-set.
+    On PostgreSQL one statement locks the due rows with SKIP LOCKED (so concurrent workers
+    take different runs without waiting), starts them and appends their start events;
+    where agents keep firing order, their runs are then re-checked in the same transaction
+    and any held back is put back as it was. On SQLite the transaction holds the
+    database's write lock (IMMEDIATE), and the UPDATE's status guard is the
+    compare-and-set.
     A lapsed run is taken as it stands, its lost attempt recorded as abandoned
     (`include_lapsed=False` skips looking for them, for a worker that just did).
     """
@@ -300,8 +302,8 @@ def claim(
     if limit <= 0:
         return []
     queues = tuple(queues)
-    fast = is_postgres() and not scopes.ordered
-    if fast and not include_lapsed and not connection.in_atomic_block:
+    fast = is_postgres()
+    if fast and not include_lapsed and not scopes.ordered and not connection.in_atomic_block:
         # One statement, committed on its own: lock, start, and the start events.
         claimed = _claim_due_returning(worker_id, queues, limit, scopes, lease_ttls,
                                        default_ttl, at)
@@ -314,6 +316,8 @@ def claim(
         if room > 0:
             due = _claim_due_returning if fast else _claim_due_checked
             started = due(worker_id, queues, room, scopes, lease_ttls, default_ttl, at)
+            if fast and scopes.ordered:
+                started = _release_held(started, scopes, worker_id)
         else:
             started = []
         # The fast path's statement appended its own start events.
@@ -350,7 +354,8 @@ def _claim_due_returning(
     worker_id: str, queues: tuple[str, ...], limit: int, scopes: ScopePolicy,
     lease_ttls: dict[str, float], default_ttl: float, at: datetime,
 ) -> list[AgentRun]:
-    """PostgreSQL, no ordered agents: lock (SKIP LOCKED) and start in one statement."""
+    """PostgreSQL: lock the due runs (SKIP LOCKED), start them and append their start
+    events, in one statement."""
     due = _compiled_due(connection.vendor, queues, scopes, limit, ids_only=True)
     special = {agent: at + timedelta(seconds=ttl) for agent, ttl in lease_ttls.items()
                if ttl != default_ttl}
@@ -406,6 +411,28 @@ def _start(
     return claimed
 
 
+def _release_held(
+    started: list[AgentRun], scopes: ScopePolicy, worker_id: str
+) -> list[AgentRun]:
+    """The claim stays the authority on firing order: re-check ordered runs just started
+    (a fresh snapshot, under their locks) and put back as it was any that an earlier run
+    of its scope holds (e.g. one an operator retried after the claim's snapshot).
+
+    Same transaction as the claim, so no one ever sees them started.
+    """
+    rows = [{**_claim_row(r), "status": Status.QUEUED} for r in started]
+    kept = {row["id"] for row in _recheck_order(rows, scopes)}
+    for run in started:
+        if run.pk in kept:
+            continue
+        AgentRun.objects.filter(pk=run.pk, status=Status.RUNNING, claimed_by=worker_id,
+                                attempt=run.attempt).update(
+            status=Status.QUEUED, claimed_by="", attempt=F("attempt") - 1, lease_expires=None,
+            started_at=getattr(run, "previous_started_at", None))  # from the claim statement
+        RunEvent.objects.filter(run_id=run.pk, type=STARTED, attempt=run.attempt).delete()
+    return [run for run in started if run.pk in kept]
+
+
 @functools.lru_cache(maxsize=512)
 def _compiled_due(
     vendor: str, queues: tuple[str, ...], scopes: ScopePolicy, limit: int, *, ids_only: bool
@@ -415,7 +442,10 @@ def _compiled_due(
     if vendor == "postgresql":
         qs = qs.select_for_update(skip_locked=True, of=("self",))
     with transaction.atomic():  # Django compiles FOR UPDATE only inside one (no statement runs)
-        return rawsql.Compiled(qs.values("id")[:limit] if ids_only else qs[:limit])
+        # ids_only: the one-statement claim, which needs only the id, and the start time
+        # of the previous attempt to put back a run it must release.
+        return rawsql.Compiled(qs.values("id", "started_at")[:limit] if ids_only
+                               else qs[:limit])
 
 
 def _lock(qs: QuerySet[AgentRun], limit: int) -> list[AgentRun]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 from datetime import datetime, timedelta
+from typing import Any
 
+import pytest
 from django.utils import timezone
 
 from django_agentruns import RunRequest, enqueue, enqueue_many, policy, transitions
@@ -254,3 +256,35 @@ def test_the_claim_rechecks_order_when_handed_a_run_that_is_held(db: None) -> No
     assert [r["id"] for r in kept] == [first.pk]
     kept = transitions._recheck_order(rows[1:], scope_policy())
     assert kept == []
+
+
+@pytest.mark.postgres_only  # SQLite's claim holds the write lock: no retry lands inside it
+def test_a_run_a_stale_snapshot_started_out_of_order_is_put_back(
+    db: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PostgreSQL: the claim's one statement ran on a snapshot in which the scope's earlier
+    run was not holding it (cancelled); before the claim's re-check, an operator retry put
+    that run back in the queue. The later run must not start: it goes back as it was."""
+    earlier = enqueue(ORDERED, scope="s", fired_seq=1)
+    later = enqueue(ORDERED, scope="s", fired_seq=2)
+    # A previous attempt of the later run, so there is a start time to restore.
+    before = timezone.now() - timedelta(minutes=5)
+    AgentRun.objects.filter(pk=later.pk).update(attempt=1, requeue_count=1, started_at=before)
+    assert transitions.cancel(earlier.pk) is transitions.CancelResult.CANCELLED
+    real_due = transitions._claim_due_returning
+
+    def due_then_retried(*args: Any, **kwargs: Any) -> list[AgentRun]:
+        started = real_due(*args, **kwargs)
+        assert transitions.operator_retry(earlier.pk, by="ops") is True
+        return started
+
+    monkeypatch.setattr(transitions, "_claim_due_returning", due_then_retried)
+
+    assert claim(at=timezone.now() + timedelta(seconds=1)) == []
+    row = AgentRun.objects.get(pk=later.pk)
+    assert (row.status, row.attempt, row.claimed_by, row.lease_expires, row.started_at) == (
+        Status.QUEUED, 1, "", None, before)
+    assert not RunEvent.objects.filter(run_id=later.pk, type=transitions.STARTED).exists()
+    # The retried earlier run is next, then the later one.
+    monkeypatch.undo()
+    assert claimed_ids(at=timezone.now() + timedelta(seconds=2)) == [earlier.pk]
