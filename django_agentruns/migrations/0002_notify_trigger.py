@@ -7,9 +7,11 @@ when the transaction commits, never if it rolls back, and identical ones of a tr
 are folded into one: a bulk enqueue wakes each queue once. Any INSERT wakes workers,
 `enqueue`'s or raw SQL's.
 
-The update trigger is per row with a WHEN clause, not per statement with transition
-tables: those cannot be limited to a column or a condition, so every claim, renewal and
-settle would collect its rows for it. Requeues of a running run (a retry after backoff, a
+The update trigger is per row with a WHEN clause rather than per statement with
+transition tables, which cannot be narrowed to a column or a condition and so would run
+for every claim and settle. Both add about 5 us of server time to a one-row UPDATE
+(measured); this one calls its function only for a retried run, and UPDATEs that leave
+status alone (lease renewals) skip it. Requeues of a running run (a retry after backoff, a
 lapsed lease) notify nobody: their own worker looks again at once, and a backoff is not
 due yet. SQLite has no NOTIFY; its workers poll, and this migration does nothing there.
 `manage.py sqlmigrate django_agentruns 0002` shows the SQL on PostgreSQL.
