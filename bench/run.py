@@ -93,6 +93,7 @@ class Target(Protocol):
     def count(self, sql: str) -> int: ...
     def close_poller(self) -> None: ...
     def settle(self) -> None: ...
+    def analyze(self) -> None: ...
     def stats(self) -> DbStats | None: ...
     def drop(self) -> None: ...
 
@@ -120,6 +121,12 @@ class PgTarget:
 
     def settle(self) -> None:
         self.admin.wait_idle(RUN_DB)
+
+    def analyze(self) -> None:
+        """Planner statistics, as autovacuum keeps them for a table in service (a fresh
+        table filled in one go has none yet, and its first plans are guesses)."""
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            conn.execute("ANALYZE")
 
     def stats(self) -> DbStats:
         return self.admin.stats(RUN_DB)
@@ -154,6 +161,10 @@ class SqliteTarget:
 
     def settle(self) -> None:
         pass
+
+    def analyze(self) -> None:
+        with sqlite3.connect(self.path, timeout=30) as conn:
+            conn.execute("ANALYZE")
 
     def stats(self) -> None:
         return None
@@ -220,6 +231,7 @@ def drain(target: Target, engine: Engine, kind: str, runs: int, processes: int,
     """`runs` queued runs of `kind`; workers started; timed until the queue is empty
     (or `cap` seconds). Commits, rows and statements are counted for the workers alone."""
     client(target.url, engine, "prefill", kind, str(runs))
+    target.analyze()
     target.settle()
     before = target.stats()
     statements = logs / f"statements-{engine.key}-{time.monotonic_ns()}.txt"
@@ -668,7 +680,8 @@ def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, 
         "",
         "## Settings of this run",
         "",
-        f"- no-op drains: {plan.drain_runs:,} runs queued first (not timed), then timed from "
+        f"- no-op drains: {plan.drain_runs:,} runs queued first (not timed; the database then "
+        f"ANALYZEd, as autovacuum keeps a table in service), then timed from "
         f"the first worker's start until no run is queued or running, or {plan.drain_cap:g} s; "
         f"each worker process at concurrency 1, then at {plan.drain_concurrency} "
         f"(django-tasks-db's db_worker has no concurrency setting: one task at a time in both)",
