@@ -277,8 +277,8 @@ def summarize_wall(raw: str) -> str:
 # Where on-CPU time goes: the phase a sample is in (first match from the outermost
 # django_agentruns frame inwards), and the library its innermost frame is in.
 PHASES = [
-    ("claim (transitions.claim)", "claim (django_agentruns/transitions.py"),
-    ("settle (transitions.settle_succeeded)", "settle_succeeded (django_agentruns/"),
+    ("claim (transitions.claim)", "claim (django_agentruns/transitions/claiming.py"),
+    ("settle (transitions.settle_succeeded_many)", "settle_succeeded_many (django_agentruns/"),
     ("start an attempt (Worker._start: log, submit)", "Worker._start (django_agentruns/"),
     ("burst check (Worker._work_pending)", "Worker._work_pending (django_agentruns/"),
     ("reaper (reaper.reap)", "reap (django_agentruns/reaper.py"),

@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from django_agentruns import RunRequest, enqueue, enqueue_many, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
-from django_agentruns.transitions import AttemptRef, Settlement
+from django_agentruns.transitions import AttemptRef, Settlement, claiming
 from django_agentruns.worker import scope_policy
 from tests import helpers
 
@@ -172,7 +172,7 @@ def test_claim_and_its_events_are_one_transaction(monkeypatch: pytest.MonkeyPatc
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("event insert failed")
 
-    monkeypatch.setattr(transitions, "_append_events", broken)
+    monkeypatch.setattr(claiming, "append_events", broken)
     with pytest.raises(RuntimeError, match="event insert failed"):
         claim(at=timezone.now() + timedelta(seconds=1))
     stored = AgentRun.objects.get(pk=run.pk)

@@ -14,7 +14,7 @@ from django.db import close_old_connections, connection
 from django_agentruns import enqueue, transitions
 from django_agentruns.group_commit import GroupCommit
 from django_agentruns.models import AgentRun, RunEvent, Status
-from django_agentruns.transitions import AttemptRef, ScopePolicy, Settlement
+from django_agentruns.transitions import AttemptRef, ScopePolicy, Settlement, due
 from tests import helpers
 
 WORKER = "group-commit:1:abcd"
@@ -171,7 +171,7 @@ def test_a_batch_is_fenced_run_by_run_and_tells_each_story_once() -> None:
 def test_claiming_outside_a_transaction_compiles_its_query_there_too() -> None:
     """The compiled due query is cached per shape: the first of a shape may be compiled
     in a worker's autocommit pass (regression: FOR UPDATE refused outside a transaction)."""
-    transitions._compiled_due.cache_clear()
+    due.compiled_due.cache_clear()
     assert not connection.in_atomic_block
     runs = claimed_runs(3)
     assert {r.status for r in runs} == {Status.RUNNING}

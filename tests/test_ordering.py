@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from django_agentruns import RunRequest, enqueue, enqueue_many, policy, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
-from django_agentruns.transitions import AttemptRef, due_queued
+from django_agentruns.transitions import AttemptRef, claiming, due, due_queued
 from django_agentruns.worker import Worker, scope_policy
 from tests import helpers
 from tests.testapp.models import SideEffect
@@ -251,10 +251,10 @@ def test_the_claim_rechecks_order_when_handed_a_run_that_is_held(db: None) -> No
     first = enqueue(ORDERED, scope="s", fired_seq=1)
     second = enqueue(ORDERED, scope="s", fired_seq=2)
     rows = list(AgentRun.objects.filter(pk__in=[first.pk, second.pk]).order_by("fired_seq")
-                .values(*transitions._CLAIM_FIELDS))
-    kept = transitions._recheck_order(rows, scope_policy())
+                .values(*due.CLAIM_FIELDS))
+    kept = due.recheck_order(rows, scope_policy())
     assert [r["id"] for r in kept] == [first.pk]
-    kept = transitions._recheck_order(rows[1:], scope_policy())
+    kept = due.recheck_order(rows[1:], scope_policy())
     assert kept == []
 
 
@@ -271,14 +271,14 @@ def test_a_run_a_stale_snapshot_started_out_of_order_is_put_back(
     before = timezone.now() - timedelta(minutes=5)
     AgentRun.objects.filter(pk=later.pk).update(attempt=1, requeue_count=1, started_at=before)
     assert transitions.cancel(earlier.pk) is transitions.CancelResult.CANCELLED
-    real_due = transitions._claim_due_returning
+    real_due = claiming._claim_due_returning
 
     def due_then_retried(*args: Any, **kwargs: Any) -> list[AgentRun]:
         started = real_due(*args, **kwargs)
         assert transitions.operator_retry(earlier.pk, by="ops") is True
         return started
 
-    monkeypatch.setattr(transitions, "_claim_due_returning", due_then_retried)
+    monkeypatch.setattr(claiming, "_claim_due_returning", due_then_retried)
 
     assert claim(at=timezone.now() + timedelta(seconds=1)) == []
     row = AgentRun.objects.get(pk=later.pk)

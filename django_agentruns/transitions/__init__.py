@@ -1,0 +1,58 @@
+"""Every write of a run's status, and every write an attempt makes, lives here.
+
+Each transition is one short transaction: a guarded UPDATE (the row must still be in
+the state the caller believes it is in) plus the event rows that tell the story. The
+return value says whether it happened; a guard that matches no row is a result, not
+an error. Nothing outside this package writes `AgentRun.status`.
+
+Attempt writes (renew, emit, checkpoint, settle) are fenced by
+`status='running' AND claimed_by=<worker> AND attempt=<n>`: a worker that lost its
+lease cannot touch the run's new attempt.
+
+One module per moment of a run: `enqueue` (new runs), `due` (what may be claimed),
+`claiming`, `attempts` (writes while it runs), `settling` (how it ends, and the reaper's
+reclaim), `operators` (cancel, retry, interactive runs); `events` appends the story.
+"""
+
+from __future__ import annotations
+
+from .. import policy
+from ..outcomes import AttemptRef, CancelResult, ErrorInfo, Renewal, ScopePolicy, Settlement
+from .attempts import checkpoint, emit, renew, renew_many
+from .claiming import claim
+from .due import awaited, due_queued, earlier_holder, holding_statuses, lapsed
+from .enqueue import NewRun, insert_runs
+from .events import (
+    ABANDONED,
+    CANCEL_REQUESTED,
+    CANCELLED,
+    CHECKPOINT,
+    DEAD_LETTERED,
+    RETRIED,
+    RETRYING,
+    STARTED,
+    SUCCEEDED,
+    emitted_event_id,
+    lifecycle_event_id,
+    now,
+)
+from .operators import cancel, operator_retry, start_interactive
+from .settling import (
+    abandon,
+    find_stale,
+    reap_one,
+    settle_cancelled,
+    settle_failed,
+    settle_succeeded,
+    settle_succeeded_many,
+)
+
+__all__ = [
+    "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "RETRIED",
+    "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult", "ErrorInfo", "NewRun",
+    "Renewal", "ScopePolicy", "Settlement", "abandon", "awaited", "cancel", "checkpoint",
+    "claim", "due_queued", "earlier_holder", "emit", "emitted_event_id", "find_stale",
+    "holding_statuses", "insert_runs", "lapsed", "lifecycle_event_id", "now",
+    "operator_retry", "policy", "reap_one", "renew", "renew_many", "settle_cancelled",
+    "settle_failed", "settle_succeeded", "settle_succeeded_many", "start_interactive",
+]

@@ -1,0 +1,106 @@
+"""Writes an attempt makes while it runs: lease renewals, events, checkpoints.
+
+Each is fenced by the attempt's guard and renews first (ADR-104): a worker that lost the
+run appends nothing, so its events never collide with the new owner's sequence.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Q
+
+from ..db import retry_on_lock
+from ..models import AgentRun, Status
+from ..outcomes import AttemptRef, Renewal
+from .events import CHECKPOINT, append_events, append_one, lifecycle, now
+
+
+@retry_on_lock()
+def renew(ref: AttemptRef, at: datetime | None = None) -> Renewal:
+    """Extend the lease at a step boundary; says whether the attempt may go on."""
+    at = at or now()
+    with transaction.atomic():
+        return _renew_locked(ref, at)
+
+
+def _renew_locked(ref: AttemptRef, at: datetime) -> Renewal:
+    updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True).update(
+        lease_expires=ref.lease_until(at))
+    if updated:
+        return Renewal.OK
+    return Renewal.CANCEL_REQUESTED if AgentRun.objects.filter(ref.guard()).exists() \
+        else Renewal.LOST
+
+
+@retry_on_lock()
+def renew_many(
+    worker_id: str, refs: Sequence[AttemptRef], at: datetime | None = None
+) -> dict[AttemptRef, Renewal]:
+    """The lease keeper's renewal: every live lease of a worker in one statement per TTL."""
+    at = at or now()
+    if not refs:
+        return {}
+    by_ttl: dict[float | None, list[AttemptRef]] = {}
+    for ref in refs:
+        by_ttl.setdefault(ref.lease_ttl, []).append(ref)
+    with transaction.atomic():
+        for ttl, group in by_ttl.items():
+            if ttl is None:
+                continue
+            pairs = Q()
+            for ref in group:
+                pairs |= Q(pk=ref.run_id, attempt=ref.attempt)
+            AgentRun.objects.filter(pairs, status=Status.RUNNING, claimed_by=worker_id).update(
+                lease_expires=at + timedelta(seconds=ttl))
+        rows = {
+            (r["id"], r["attempt"]): r
+            for r in AgentRun.objects.filter(pk__in=[ref.run_id for ref in refs]).values(
+                "id", "attempt", "status", "claimed_by", "cancel_requested_at")
+        }
+    result = {}
+    for ref in refs:
+        row = rows.get((ref.run_id, ref.attempt))
+        if row is None or row["status"] != Status.RUNNING or row["claimed_by"] != worker_id:
+            result[ref] = Renewal.LOST
+        elif row["cancel_requested_at"] is not None:
+            result[ref] = Renewal.CANCEL_REQUESTED
+        else:
+            result[ref] = Renewal.OK
+    return result
+
+
+@retry_on_lock()
+def emit(
+    ref: AttemptRef, event_id: uuid.UUID, type_: str, payload: dict[str, Any],
+    at: datetime | None = None,
+) -> Renewal:
+    """Renew, then append one event unless its id exists already (a retry re-emitting).
+
+    The renewal comes first (ADR-104): a worker that lost the run appends nothing, so
+    its events can never collide with the new owner's sequence.
+    """
+    at = at or now()
+    with transaction.atomic():
+        renewal = _renew_locked(ref, at)
+        if renewal is not Renewal.OK:
+            return renewal
+        append_one((ref.run_id, type_, payload, ref.attempt, event_id), at, unless_exists=True)
+    return Renewal.OK
+
+
+@retry_on_lock()
+def checkpoint(ref: AttemptRef, state: Any, count: int, at: datetime | None = None) -> Renewal:
+    """Save resume state as checkpoint number `count`, renewing the lease."""
+    at = at or now()
+    with transaction.atomic():
+        updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True).update(
+            checkpoint_state=state, checkpoint_count=count, lease_expires=ref.lease_until(at))
+        if not updated:
+            return _renew_locked(ref, at)
+        append_events([lifecycle(ref.run_id, CHECKPOINT, ref.attempt, count=count)], at)
+    return Renewal.OK

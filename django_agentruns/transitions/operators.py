@@ -1,0 +1,85 @@
+"""What people do to runs: cancel, retry, and runs executed in the caller's process."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.db import transaction
+
+from .. import signals
+from ..db import is_postgres, retry_on_lock
+from ..models import AgentRun, Reason, Status
+from ..outcomes import CancelResult
+from ..signals import send_after_commit
+from .events import CANCEL_REQUESTED, CANCELLED, RETRIED, STARTED, append_events, lifecycle, now
+
+
+@retry_on_lock()
+def cancel(run_id: int, reason: str = "", at: datetime | None = None) -> CancelResult | None:
+    """Cancel a queued run now, or ask a running one to stop. None: no such run."""
+    at = at or now()
+    with transaction.atomic():
+        qs = AgentRun.objects.filter(pk=run_id)
+        if is_postgres():
+            qs = qs.select_for_update()
+        row = qs.values("status", "attempt", "cancel_requested_at", "agent").first()
+        if row is None:
+            return None
+        if row["status"] == Status.QUEUED:
+            AgentRun.objects.filter(pk=run_id, status=Status.QUEUED).update(
+                status=Status.CANCELLED, reason=Reason.CANCELLED, finished_at=at,
+                cancel_requested_at=at, cancel_reason=reason)
+            append_events([lifecycle(run_id, CANCELLED, row["attempt"], reason=reason)], at)
+            send_after_commit(signals.run_cancelled, run_id=run_id, agent=row["agent"],
+                              attempt=row["attempt"], reason=reason)
+            return CancelResult.CANCELLED
+        if row["status"] == Status.RUNNING:
+            if row["cancel_requested_at"] is not None:
+                return CancelResult.ALREADY_REQUESTED
+            AgentRun.objects.filter(pk=run_id, status=Status.RUNNING,
+                                    cancel_requested_at__isnull=True).update(
+                cancel_requested_at=at, cancel_reason=reason)
+            append_events([lifecycle(run_id, CANCEL_REQUESTED, row["attempt"],
+                                       reason=reason)], at)
+            return CancelResult.REQUESTED
+        return CancelResult.NOT_CANCELLABLE
+
+
+@retry_on_lock()
+def operator_retry(run_id: int, by: str = "", at: datetime | None = None) -> bool | None:
+    """Send a failed or cancelled run back to the queue with a fresh requeue budget.
+
+    None: no such run; False: it is not failed or cancelled (nothing written).
+    """
+    at = at or now()
+    with transaction.atomic():
+        row = AgentRun.objects.filter(pk=run_id).values("status", "attempt", "reason").first()
+        if row is None:
+            return None
+        updated = AgentRun.objects.filter(
+            pk=run_id, status__in=(Status.FAILED, Status.CANCELLED)).update(
+            status=Status.QUEUED, reason=Reason.NONE, requeue_count=0, available_at=at,
+            claimed_by="", lease_expires=None, finished_at=None, cancel_requested_at=None,
+            cancel_reason="")
+        if not updated:
+            return False
+        append_events([lifecycle(run_id, RETRIED, row["attempt"], by=by,
+                                   previous=row["reason"])], at)
+    return True
+
+
+# --------------------------------------------------------------------------- interactive
+
+
+def start_interactive(run: AgentRun, worker_id: str, at: datetime | None = None) -> AgentRun:
+    """Record a run executed in the caller's process: running at once, with no lease."""
+    at = at or now()
+    run.status = Status.RUNNING
+    run.claimed_by = worker_id
+    run.attempt = 1
+    run.started_at = at
+    run.lease_expires = None
+    with transaction.atomic():
+        run.save(force_insert=True)
+        append_events([lifecycle(run.pk, STARTED, 1, worker=worker_id)], at)
+    return run

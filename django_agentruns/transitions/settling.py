@@ -1,0 +1,252 @@
+"""How an attempt ends: succeeded, requeued, dead-lettered, cancelled, or abandoned (also
+by the reaper, for a lease that lapsed)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import IntegrityError, connection, transaction
+from django.db.models import F, Q
+
+from .. import policy, rawsql, signals
+from ..conf import app_settings
+from ..db import is_postgres, retry_on_lock
+from ..models import AgentRun, Reason, Status
+from ..outcomes import AttemptRef, ErrorInfo, Settlement
+from ..signals import send_after_commit
+from .due import CLAIM_FIELDS, lapsed
+from .events import (
+    ABANDONED,
+    CANCELLED,
+    DEAD_LETTERED,
+    RETRYING,
+    SUCCEEDED,
+    append_events,
+    lifecycle,
+    lifecycle_event_id,
+    now,
+)
+
+
+def settle_succeeded(ref: AttemptRef, output: Any, at: datetime | None = None) -> Settlement:
+    return settle_succeeded_many(ref.worker_id, [(ref, output)], at)[ref]
+
+
+@retry_on_lock()
+def settle_succeeded_many(
+    worker_id: str, items: Sequence[tuple[AttemptRef, Any]], at: datetime | None = None
+) -> dict[AttemptRef, Settlement]:
+    """Record successful attempts of one worker: one transaction, two statements, any count.
+
+    Each run is fenced on its own (status, worker, attempt), so one lost lease in a batch
+    costs only that run its write.
+    """
+    at = at or now()
+    if not items:
+        return {}
+    if len({ref.run_id for ref, _ in items}) != len(items) or \
+            any(ref.worker_id != worker_id for ref, _ in items):
+        raise ValueError("a batch settles distinct runs of one worker")
+    rows = [(ref.run_id, ref.attempt, output, lifecycle_event_id()) for ref, output in items]
+    done: set[int] | None = None
+    if is_postgres() and not connection.in_atomic_block:
+        # One statement, committed on its own: the UPDATE and the end events together.
+        done = _succeed_in_one_statement(worker_id, rows, at)
+    if done is None:
+        sql, params = rawsql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
+                                              Reason.COMPLETED, SUCCEEDED, at,
+                                              with_events=False)
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute(sql, params)
+                done = {row[0] for row in cursor.fetchall()}
+            append_events([(run_id, SUCCEEDED, {}, attempt, event_id)
+                            for run_id, attempt, _, event_id in rows if run_id in done], at)
+            _announce_succeeded(items, done)
+    else:
+        _announce_succeeded(items, done)
+    return {ref: Settlement.SUCCEEDED if ref.run_id in done else Settlement.LOST
+            for ref, _ in items}
+
+
+def _succeed_in_one_statement(
+    worker_id: str, rows: list[tuple[int, int, Any, uuid.UUID]], at: datetime
+) -> set[int] | None:
+    """None when an event of these runs was appended after the statement's snapshot (an
+    operator's cancel request, racing): its seq collided, nothing was written, and the
+    caller writes in two statements instead, the second seeing that event."""
+    sql, params = rawsql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
+                                          Reason.COMPLETED, SUCCEEDED, at, with_events=True)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return {row[0] for row in cursor.fetchall()}
+    except IntegrityError:
+        return None
+
+
+def _announce_succeeded(items: Sequence[tuple[AttemptRef, Any]], done: set[int]) -> None:
+    for ref, _ in items:
+        if ref.run_id in done:
+            send_after_commit(signals.run_succeeded, run_id=ref.run_id, agent=ref.agent,
+                              attempt=ref.attempt)
+
+
+@retry_on_lock()
+def settle_failed(
+    ref: AttemptRef, failure: policy.Failure, error: ErrorInfo,
+    at: datetime | None = None, *, interactive: bool = False,
+) -> Settlement:
+    """A failed attempt: retried with backoff, dead-lettered, or cancelled if one was asked."""
+    at = at or now()
+    with transaction.atomic():
+        row = locked_row(ref.guard())
+        if row is None:
+            return Settlement.LOST
+        if interactive:
+            decision = policy.Decision("dead_letter", reason=Reason.ERROR)
+        else:
+            decision = _decide(row, failure)
+        return _apply(row, ref.guard(), decision, error, at, events=[])
+
+
+@retry_on_lock()
+def settle_cancelled(ref: AttemptRef, at: datetime | None = None) -> Settlement:
+    """The attempt stopped because a cancel was requested."""
+    at = at or now()
+    with transaction.atomic():
+        row = locked_row(ref.guard())
+        if row is None:
+            return Settlement.LOST
+        return _apply(row, ref.guard(), policy.Decision("cancel"), None, at, events=[])
+
+
+@retry_on_lock()
+def abandon(ref: AttemptRef, why: str, at: datetime | None = None) -> Settlement:
+    """The worker gave up its own attempt (graceful stop): a failed attempt, as if it died."""
+    at = at or now()
+    with transaction.atomic():
+        row = locked_row(ref.guard())
+        if row is None:
+            return Settlement.LOST
+        decision = abandon_locked(row, ref.guard(), at, why=why, apply_backoff=True)
+    return _settlement(decision)
+
+
+def locked_row(guard: Q) -> dict[str, Any] | None:
+    qs = AgentRun.objects.filter(guard)
+    if is_postgres():
+        qs = qs.select_for_update()
+    row: dict[str, Any] | None = qs.values(*CLAIM_FIELDS).first()
+    return row
+
+
+def _decide(row: dict[str, Any], failure: policy.Failure) -> policy.Decision:
+    return policy.decide(
+        failure,
+        requeue_count=row["requeue_count"],
+        max_requeues=row["max_requeues"],
+        cancel_requested=row["cancel_requested_at"] is not None,
+        backoff_delay=lambda n: policy.backoff(
+            n, base=float(app_settings.BACKOFF_BASE), cap=float(app_settings.BACKOFF_CAP),
+            jitter=float(app_settings.BACKOFF_JITTER)),
+    )
+
+
+def abandon_locked(
+    row: dict[str, Any], guard: Q, at: datetime, *, why: str, apply_backoff: bool
+) -> policy.Decision | None:
+    """Record a lost attempt as a failed one, then requeue, dead-letter or cancel it.
+
+    `guard` is re-checked inside the UPDATE (the reaper's staleness check), so a
+    heartbeat or settle that landed since the row was read wins, and this does nothing.
+    """
+    decision = _decide(row, policy.Failure(retryable=True))
+    if decision.action == "retry" and not apply_backoff:
+        decision = policy.Decision("retry", delay=0.0)
+    error = ErrorInfo("AbandonedAttempt", f"the attempt was abandoned: {why}", "")
+    events = [lifecycle(row["id"], ABANDONED, row["attempt"], why=why,
+                         worker=row["claimed_by"])]
+    result = _apply(row, Q(pk=row["id"], status=Status.RUNNING, attempt=row["attempt"]) & guard,
+                    decision, error, at, events=events)
+    return None if result is Settlement.LOST else decision
+
+
+def _apply(
+    row: dict[str, Any], guard: Q, decision: policy.Decision, error: ErrorInfo | None,
+    at: datetime, *, events: list[tuple[int, str, dict[str, Any], int, uuid.UUID]],
+) -> Settlement:
+    run_id, attempt = row["id"], row["attempt"]
+    errors = {} if error is None else {
+        "error_type": error.type[:255], "error_message": error.message,
+        "error_traceback": error.traceback}
+    described = {} if error is None else {"error_type": error.type,
+                                            "message": error.message[:2000]}
+    if decision.action == "retry":
+        fields: dict[str, Any] = {
+            "status": Status.QUEUED, "requeue_count": F("requeue_count") + 1,
+            "available_at": at + timedelta(seconds=decision.delay),
+            "claimed_by": "", "lease_expires": None, **errors}
+        events.append(lifecycle(run_id, RETRYING, attempt, delay=round(decision.delay, 3),
+                                 requeue=row["requeue_count"] + 1, **described))
+        settlement = Settlement.REQUEUED
+    elif decision.action == "cancel":
+        fields = {"status": Status.CANCELLED, "reason": Reason.CANCELLED, "finished_at": at,
+                  "lease_expires": None, **errors}
+        events.append(lifecycle(run_id, CANCELLED, attempt, reason=row["cancel_reason"]))
+        settlement = Settlement.CANCELLED
+    else:
+        fields = {"status": Status.FAILED, "reason": decision.reason, "finished_at": at,
+                  "lease_expires": None, **errors}
+        events.append(lifecycle(run_id, DEAD_LETTERED, attempt, reason=decision.reason,
+                                 **described))
+        settlement = Settlement.DEAD_LETTERED
+    if not AgentRun.objects.filter(guard).update(**fields):
+        return Settlement.LOST
+    append_events(events, at)
+    announce = {"run_id": run_id, "agent": row["agent"], "attempt": attempt}
+    error_type = error.type if error else ""
+    if settlement is Settlement.REQUEUED:
+        send_after_commit(signals.run_requeued, **announce, delay=decision.delay,
+                          error_type=error_type)
+    elif settlement is Settlement.CANCELLED:
+        send_after_commit(signals.run_cancelled, **announce, reason=row["cancel_reason"])
+    else:
+        send_after_commit(signals.run_dead_lettered, **announce, reason=decision.reason,
+                          error_type=error_type)
+    return settlement
+
+
+def _settlement(decision: policy.Decision | None) -> Settlement:
+    if decision is None:
+        return Settlement.LOST
+    return {"retry": Settlement.REQUEUED, "cancel": Settlement.CANCELLED,
+            "dead_letter": Settlement.DEAD_LETTERED}[decision.action]
+
+
+# --------------------------------------------------------------------------- reaper
+
+
+def find_stale(at: datetime, limit: int) -> list[dict[str, Any]]:
+    """Running runs whose lease lapsed (interactive runs hold none and never appear)."""
+    return list(lapsed(None, at).order_by("lease_expires")
+                .values(*CLAIM_FIELDS)[:limit])
+
+
+@retry_on_lock()
+def reap_one(row: dict[str, Any], at: datetime) -> Settlement:
+    """Reclaim one stale run, re-checking inside the UPDATE that it is still stale."""
+    with transaction.atomic():
+        stale = Q(lease_expires__lt=at, claimed_by=row["claimed_by"])
+        fresh = locked_row(Q(pk=row["id"], status=Status.RUNNING, attempt=row["attempt"]) & stale)
+        if fresh is None:
+            return Settlement.LOST
+        decision = abandon_locked(fresh, stale, at, why="lease lapsed", apply_backoff=True)
+        settlement = _settlement(decision)
+        if settlement is not Settlement.LOST:
+            send_after_commit(signals.run_reaped, run_id=row["id"], agent=row["agent"],
+                              attempt=row["attempt"], outcome=settlement.value)
+    return settlement
