@@ -46,8 +46,14 @@ OUT = Path(__file__).resolve().parent / "profile.md"
 
 
 def prefill(url: str, runs: int) -> None:
+    """Queue the runs, then ANALYZE (as `python -m bench` does: planner statistics, as
+    autovacuum keeps them for a table in service)."""
     subprocess.run([sys.executable, "-m", "bench.client", "ours", "prefill", "noop", str(runs)],
                    env=django_env(url), cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("ANALYZE")
 
 
 def shape(sql: str) -> str:
