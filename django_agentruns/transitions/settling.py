@@ -39,7 +39,8 @@ def settle_succeeded(ref: AttemptRef, output: Any, at: datetime | None = None) -
 def settle_succeeded_many(
     worker_id: str, items: Sequence[tuple[AttemptRef, Any]], at: datetime | None = None
 ) -> dict[AttemptRef, Settlement]:
-    """Record successful attempts of one worker: one transaction, two statements, any count.
+    """Record successful attempts of one worker, any count: one statement on PostgreSQL
+    (outside a caller's transaction), else one transaction of two.
 
     Each run is fenced on its own (status, worker, attempt), so one lost lease in a batch
     costs only that run its write.
