@@ -48,7 +48,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     INSTALLED_APPS.remove("procrastinate.contrib.django")
 
 # Ours: poll once a second when idle (PostgreSQL workers are woken by NOTIFY anyway).
-AGENTRUNS = {"POLL_INTERVAL": 1.0}
+AGENTRUNS = {"POLL_INTERVAL": 1.0,
+             "PREPARED_STATEMENTS": env.bool("BENCH_PREPARED", default=True)}
 
 # django-tasks-db: the database backend of Django's task framework.
 TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}

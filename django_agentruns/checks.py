@@ -18,6 +18,7 @@ E004_BAD_CLASSIFIER = "agentruns.E004"
 E005_BAD_QUEUE = "agentruns.E005"
 E006_BACKOFF_ORDER = "agentruns.E006"
 E007_BAD_METRICS_TOKEN = "agentruns.E007"
+E009_NOT_A_FLAG = "agentruns.E009"
 W001_SQLITE_DEFERRED = "agentruns.W001"
 W002_SQLITE_NOT_WAL = "agentruns.W002"
 W003_SHORT_LEASE = "agentruns.W003"
@@ -34,6 +35,7 @@ LARGEST_COUNT = 2**31 - 1
 _POSITIVE = ("LEASE_TTL", "POLL_INTERVAL")
 _NON_NEGATIVE = ("BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL", "GRACE")
 _INTEGERS = ("MAX_REQUEUES", "CLAIM_BATCH")
+_FLAGS = ("UNKNOWN_ERRORS_RETRYABLE", "PREPARED_STATEMENTS")
 
 
 @register()
@@ -56,6 +58,12 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 errors.append(Error(f"{SETTING_NAME}[{key!r}] {problem}, not {raw[key]!r}.",
                                     hint=f"The default is {getattr(Defaults, key)!r}.",
                                     id=E003_BAD_NUMBER))
+    for key in _FLAGS:
+        if key in raw and not isinstance(raw[key], bool):
+            errors.append(Error(f"{SETTING_NAME}[{key!r}] must be True or False, not "
+                                f"{raw[key]!r}.",
+                                hint=f"The default is {getattr(Defaults, key)!r}.",
+                                id=E009_NOT_A_FLAG))
     classifier = raw.get("CLASSIFIER")
     if classifier is not None:
         try:

@@ -13,7 +13,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.db import connection
+from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import Field, QuerySet
+from django.db.models.sql import Query
 
 from .models import AgentRun, RunEvent
 
@@ -155,3 +157,54 @@ def claim_returning(
            f"started AS ({_events_from('claimed', 'gen_random_uuid()')}) "
            f"SELECT * FROM claimed")
     return sql, params
+
+
+def cursor(*, prepared: bool) -> Any:
+    """Django's cursor; or, on PostgreSQL with `prepared`, one that has the server plan
+    each statement once per connection (psycopg's prepared statements), keeping Django's
+    error wrapping and execute wrappers."""
+    if not prepared or connection.vendor != "postgresql":
+        return connection.cursor()
+    connection.ensure_connection()
+    if connection.connection.prepare_threshold is None:
+        # Django turns psycopg's preparing off (None); explicit prepare=True needs it on.
+        # A threshold never reached keeps every other statement unprepared, as before.
+        connection.connection.prepare_threshold = 2**31 - 1
+    wrapper = CursorDebugWrapper if connection.queries_logged else CursorWrapper
+    return wrapper(_preparing_cursor_class()(connection.connection), connection)
+
+
+@functools.cache
+def _preparing_cursor_class() -> type:
+    from django.db.backends.postgresql.base import ServerBindingCursor  # psycopg 3 only
+
+    class PreparingCursor(ServerBindingCursor):
+        def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            return super().execute(query, params, prepare=True)  # type: ignore[misc]
+
+    return PreparingCursor
+
+
+def runs_from(cursor: Any) -> list[AgentRun]:
+    """Model instances from the rows of a statement that returned whole AgentRun rows,
+    converted as the ORM would (JSON decoded); any extra column becomes an attribute."""
+    columns = [c.name for c in cursor.description]
+    by_column = {f.column: f for f in AgentRun._meta.concrete_fields}
+    fields = [by_column.get(c) for c in columns]
+    compiler = connection.ops.compiler("SQLCompiler")(Query(AgentRun), connection,
+                                                      connection.alias)
+    converters = compiler.get_converters(
+        [f.get_col(AgentRun._meta.db_table) if f else None for f in fields])  # type: ignore[misc]
+    rows: Any = cursor.fetchall()
+    if converters:
+        rows = compiler.apply_converters(rows, converters)
+    names = [f.attname for f in fields if f is not None]
+    runs = []
+    for row in rows:
+        run = AgentRun.from_db(connection.alias, names,
+                               [v for f, v in zip(fields, row, strict=True) if f is not None])
+        for column, field, value in zip(columns, fields, row, strict=True):
+            if field is None:
+                setattr(run, column, value)
+        runs.append(run)
+    return runs

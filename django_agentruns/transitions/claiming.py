@@ -9,6 +9,7 @@ from django.db import connection, transaction
 from django.db.models import F, Q, QuerySet
 
 from .. import rawsql, signals
+from ..conf import app_settings
 from ..db import is_postgres, retry_on_lock
 from ..models import AgentRun, RunEvent, Status
 from ..outcomes import ScopePolicy
@@ -104,7 +105,9 @@ def _claim_due_returning(
                if ttl != default_ttl}
     sql, params = rawsql.claim_returning(due, at, worker_id, Status.RUNNING, Status.QUEUED,
                                          special, at + timedelta(seconds=default_ttl), STARTED)
-    claimed = list(AgentRun.objects.raw(sql, params))
+    with rawsql.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
+        cursor.execute(sql, params)
+        claimed = rawsql.runs_from(cursor)
     claimed.sort(key=lambda r: (-r.priority, r.available_at, r.fired_seq, r.pk))
     return claimed
 

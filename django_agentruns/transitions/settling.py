@@ -82,7 +82,7 @@ def _succeed_in_one_statement(
     sql, params = rawsql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
                                           Reason.COMPLETED, SUCCEEDED, at, with_events=True)
     try:
-        with connection.cursor() as cursor:
+        with rawsql.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
             cursor.execute(sql, params)
             return {row[0] for row in cursor.fetchall()}
     except IntegrityError:
