@@ -1,8 +1,9 @@
 """SQL text for the hot path (claim, settle, events), built once per shape and reused.
 
 Compiling a queryset costs more Python than the statement costs the database (about 40%
-of a worker's time went to the ORM's compiler). `transitions` runs what is built here;
-nothing here executes a statement or decides a status.
+of a worker's time went to the ORM's compiler). `transitions` runs what is built here,
+through `cursor()` (prepared on request) and `runs_from()` (rows to models); nothing here
+executes a statement or decides a status.
 """
 
 from __future__ import annotations
