@@ -189,23 +189,33 @@ def _preparing_cursor_class() -> type:
 def runs_from(cursor: Any) -> list[AgentRun]:
     """Model instances from the rows of a statement that returned whole AgentRun rows,
     converted as the ORM would (JSON decoded); any extra column becomes an attribute."""
-    columns = [c.name for c in cursor.description]
+    columns = tuple(c.name for c in cursor.description)
+    names, kept, extra, converters = _row_shape(columns)
+    runs = []
+    for row in cursor.fetchall():
+        values = list(row)
+        for pos, (funcs, expression) in converters:
+            for func in funcs:
+                values[pos] = func(values[pos], expression, connection)
+        run = AgentRun.from_db(connection.alias, names, [values[i] for i in kept])
+        for i in extra:
+            setattr(run, columns[i], values[i])
+        runs.append(run)
+    return runs
+
+
+@functools.lru_cache(maxsize=8)
+def _row_shape(columns: tuple[str, ...]) -> tuple[
+        list[str], list[int], list[int], list[tuple[int, tuple[list[Any], Any]]]]:
+    """For rows of these columns: the model's attnames, which positions are fields, which
+    are extra, and the ORM's converters by position (found once, not per claim)."""
     by_column = {f.column: f for f in AgentRun._meta.concrete_fields}
     fields = [by_column.get(c) for c in columns]
     compiler = connection.ops.compiler("SQLCompiler")(Query(AgentRun), connection,
                                                       connection.alias)
     converters = compiler.get_converters(
         [f.get_col(AgentRun._meta.db_table) if f else None for f in fields])  # type: ignore[misc]
-    rows: Any = cursor.fetchall()
-    if converters:
-        rows = compiler.apply_converters(rows, converters)
-    names = [f.attname for f in fields if f is not None]
-    runs = []
-    for row in rows:
-        run = AgentRun.from_db(connection.alias, names,
-                               [v for f, v in zip(fields, row, strict=True) if f is not None])
-        for column, field, value in zip(columns, fields, row, strict=True):
-            if field is None:
-                setattr(run, column, value)
-        runs.append(run)
-    return runs
+    return ([f.attname for f in fields if f is not None],
+            [i for i, f in enumerate(fields) if f is not None],
+            [i for i, f in enumerate(fields) if f is None],
+            sorted(converters.items()))
