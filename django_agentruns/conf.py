@@ -44,9 +44,9 @@ class Defaults:
     CLAIM_BATCH: int = 32
     """Most runs one claim statement takes, however many slots are free."""
     PREPARED_STATEMENTS: bool = False
-    """PostgreSQL: have the server plan the claim and settle statements once per connection.
-    Off by default, as Django's own `prepare_threshold` is: a pooler in transaction mode
-    without prepared-statement support (PgBouncer before 1.21) breaks them."""
+    """PostgreSQL: have the server plan the enqueue, claim and settle statements once per
+    connection. Off by default, as Django's own `prepare_threshold` is: a pooler in
+    transaction mode without prepared-statement support (PgBouncer before 1.21) breaks them."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

@@ -7,7 +7,7 @@ import pytest
 from django.db import connection
 from django.test import override_settings
 
-from django_agentruns import enqueue, transitions
+from django_agentruns import RunRequest, enqueue, enqueue_many, transitions
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.transitions import AttemptRef, ScopePolicy, Settlement
 from django_agentruns.worker import Worker
@@ -52,8 +52,10 @@ def test_claim_and_settle_are_prepared_and_write_the_same_story() -> None:
     statements = prepared_statements()
     assert any(s.startswith("WITH picked AS") for s in statements), statements
     assert any(s.startswith("WITH v (run_id, run_attempt") for s in statements), statements
+    assert any(s.startswith('INSERT INTO "django_agentruns_agentrun"') for s in statements), \
+        statements  # enqueue's
     # Only ours: Django's own statements stay unprepared.
-    assert all(s.startswith("WITH ") for s in statements), statements
+    assert all(s.startswith(("WITH ", "INSERT INTO")) for s in statements), statements
     for row in AgentRun.objects.all():
         assert (row.status, row.output) == (Status.SUCCEEDED, {"done": row.input["n"]})
         assert list(RunEvent.objects.filter(run=row).order_by("seq")
@@ -63,7 +65,9 @@ def test_claim_and_settle_are_prepared_and_write_the_same_story() -> None:
 
 @override_settings(AGENTRUNS={"PREPARED_STATEMENTS": True})
 def test_a_worker_with_prepared_statements_drains_its_queue() -> None:
-    runs = [enqueue("tests.noop", {"n": n}) for n in range(20)]
+    runs = [enqueue("tests.noop", {"n": n}) for n in range(10)]
+    runs += enqueue_many([RunRequest("tests.noop", {"n": n}) for n in range(10, 20)])
+    assert [AgentRun.objects.get(pk=r.pk).input for r in runs] == [{"n": n} for n in range(20)]
     stats = Worker(concurrency=4, burst=True, reap_interval=0).run(install_signals=False)
     assert stats.settled == {"succeeded": 20}
     assert set(AgentRun.objects.filter(pk__in=[r.pk for r in runs])

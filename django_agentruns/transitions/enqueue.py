@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 
 from django.db import connection
 
+from .. import rawsql
+from ..conf import app_settings
 from ..models import AgentRun, Status
 
 
@@ -47,7 +49,7 @@ def insert_runs(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
     rows = json.dumps([
         [r.agent, r.queue, r.priority, r.scope, r.fired_seq, r.input_json, r.max_requeues,
          at_text if r.available_at is at else _json_time(r.available_at)] for r in new])
-    with connection.cursor() as cursor:
+    with rawsql.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
         cursor.execute(sql, [*fixed, connection.ops.adapt_datetimefield_value(at), rows])
         ids = sorted(pk for (pk,) in cursor.fetchall())
     fields = AgentRun._meta.concrete_fields
