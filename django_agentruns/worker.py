@@ -2,8 +2,9 @@
 
 Threads: the main loop claims and dispatches; each attempt runs in a pool thread (an
 async agent's coroutine runs on one shared event loop, its pool thread waiting on it);
-one lease keeper renews every live lease in one statement per TTL/3 and turns cancel
-requests, lost leases and timeouts into stops.
+one settle thread writes the successes (group_commit); one lease keeper renews every live
+lease in one statement per TTL/3 and turns cancel requests, lost leases and timeouts into
+stops; on PostgreSQL one thread LISTENs.
 """
 
 from __future__ import annotations
