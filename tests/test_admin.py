@@ -280,7 +280,6 @@ def test_queued_run_page_says_why_it_has_not_started(admin_client: Client,
 
 
 def test_a_blocked_run_page_links_the_run_holding_its_scope(admin_client: Client) -> None:
-    pytest.importorskip("django_agentruns.visibility")
     head = make_run(Status.FAILED, agent="tests.ordered_blocking", scope="s", fired_seq=1)
     behind = make_run(Status.QUEUED, agent="tests.ordered_blocking", scope="s", fired_seq=2)
     html = admin_client.get(run_url(behind)).content.decode()
