@@ -11,7 +11,8 @@ lease cannot touch the run's new attempt.
 
 One module per moment of a run: `enqueue` (new runs), `due` (what may be claimed),
 `claiming`, `attempts` (writes while it runs), `settling` (how it ends, and the reaper's
-reclaim), `operators` (cancel, retry, interactive runs); `events` appends the story.
+reclaim), `operators` (cancel, retry, interactive runs); `events` appends the story;
+`rawsql` builds the hot path's statements once per shape.
 """
 
 from __future__ import annotations

@@ -8,12 +8,13 @@ from datetime import datetime, timedelta
 from django.db import connection, transaction
 from django.db.models import F, Q, QuerySet
 
-from .. import rawsql, signals
+from .. import signals
 from ..conf import app_settings
 from ..db import is_postgres, retry_on_lock
 from ..models import AgentRun, RunEvent, Status
 from ..outcomes import ScopePolicy
 from ..signals import send_after_commit
+from . import rawsql
 from .due import claim_row, compiled_due, lapsed, recheck_order
 from .events import STARTED, append_events, lifecycle, now
 from .settling import abandon_locked

@@ -14,10 +14,10 @@ from typing import Any
 from django.db import transaction
 from django.db.models import Exists, F, OuterRef, Q, QuerySet
 
-from .. import rawsql
 from ..db import RowBefore
 from ..models import AgentRun, Status
 from ..outcomes import ScopePolicy
+from . import rawsql
 
 
 def holding_statuses(blocking: bool) -> list[str]:

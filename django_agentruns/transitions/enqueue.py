@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 
 from django.db import connection
 
-from .. import rawsql
 from ..conf import app_settings
 from ..models import AgentRun, Status
+from . import rawsql
 
 
 class NewRun(NamedTuple):

@@ -15,8 +15,8 @@ from django.db import connection
 from django.db.models import Field
 from django.utils import timezone
 
-from .. import rawsql
 from ..models import RunEvent
+from . import rawsql
 
 EVENT_NAMESPACE = uuid.UUID("6f1b7a52-3d0c-4f0e-9a55-0a6e2b8c1d17")
 

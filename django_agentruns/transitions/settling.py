@@ -11,12 +11,13 @@ from typing import Any
 from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Q
 
-from .. import policy, rawsql, signals
+from .. import policy, signals
 from ..conf import app_settings
 from ..db import is_postgres, retry_on_lock
 from ..models import AgentRun, Reason, Status
 from ..outcomes import AttemptRef, ErrorInfo, Settlement
 from ..signals import send_after_commit
+from . import rawsql
 from .due import CLAIM_FIELDS, lapsed
 from .events import (
     ABANDONED,

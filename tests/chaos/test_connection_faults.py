@@ -66,6 +66,20 @@ def statuses(run_ids: list[int]) -> set[str]:
     return set(AgentRun.objects.filter(pk__in=run_ids).values_list("status", flat=True))
 
 
+def release_and_finish(locker: psycopg.Connection[Any], worker: helpers.ManageProcess,
+                       runs: list[int]) -> str:
+    """The runs are still queued under the table lock; release it, see every run succeed
+    with the worker still up, stop it cleanly, and return its log."""
+    assert statuses(runs) == {Status.QUEUED}
+    locker.execute("ROLLBACK")
+    helpers.wait_until(lambda: statuses(runs) == {Status.SUCCEEDED}, timeout=30,
+                       message="every run to succeed once the lock is gone")
+    assert worker.returncode is None, worker.output()
+    log = str(worker.stderr)
+    assert worker.stop() == 0, worker.output()
+    return log
+
+
 def test_connection_terminated_mid_claim_loses_nothing(worker_env: dict[str, str]) -> None:
     runs = [enqueue(CHAOS, {"steps": 2}).pk for _ in range(4)]
     with second_connection() as locker, second_connection() as admin:
@@ -80,13 +94,7 @@ def test_connection_terminated_mid_claim_loses_nothing(worker_env: dict[str, str
                 terminate(admin, pid)
                 killed += (pid,)
             # Nothing was claimed while the claims died: the runs are all still queued.
-            assert statuses(runs) == {Status.QUEUED}
-            locker.execute("ROLLBACK")
-            helpers.wait_until(lambda: statuses(runs) == {Status.SUCCEEDED}, timeout=30,
-                               message="every run to succeed once the lock is gone")
-            assert worker.returncode is None, worker.output()
-            log = worker.stderr
-            assert worker.stop() == 0, worker.output()
+            log = release_and_finish(locker, worker, runs)
     assert log.count("worker pass failed") >= 2, log
     assert "terminating connection due to administrator command" in log, log
     # The killed claims rolled back whole: one attempt each, no takeover, no double effect.
@@ -136,13 +144,7 @@ def test_statement_timeout_on_the_claim_is_logged_and_survived(
         with helpers.start_manage(["runworker"], env) as worker:
             helpers.wait_until(lambda: worker.stderr.count("statement timeout") >= 2,
                                timeout=30, message="two claims to time out")
-            assert statuses(runs) == {Status.QUEUED}
-            locker.execute("ROLLBACK")
-            helpers.wait_until(lambda: statuses(runs) == {Status.SUCCEEDED}, timeout=30,
-                               message="every run to succeed once the lock is gone")
-            assert worker.returncode is None, worker.output()
-            log = worker.stderr
-            assert worker.stop() == 0, worker.output()
+            log = release_and_finish(locker, worker, runs)
     assert "worker pass failed" in log, log
     assert "canceling statement due to statement timeout" in log, log
     assert set(AgentRun.objects.filter(pk__in=runs).values_list("attempt", flat=True)) == {1}

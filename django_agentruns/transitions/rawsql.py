@@ -18,7 +18,7 @@ from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import Field, QuerySet
 from django.db.models.sql import Query
 
-from .models import AgentRun, RunEvent
+from ..models import AgentRun, RunEvent
 
 # Stands for "now" while a queryset is compiled; swapped for the real time per call.
 SENTINEL_TIME = datetime(1999, 12, 31, 23, 59, 58, 424242, tzinfo=UTC)
