@@ -13,11 +13,11 @@ from django.db.models import Exists, Q, QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
 
-from .conf import app_settings
-from .models import DEAD_LETTER_REASONS, AgentRun, Status
-from .registry import all_agents
-from .transitions import earlier_holder, holding_statuses
-from .worker import scope_policy
+from ..conf import app_settings
+from ..models import DEAD_LETTER_REASONS, AgentRun, Status
+from ..registry import all_agents
+from ..transitions import earlier_holder, holding_statuses
+from ..worker import scope_policy
 
 Choices = list[tuple[str, str]]
 

@@ -15,7 +15,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from .models import AgentRun, Status
+from ..models import AgentRun, Status
 
 BADGE_COLOURS: dict[str, str] = {
     Status.QUEUED: "#5b6b7a",

@@ -1,8 +1,7 @@
-"""The operations console: the run list, the read-only run page, retry and cancel.
+"""The run admin: the run list, the read-only run page, and the console's URLs.
 
-Split by job: admin_filters (list filters), admin_display (rendering), admin_actions
-(retry/cancel through the API, bulk actions), admin_views (buttons, overview). Nobody
-adds, edits or deletes a run or an event here; status changes only through `api`.
+Registered on the default admin site by the package's `__init__`. Nobody adds, edits or
+deletes a run or an event here; status changes only through `api` (see `actions`).
 """
 
 from __future__ import annotations
@@ -19,11 +18,11 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
 from django.utils.safestring import SafeString
 
-from . import admin_display as show
-from . import admin_views
-from .admin_actions import CANCEL, RETRY, cancel_runs, has_permission, retry_runs, selected_ids
-from .admin_filters import AgentFilter, AttentionFilter, QueueFilter
-from .models import AgentRun, RunEvent, Status
+from ..models import AgentRun, RunEvent, Status
+from . import display as show
+from . import views
+from .actions import CANCEL, RETRY, cancel_runs, has_permission, retry_runs, selected_ids
+from .filters import AgentFilter, AttentionFilter, QueueFilter
 
 EVENTS_PER_PAGE = 100
 # Never loaded for the list: a page of 100 runs would otherwise carry 100 inputs,
@@ -51,7 +50,6 @@ def visibility() -> Any:
         return None
 
 
-@admin.register(AgentRun)
 class AgentRunAdmin(ModelAdminBase):
     list_display = ("short_id", "agent", "scope", "status_badge", "reason_text", "attempt",
                     "requeues_used", "queue", "created", "duration")
@@ -224,12 +222,12 @@ class AgentRunAdmin(ModelAdminBase):
         wrap = self.admin_site.admin_view
         name = "django_agentruns_agentrun"
         own = [
-            path("overview/", wrap(admin_views.overview(self)), name=f"{name}_overview"),
-            path("overview/retry-class/", wrap(admin_views.retry_class(self)),
+            path("overview/", wrap(views.overview(self)), name=f"{name}_overview"),
+            path("overview/retry-class/", wrap(views.retry_class(self)),
                  name=f"{name}_retry_class"),
-            path("<int:run_id>/retry/", wrap(admin_views.operate(self, RETRY)),
+            path("<int:run_id>/retry/", wrap(views.operate(self, RETRY)),
                  name=f"{name}_retry"),
-            path("<int:run_id>/cancel/", wrap(admin_views.operate(self, CANCEL)),
+            path("<int:run_id>/cancel/", wrap(views.operate(self, CANCEL)),
                  name=f"{name}_cancel"),
         ]
         return own + super().get_urls()

@@ -19,9 +19,9 @@ from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.utils.text import capfirst
 
-from . import api
-from .exceptions import RunNotFoundError
-from .models import AgentRun, Status
+from .. import api
+from ..exceptions import RunNotFoundError
+from ..models import AgentRun, Status
 
 CONFIRM_SAMPLE = 50
 MISSING = "missing"

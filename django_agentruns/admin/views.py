@@ -16,9 +16,9 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
-from .admin_actions import MISSING, RETRY, Operation, has_permission, username
-from .admin_filters import dead_letters
-from .models import AgentRun, Status
+from ..models import AgentRun, Status
+from .actions import MISSING, RETRY, Operation, has_permission, username
+from .filters import dead_letters
 
 NO_CLASS = "(no error type)"
 
