@@ -119,8 +119,10 @@ def username(request: HttpRequest) -> str:
     return str(request.user.get_username())
 
 
-def has_permission(request: HttpRequest, op: Operation) -> bool:
-    return bool(request.user.has_perm(f"{AgentRun._meta.app_label}.{op.name}_agentrun"))
+def has_permission(model_admin: Any, request: HttpRequest, op: Operation) -> bool:
+    """The operation's own permission, and view: its confirmations and messages show runs."""
+    return bool(model_admin.has_view_permission(request) and
+                request.user.has_perm(f"{AgentRun._meta.app_label}.{op.name}_agentrun"))
 
 
 def selected_ids(request: HttpRequest) -> list[int] | None:

@@ -92,10 +92,10 @@ class AgentRunAdmin(ModelAdminBase):
         return False
 
     def has_retry_permission(self, request: HttpRequest) -> bool:
-        return has_permission(request, RETRY)
+        return has_permission(self, request, RETRY)
 
     def has_cancel_permission(self, request: HttpRequest) -> bool:
-        return has_permission(request, CANCEL)
+        return has_permission(self, request, CANCEL)
 
     # ------------------------------------------------------------------ list
 

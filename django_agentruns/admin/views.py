@@ -1,7 +1,8 @@
 """The console's own pages: the run page's buttons, and the overview with its dead letters.
 
 The buttons and the retry-a-class form are POST only, permission-checked and CSRF-checked
-(the admin site wraps every view here); anything else gets 405 or 403.
+(the admin site wraps every view here); anything else gets 405 or 403. Every view needs
+view_agentrun, an operation its own permission too: each page or message names runs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def operate(model_admin: Any, op: Operation) -> Any:
 
     @require_POST
     def view(request: HttpRequest, run_id: int) -> HttpResponse:
-        if not has_permission(request, op):
+        if not has_permission(model_admin, request, op):
             raise PermissionDenied
         outcome = op.apply_one(run_id, username(request))
         model_admin.message_user(request, *op.describe_one(run_id, outcome))
@@ -63,7 +64,7 @@ def overview(model_admin: Any) -> Any:
             "total": sum(counts.values()),
             "classes": classes,
             "dead_letter_total": sum(row["n"] for row in classes),
-            "can_retry": has_permission(request, RETRY),
+            "can_retry": has_permission(model_admin, request, RETRY),
         }
         return TemplateResponse(request, "django_agentruns/admin/overview.html", context)
 
@@ -79,7 +80,7 @@ def retry_class(model_admin: Any) -> Any:
 
     @require_POST
     def view(request: HttpRequest) -> HttpResponse:
-        if not has_permission(request, RETRY):
+        if not has_permission(model_admin, request, RETRY):
             raise PermissionDenied
         error_type = request.POST.get("error_type")
         if error_type is None or "\x00" in error_type:
