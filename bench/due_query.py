@@ -131,7 +131,7 @@ def measure(reps: int, limit: int, explain: bool) -> dict[str, Any]:
     from django.utils import timezone
 
     from django_agentruns import transitions
-    from django_agentruns.worker import scope_policy
+    from django_agentruns.registry import scope_policy
 
     policy = scope_policy()
     at = timezone.now()

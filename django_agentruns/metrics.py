@@ -148,7 +148,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     running = (AgentRun.objects.filter(status=Status.RUNNING).order_by().values("queue")
                .annotate(n=Count("id")))
     backlog.running.update((row["queue"], row["n"]) for row in running)
-    dead = (AgentRun.objects.filter(status=Status.FAILED, reason__in=DEAD_LETTER_REASONS)
+    dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
     return backlog

@@ -9,6 +9,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from .queries import RunQuerySet
 from .states import DEAD_LETTER_REASONS, TERMINAL, Reason, Status
 
 __all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "AgentRun", "Reason", "RunEvent", "Status"]
@@ -49,6 +50,9 @@ class AgentRun(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+
+    # Named reads (`.dead_letters()`, `.lapsed(at)`, ...): see django_agentruns.queries.
+    objects = RunQuerySet.as_manager()
 
     class Meta:
         ordering = ("-id",)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from .conf import app_settings
 from .exceptions import InvalidInputError, UnknownAgentError
+from .outcomes import ScopePolicy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -137,6 +138,16 @@ def find_agent(name: str) -> AgentSpec | None:
 
 def all_agents() -> dict[str, AgentSpec]:
     return dict(_registry)
+
+
+def scope_policy(agents: dict[str, AgentSpec] | None = None) -> ScopePolicy:
+    """Which agents keep firing order per scope, and which let dead letters block it: what
+    the claim and the admin's "blocked" filter need of the registry (all of it by default)."""
+    specs = (agents if agents is not None else all_agents()).values()
+    return ScopePolicy(
+        ordered=frozenset(s.name for s in specs if s.ordered),
+        dead_letters_block=frozenset(s.name for s in specs if s.ordered and s.dead_letters_block),
+    )
 
 
 def unregister(name: str) -> None:

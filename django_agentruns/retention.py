@@ -12,7 +12,8 @@ from django.db.models import Q
 from django.utils import timezone
 
 from .exceptions import InvalidInputError
-from .models import DEAD_LETTER_REASONS, TERMINAL, AgentRun, RunEvent, Status
+from .models import TERMINAL, AgentRun, RunEvent
+from .queries import dead_letter
 
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -47,7 +48,7 @@ def purgeable(
     cutoff = (at or timezone.now()) - older_than
     where = Q(status__in=chosen, finished_at__lt=cutoff)
     if not include_dead_letters:
-        where &= ~Q(status=Status.FAILED, reason__in=DEAD_LETTER_REASONS)
+        where &= ~dead_letter()
     return where
 
 

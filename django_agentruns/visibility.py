@@ -10,12 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db.models import Q
 from django.utils import timezone
 
 from .models import AgentRun, Status
 from .registry import find_agent
-from .transitions import holding_statuses
 
 NOT_QUEUED = "not_queued"
 UNKNOWN_AGENT = "unknown_agent"
@@ -72,10 +70,8 @@ def why_not_started(run: AgentRun | int, at: datetime | None = None) -> list[Hol
 
 def _scope_holder(run: AgentRun, dead_letters_block: bool) -> AgentRun | None:
     """The first run ahead of `run` in its scope's firing order that holds the scope."""
-    ahead = Q(fired_seq__lt=run.fired_seq) | Q(fired_seq=run.fired_seq, id__lt=run.pk)
-    return (AgentRun.objects.filter(ahead, agent=run.agent, scope=run.scope,
-                                    status__in=holding_statuses(dead_letters_block))
-            .order_by("fired_seq", "id").first())
+    return (AgentRun.objects.ahead_of(run.agent, run.scope, run.fired_seq, run.pk)
+            .holding(dead_letters_block).order_by("fired_seq", "id").first())
 
 
 def _blocked(run: AgentRun, blocker: AgentRun, at: datetime) -> Hold:

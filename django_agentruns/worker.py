@@ -34,8 +34,8 @@ from .exceptions import AgentRunsError, UnknownAgentError
 from .group_commit import GroupCommit
 from .models import AgentRun
 from .notify import Listener
-from .registry import AgentSpec, all_agents, find_agent
-from .transitions import AttemptRef, Renewal, ScopePolicy
+from .registry import AgentSpec, all_agents, find_agent, scope_policy
+from .transitions import AttemptRef, Renewal
 
 logger = logging.getLogger("django_agentruns.worker")
 
@@ -51,14 +51,6 @@ class ContentionTimeout(AgentRunsError):
 def make_worker_id() -> str:
     """Unique per process start, so a restarted worker never matches its old fence."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-def scope_policy(agents: dict[str, AgentSpec] | None = None) -> ScopePolicy:
-    specs = (agents if agents is not None else all_agents()).values()
-    return ScopePolicy(
-        ordered=frozenset(s.name for s in specs if s.ordered),
-        dead_letters_block=frozenset(s.name for s in specs if s.ordered and s.dead_letters_block),
-    )
 
 
 @dataclass

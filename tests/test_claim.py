@@ -12,8 +12,8 @@ from django.utils import timezone
 
 from django_agentruns import RunRequest, enqueue, enqueue_many, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.registry import scope_policy
 from django_agentruns.transitions import AttemptRef, Settlement, claiming
-from django_agentruns.worker import scope_policy
 from tests import helpers
 
 pytestmark = pytest.mark.django_db

@@ -13,7 +13,8 @@ from django.dispatch import Signal
 from django_agentruns import cancel, enqueue, signals, transitions
 from django_agentruns.models import AgentRun, Status
 from django_agentruns.reaper import reap
-from django_agentruns.worker import Worker, scope_policy
+from django_agentruns.registry import scope_policy
+from django_agentruns.worker import Worker
 
 ALL = {
     "enqueued": signals.run_enqueued, "started": signals.run_started,

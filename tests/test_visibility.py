@@ -16,6 +16,7 @@ from django.utils import timezone
 from django_agentruns import enqueue, policy, transitions
 from django_agentruns.models import AgentRun, Status
 from django_agentruns.outcomes import AttemptRef
+from django_agentruns.registry import scope_policy
 from django_agentruns.visibility import (
     BLOCKED,
     CANCEL_REQUESTED,
@@ -25,7 +26,6 @@ from django_agentruns.visibility import (
     Hold,
     why_not_started,
 )
-from django_agentruns.worker import scope_policy
 
 pytestmark = pytest.mark.django_db
 

@@ -6,48 +6,40 @@ run; a run of an agent no longer registered is still found by searching its name
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from django.contrib import admin
-from django.db.models import Exists, Q, QuerySet
+from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
 
 from ..conf import app_settings
-from ..models import DEAD_LETTER_REASONS, AgentRun, Status
-from ..registry import all_agents
-from ..transitions import earlier_holder, holding_statuses
-from ..worker import scope_policy
+from ..models import AgentRun
+from ..queries import RunQuerySet
+from ..registry import all_agents, scope_policy
 
 Choices = list[tuple[str, str]]
 
 
-def dead_letters(qs: QuerySet[AgentRun]) -> QuerySet[AgentRun]:
-    return qs.filter(status=Status.FAILED, reason__in=DEAD_LETTER_REASONS)
+def dead_letters(runs: RunQuerySet) -> RunQuerySet:
+    return runs.dead_letters()
 
 
-def stuck(qs: QuerySet[AgentRun]) -> QuerySet[AgentRun]:
+def stuck(runs: RunQuerySet) -> RunQuerySet:
     """Running with a lapsed lease: its worker is gone (or too slow to renew)."""
-    return qs.filter(status=Status.RUNNING, lease_expires__lt=timezone.now())
+    return runs.lapsed(timezone.now())
 
 
-def blocked(qs: QuerySet[AgentRun]) -> QuerySet[AgentRun]:
+def blocked(runs: RunQuerySet) -> RunQuerySet:
     """Queued behind an earlier run of its scope: the claim's firing-order rule, inverted."""
-    scopes = scope_policy()
-    plain = scopes.ordered - scopes.dead_letters_block
-    blocking = scopes.ordered & scopes.dead_letters_block
-    held = Q(pk__in=[])
-    if plain:
-        held |= Q(agent__in=plain) & Q(Exists(earlier_holder(holding_statuses(False))))
-    if blocking:
-        held |= Q(agent__in=blocking) & Q(Exists(earlier_holder(holding_statuses(True))))
-    return qs.filter(held, status=Status.QUEUED)
+    return runs.blocked(scope_policy())
 
 
 class AttentionFilter(admin.SimpleListFilter):
     title = "needs attention"
     parameter_name = "attention"
-    filters = {
+    filters: dict[str, tuple[str, Callable[[RunQuerySet], RunQuerySet]]] = {
         "dead_letter": ("Dead letters", dead_letters),
         "stuck": ("Stuck (lease lapsed)", stuck),
         "blocked": ("Blocked (behind an earlier run of its scope)", blocked),
@@ -58,7 +50,8 @@ class AttentionFilter(admin.SimpleListFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[AgentRun]) -> QuerySet[AgentRun]:
         chosen = self.filters.get(self.value() or "")
-        return queryset if chosen is None else chosen[1](queryset)
+        # The changelist's queryset comes from the default manager: it has the named reads.
+        return queryset if chosen is None else chosen[1](cast(RunQuerySet, queryset))
 
 
 class _RegistryFilter(admin.SimpleListFilter):

@@ -19,7 +19,6 @@ from django.views.decorators.http import require_GET, require_POST
 
 from ..models import AgentRun, Status
 from .actions import MISSING, RETRY, Operation, has_permission, username
-from .filters import dead_letters
 
 NO_CLASS = "(no error type)"
 
@@ -54,7 +53,7 @@ def overview(model_admin: Any) -> Any:
         counts = dict(AgentRun.objects.order_by().values_list("status")
                       .annotate(n=Count("id")).values_list("status", "n"))
         classes = [{**row, "label": row["error_type"] or NO_CLASS}
-                   for row in dead_letters(AgentRun.objects.order_by()).values("error_type")
+                   for row in AgentRun.objects.dead_letters().order_by().values("error_type")
                    .annotate(n=Count("id"), last=Max("finished_at")).order_by("-n")]
         context = {
             **model_admin.admin_site.each_context(request),
@@ -105,7 +104,7 @@ def retry_class(model_admin: Any) -> Any:
 
 
 def _class_runs(error_type: str) -> QuerySet[AgentRun]:
-    return dead_letters(AgentRun.objects.order_by("pk")).filter(error_type=error_type)
+    return AgentRun.objects.dead_letters().order_by("pk").filter(error_type=error_type)
 
 
 def _confirm_class(model_admin: Any, request: HttpRequest, error_type: str,

@@ -159,13 +159,13 @@ def read_result(run: AgentRun, task: compat.Task[Any, Any] | None = None) -> com
         Any, Any]:
     """The run as Django's TaskResult: one query (its events), plus importing the task
     unless the caller has it."""
-    from ..models import Status
+    from ..models import TERMINAL, Status
 
     payload = run.input if isinstance(run.input, dict) else {}
     if task is None:
         task = as_enqueued(load_task(payload.get("task")), run)
     past = history(run)
-    finished = run.status in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+    finished = run.status in TERMINAL
     result: compat.TaskResult[Any, Any] = compat.TaskResult(
         task=task,
         id=str(run.pk),

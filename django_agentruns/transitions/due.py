@@ -1,7 +1,7 @@
 """Which runs a claim may take: the due query, firing order per scope, lapsed leases.
 
-Querysets (the admin and `why` read them too) and the due query's SQL compiled once per
-shape for the claim.
+Built from the named reads of `AgentRun.objects` (django_agentruns.queries), and the due
+query's SQL compiled once per shape for the claim.
 """
 
 from __future__ import annotations
@@ -12,77 +12,28 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Exists, F, OuterRef, Q, QuerySet
+from django.db.models import QuerySet
 
-from ..db import RowBefore
 from ..models import AgentRun, Status
 from ..outcomes import ScopePolicy
 from . import rawsql
 
 
-def holding_statuses(blocking: bool) -> list[str]:
-    statuses: list[str] = [Status.QUEUED, Status.RUNNING]
-    return [*statuses, Status.FAILED] if blocking else statuses
-
-
-def ahead_in_scope() -> QuerySet[AgentRun]:
-    """Runs of the outer run's agent and scope ahead of it in firing order."""
-    return AgentRun.objects.filter(
-        RowBefore(F("fired_seq"), F("id"), OuterRef("fired_seq"), OuterRef("id")),
-        agent=OuterRef("agent"), scope=OuterRef("scope"))
-
-
-def earlier_holder(statuses: list[str]) -> QuerySet[AgentRun]:
-    """An earlier run of the outer run's agent and scope, in one of `statuses`."""
-    return ahead_in_scope().filter(status__in=statuses)
-
-
-def startable(qs: QuerySet[AgentRun], scopes: ScopePolicy) -> QuerySet[AgentRun]:
-    """Keep the runs no earlier run of their scope holds back (ordered agents only).
-
-    Blocking agents are checked apart from the others so that each NOT EXISTS lists
-    its statuses plainly and seeks the scope-head index once per status.
-    """
-    plain = scopes.ordered - scopes.dead_letters_block
-    blocking = scopes.ordered & scopes.dead_letters_block
-    if plain:
-        qs = qs.filter(~Q(agent__in=plain) | ~Exists(earlier_holder(holding_statuses(False))))
-    if blocking:
-        qs = qs.filter(~Q(agent__in=blocking) | ~Exists(earlier_holder(holding_statuses(True))))
-    return qs
-
-
 def due_queued(queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> QuerySet[AgentRun]:
     """Queued runs that can start now, in claim order: priority, due time, firing order."""
-    qs = AgentRun.objects.filter(status=Status.QUEUED, queue__in=list(queues),
-                                 available_at__lte=at)
-    return startable(qs, scopes).order_by("-priority", "available_at", "fired_seq", "id")
+    qs = AgentRun.objects.due(queues, at)
+    return qs.startable(scopes).order_by("-priority", "available_at", "fired_seq", "id")
 
 
 def awaited(queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> QuerySet[AgentRun]:
-    """Queued runs due by time that a worker will get to without outside help.
-
-    That is, all but those behind a run no worker releases: a dead letter (where the agent
-    says it blocks) or a run still backing off. A burst worker whose claim came back empty
-    waits while any of these remain (another worker holds them, or the run ahead of them),
-    and exits past the rest.
-    """
-    qs = AgentRun.objects.filter(status=Status.QUEUED, queue__in=list(queues),
-                                 available_at__lte=at)
-    for agents, blocking in ((scopes.ordered - scopes.dead_letters_block, False),
-                             (scopes.ordered & scopes.dead_letters_block, True)):
-        stuck = Q(status=Status.QUEUED, available_at__gt=at)
-        if blocking:
-            stuck |= Q(status=Status.FAILED)
-        if agents:
-            qs = qs.filter(~Q(agent__in=agents) | ~Exists(ahead_in_scope().filter(stuck)))
-    return qs
+    """Queued runs due by time that a worker will get to without outside help (see
+    `RunQuerySet.awaited`)."""
+    return AgentRun.objects.awaited(queues, at, scopes)
 
 
 def lapsed(queues: Iterable[str] | None, at: datetime) -> QuerySet[AgentRun]:
     """Running runs whose lease has lapsed: their worker is gone (or too slow to count)."""
-    qs = AgentRun.objects.filter(status=Status.RUNNING, lease_expires__lt=at)
-    return qs if queues is None else qs.filter(queue__in=list(queues))
+    return AgentRun.objects.lapsed(at, queues)
 
 
 CLAIM_FIELDS = ("id", "agent", "status", "attempt", "requeue_count", "max_requeues",
@@ -118,10 +69,8 @@ def recheck_order(candidates: list[dict[str, Any]], scopes: ScopePolicy) -> list
     taken_scopes: set[tuple[str, str]] = set()
     for c in ordered:
         key = (c["agent"], c["scope"])
-        statuses = holding_statuses(c["agent"] in scopes.dead_letters_block)
-        earlier = AgentRun.objects.filter(agent=c["agent"], scope=c["scope"],
-                                          status__in=statuses).filter(
-            Q(fired_seq__lt=c["fired_seq"]) | Q(fired_seq=c["fired_seq"], id__lt=c["id"]))
+        earlier = AgentRun.objects.ahead_of(c["agent"], c["scope"], c["fired_seq"], c["id"]) \
+            .holding(c["agent"] in scopes.dead_letters_block)
         if key in taken_scopes or earlier.exists():
             held.add(c["id"])
         taken_scopes.add(key)

@@ -1,0 +1,123 @@
+"""Named reads of runs: what a dead letter, a lapsed lease or a blocked run is, written once.
+
+`AgentRun.objects` is a `RunQuerySet`, so the admin, the metrics, retention, `why` and the
+claim (`transitions.due`) all ask the same question the same way. Reads only: every status
+write stays in `transitions`, which builds its due query from these reads and compiles it.
+This module sits below `models` (which imports it) and imports no `transitions`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import TYPE_CHECKING, Self
+
+from django.db import models
+from django.db.models import Exists, F, OuterRef, Q
+
+from .db import RowBefore
+from .outcomes import ScopePolicy
+from .states import DEAD_LETTER_REASONS, TERMINAL, Status
+
+if TYPE_CHECKING:
+    from .models import AgentRun  # noqa: F401 (named in RunQuerySet's base, as a string)
+
+
+def dead_letter() -> Q:
+    """Failed for good, for one of `DEAD_LETTER_REASONS`: the condition, for a caller that
+    composes a `Q` (retention); `RunQuerySet.dead_letters()` filters on it."""
+    return Q(status=Status.FAILED, reason__in=DEAD_LETTER_REASONS)
+
+
+def holding_statuses(blocking: bool) -> list[str]:
+    """The statuses of an earlier run that hold its scope: queued or running, and failed
+    too where the agent says dead letters block."""
+    statuses: list[str] = [Status.QUEUED, Status.RUNNING]
+    return [*statuses, Status.FAILED] if blocking else statuses
+
+
+def _scope_groups(scopes: ScopePolicy) -> tuple[tuple[frozenset[str], bool], ...]:
+    """Ordered agents split by whether dead letters block: each group is checked on its own,
+    so that each EXISTS lists its statuses plainly and seeks the scope-head index once per
+    status."""
+    return ((scopes.ordered - scopes.dead_letters_block, False),
+            (scopes.ordered & scopes.dead_letters_block, True))
+
+
+class RunQuerySet(models.QuerySet["AgentRun"]):
+    """`AgentRun.objects`: the run table's named reads."""
+
+    def _fresh(self) -> Self:
+        """A new query of all runs, for a subquery that must not inherit this one's filters
+        (it runs on the outer query's connection)."""
+        return type(self)(self.model)
+
+    def terminal(self) -> Self:
+        """Finished: succeeded, failed or cancelled. Only an operator's retry moves one on."""
+        return self.filter(status__in=TERMINAL)
+
+    def dead_letters(self) -> Self:
+        """Failed for good (retries exhausted, not retryable): what an operator looks at."""
+        return self.filter(dead_letter())
+
+    def lapsed(self, at: datetime, queues: Iterable[str] | None = None) -> Self:
+        """Running runs whose lease lapsed before `at`: their worker is gone (or too slow to
+        count). The reaper and a claim take them back; the admin calls them stuck."""
+        qs = self.filter(status=Status.RUNNING, lease_expires__lt=at)
+        return qs if queues is None else qs.filter(queue__in=list(queues))
+
+    def due(self, queues: Iterable[str], at: datetime) -> Self:
+        """Queued runs of `queues` whose time has come, firing order per scope aside."""
+        return self.filter(status=Status.QUEUED, queue__in=list(queues), available_at__lte=at)
+
+    def ahead_in_scope(self) -> Self:
+        """Runs of the outer run's agent and scope ahead of it in firing order (a subquery)."""
+        return self.filter(
+            RowBefore(F("fired_seq"), F("id"), OuterRef("fired_seq"), OuterRef("id")),
+            agent=OuterRef("agent"), scope=OuterRef("scope"))
+
+    def ahead_of(self, agent: str, scope: str, fired_seq: int, pk: int) -> Self:
+        """Runs of `agent` and `scope` ahead of the run (`fired_seq`, `pk`) in firing order."""
+        ahead = Q(fired_seq__lt=fired_seq) | Q(fired_seq=fired_seq, id__lt=pk)
+        return self.filter(ahead, agent=agent, scope=scope)
+
+    def holding(self, blocking: bool) -> Self:
+        """Runs that hold their scope against later ones (see `holding_statuses`)."""
+        return self.filter(status__in=holding_statuses(blocking))
+
+    def startable(self, scopes: ScopePolicy) -> Self:
+        """Keep the runs no earlier run of their scope holds back (ordered agents only)."""
+        qs = self
+        for agents, blocking in _scope_groups(scopes):
+            if agents:
+                holder = self._fresh().ahead_in_scope().holding(blocking)
+                qs = qs.filter(~Q(agent__in=agents) | ~Exists(holder))
+        return qs
+
+    def blocked(self, scopes: ScopePolicy) -> Self:
+        """Queued behind an earlier run of its scope: `startable`'s firing-order rule, inverted
+        (whatever the run's due time)."""
+        held = Q(pk__in=[])
+        for agents, blocking in _scope_groups(scopes):
+            if agents:
+                holder = self._fresh().ahead_in_scope().holding(blocking)
+                held |= Q(agent__in=agents) & Q(Exists(holder))
+        return self.filter(held, status=Status.QUEUED)
+
+    def awaited(self, queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> Self:
+        """Queued runs due by time that a worker will get to without outside help.
+
+        That is, all but those behind a run no worker releases: a dead letter (where the agent
+        says it blocks) or a run still backing off. A burst worker whose claim came back empty
+        waits while any of these remain (another worker holds them, or the run ahead of them),
+        and exits past the rest.
+        """
+        qs = self.due(queues, at)
+        for agents, blocking in _scope_groups(scopes):
+            stuck = Q(status=Status.QUEUED, available_at__gt=at)
+            if blocking:
+                stuck |= Q(status=Status.FAILED)
+            if agents:
+                qs = qs.filter(~Q(agent__in=agents)
+                               | ~Exists(self._fresh().ahead_in_scope().filter(stuck)))
+        return qs
