@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 
 from django_agentruns import InvalidInputError, RunContext, UnknownAgentError, agent
-from django_agentruns.registry import AgentSpec, all_agents, find_agent, get_agent, unregister
+from django_agentruns.outcomes import ScopePolicy
+from django_agentruns.registry import (
+    AgentSpec,
+    all_agents,
+    find_agent,
+    get_agent,
+    scope_policy,
+    unregister,
+)
 from tests import helpers
 
 NAME = "tests.registry_probe"
@@ -175,6 +183,22 @@ def test_registering_the_same_function_again_is_allowed() -> None:
     agent(NAME, priority=2)(again)
     assert get_agent(NAME).func is again
     assert get_agent(NAME).priority == 2
+
+
+def test_scope_policy_is_read_from_the_registry() -> None:
+    """Only ordered agents keep firing order; dead_letters_block means nothing without it."""
+    def probe(ctx: RunContext) -> None:
+        return None
+
+    agent(NAME, ordered=True, dead_letters_block=True)(probe)
+    agent(f"{NAME}.unordered", dead_letters_block=True)(probe)
+    scopes = scope_policy()
+    assert NAME in scopes.ordered
+    assert NAME in scopes.dead_letters_block
+    assert f"{NAME}.unordered" not in scopes.ordered | scopes.dead_letters_block
+    assert scope_policy({NAME: get_agent(NAME)}) == ScopePolicy(frozenset({NAME}),
+                                                                frozenset({NAME}))
+    assert scope_policy({}) == ScopePolicy()
 
 
 def test_unknown_name_lookup() -> None:
