@@ -22,10 +22,6 @@ from ..registry import all_agents, scope_policy
 Choices = list[tuple[str, str]]
 
 
-def dead_letters(runs: RunQuerySet) -> RunQuerySet:
-    return runs.dead_letters()
-
-
 def stuck(runs: RunQuerySet) -> RunQuerySet:
     """Running with a lapsed lease: its worker is gone (or too slow to renew)."""
     return runs.lapsed(timezone.now())
@@ -40,7 +36,7 @@ class AttentionFilter(admin.SimpleListFilter):
     title = "needs attention"
     parameter_name = "attention"
     filters: dict[str, tuple[str, Callable[[RunQuerySet], RunQuerySet]]] = {
-        "dead_letter": ("Dead letters", dead_letters),
+        "dead_letter": ("Dead letters", RunQuerySet.dead_letters),
         "stuck": ("Stuck (lease lapsed)", stuck),
         "blocked": ("Blocked (behind an earlier run of its scope)", blocked),
     }
