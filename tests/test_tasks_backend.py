@@ -513,3 +513,26 @@ def test_a_task_outside_the_installed_apps_is_refused_at_enqueue(tasks: ModuleTy
         outside.enqueue()
     assert AgentRun.objects.count() == 0
 
+
+# --------------------------------------------------------------------------- task_finished
+
+
+def test_task_finished_is_sent_once_the_outcome_is_written(tasks: ModuleType) -> None:
+    """Each status `task_finished` carries is the one the run already has in the database."""
+    seen: list[tuple[str, str, str]] = []
+
+    def receiver(sender: type, task_result: Any, **kwargs: Any) -> None:
+        seen.append((task_result.id, str(task_result.status),
+                     str(task_result.task.get_result(task_result.id).status)))
+
+    compat.task_finished.connect(receiver, weak=False)
+    try:
+        flaky = tasks.flaky.enqueue()
+        failed = tasks.refuse.enqueue()
+        product = tasks.multiply.enqueue(2, 3)
+        work()  # the test settings have no backoff: the retry runs in this drain
+    finally:
+        compat.task_finished.disconnect(receiver)
+    assert sorted(seen) == sorted([
+        (flaky.id, "READY", "READY"), (flaky.id, "SUCCESSFUL", "SUCCESSFUL"),
+        (failed.id, "FAILED", "FAILED"), (product.id, "SUCCESSFUL", "SUCCESSFUL")])
