@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import tracemalloc
 from collections.abc import Iterator
 from datetime import timedelta
@@ -10,15 +11,17 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connection
+from django.db import connection, connections, transaction
 from django.db.models.signals import post_delete, pre_delete
 from django.dispatch import Signal
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from django_agentruns import retry
 from django_agentruns.exceptions import InvalidInputError
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.retention import parse_duration, purge
+from tests import helpers
 
 pytestmark = pytest.mark.django_db
 
@@ -190,3 +193,42 @@ def test_purge_memory_stays_below_one_payload(
     assert report.runs == 4
     # Loading the rows would hold 4 runs x 4 columns + 4 events of 2 MB each (32+ MB).
     assert peak < len(BIG), f"purge peaked at {peak} bytes"
+
+
+# --------------------------------------------------------------------------- racing an operator
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_run_retried_while_purge_reads_its_batch_is_kept() -> None:
+    """The batch's rows are locked as they are read: a retry committing first takes the run
+    out of the batch (without the lock, purge would delete the queued run by id)."""
+    run = make(Status.FAILED, Reason.ERROR)
+    done: list[int] = []
+
+    def purging() -> None:
+        try:
+            done.append(purge(timedelta(days=30)).runs)
+        finally:
+            connections.close_all()  # this thread's own connection
+
+    thread = threading.Thread(target=purging, name="test-purge")
+    with transaction.atomic():
+        assert retry(run.pk)  # holds the row's lock until this commits
+        thread.start()
+        helpers.wait_until(_waiting_for_a_lock, message="purge to wait for the row")
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert done == [0]
+    run.refresh_from_db()
+    assert run.status == Status.QUEUED
+    assert RunEvent.objects.filter(run_id=run.pk, type="x").count() == 2
+
+
+def _waiting_for_a_lock() -> bool:
+    with connection.cursor() as cursor:
+        # Activity is read once per transaction unless the snapshot is cleared.
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                       "current_database() AND wait_event_type = 'Lock'")
+        return bool(cursor.fetchone()[0])
