@@ -536,3 +536,14 @@ def test_task_finished_is_sent_once_the_outcome_is_written(tasks: ModuleType) ->
     assert sorted(seen) == sorted([
         (flaky.id, "READY", "READY"), (flaky.id, "SUCCESSFUL", "SUCCESSFUL"),
         (failed.id, "FAILED", "FAILED"), (product.id, "SUCCESSFUL", "SUCCESSFUL")])
+
+
+def test_an_attempt_whose_lease_was_lost_sends_no_task_finished(
+    tasks: ModuleType, received: list[tuple[str, str, str, int, type]]
+) -> None:
+    """The worker wrote nothing for it, so there is no outcome to announce."""
+    result = tasks.lose_lease.enqueue()
+    work()
+    assert run_of(result).status == Status.RUNNING  # the other worker's now
+    assert [(name, status) for name, rid, status, *_ in received if rid == result.id] == [
+        ("task_enqueued", "READY"), ("task_started", "RUNNING")]
