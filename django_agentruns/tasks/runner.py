@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 @agent(SYNC_AGENT)
 def run_task(ctx: RunContext) -> Any:
-    attempt = Attempt.begin(ctx, SYNC_AGENT)
+    attempt = Attempt.begin(ctx)
     try:
         value = attempt.returned(attempt.call())
     except Exception as exc:
@@ -46,7 +46,7 @@ def run_task(ctx: RunContext) -> Any:
 async def run_async_task(ctx: RunContext) -> Any:
     # The ORM and the signal receivers are synchronous: they run off the event loop. The
     # task itself runs on the worker's loop, where a cancel or a shutdown cancels it.
-    attempt = await storage_call(ctx, Attempt.begin, ctx, ASYNC_AGENT)
+    attempt = await storage_call(ctx, Attempt.begin, ctx)
     try:
         value = attempt.returned(await attempt.acall())
     except Exception as exc:
@@ -59,23 +59,22 @@ async def run_async_task(ctx: RunContext) -> Any:
 class Attempt:
     """One attempt at a task: its `TaskResult`, as the task and the signals see it."""
 
-    def __init__(self, agent_name: str, run_id: int, attempt: int,
-                 task: compat.Task[Any, Any], result: compat.TaskResult[Any, Any]) -> None:
-        self.agent_name = agent_name
+    def __init__(self, run_id: int, attempt: int, task: compat.Task[Any, Any],
+                 result: compat.TaskResult[Any, Any]) -> None:
         self.run_id = run_id
         self.attempt = attempt
         self.task = task
         self.result = result
 
     @classmethod
-    def begin(cls, ctx: RunContext, agent_name: str) -> Attempt:
+    def begin(cls, ctx: RunContext) -> Attempt:
         from ..models import AgentRun
         from .backend import AgentRunsBackend
 
         payload = ctx.input if isinstance(ctx.input, dict) else {}
         run = AgentRun.objects.get(pk=ctx.run_id)
         task = as_enqueued(load_task(payload.get("task")), run)
-        attempt = cls(agent_name, ctx.run_id, ctx.attempt, task, read_result(run, task))
+        attempt = cls(ctx.run_id, ctx.attempt, task, read_result(run, task))
         compat.task_started.send(sender=AgentRunsBackend, task_result=attempt.result)
         return attempt
 
