@@ -13,9 +13,9 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
@@ -23,6 +23,8 @@ from django.db import close_old_connections
 from . import transitions
 from .exceptions import AttemptStopped, InvalidInputError
 from .outcomes import AttemptRef, Renewal
+
+T = TypeVar("T")
 
 
 class StopReason:
@@ -223,21 +225,27 @@ class RunContext:
         await _in_thread(self._control, self.heartbeat)
 
 
-async def _in_thread(control: AttemptControl, func: Any, *args: Any) -> None:
+async def storage_call(ctx: RunContext, func: Callable[..., T], *args: Any) -> T:
+    """Run a synchronous call that uses the database off the event loop, as `aemit` and
+    the other async context calls do (for code built on an async agent, like the tasks
+    runner)."""
+    return await _in_thread(ctx._control, func, *args)
+
+
+async def _in_thread(control: AttemptControl, func: Callable[..., T], *args: Any) -> T:
     """Run a storage call off the event loop: the ORM is synchronous."""
     if control.ref.lease_ttl is None:
         # `run_now` (no lease): back in the caller's thread, which waits in async_to_sync,
         # so the write uses the caller's connection and joins any transaction it is in.
-        await sync_to_async(func, thread_sensitive=True)(*args)
-        return
+        return await sync_to_async(func, thread_sensitive=True)(*args)
     loop = asyncio.get_running_loop()
-    await loop.run_in_executor(None, functools.partial(_storage_call, func, *args))
+    return await loop.run_in_executor(None, functools.partial(_storage_call, func, *args))
 
 
-def _storage_call(func: Any, *args: Any) -> None:
+def _storage_call(func: Callable[..., T], *args: Any) -> T:
     """One call on an executor thread, whose connection obeys CONN_MAX_AGE like any other."""
     close_old_connections()
     try:
-        func(*args)
+        return func(*args)
     finally:
         close_old_connections()

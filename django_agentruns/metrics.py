@@ -53,6 +53,10 @@ AVAILABLE = prometheus_client is not None
 
 INSTALL_HINT = "pip install 'django-agentruns[prometheus]'"
 
+DEFAULT_ADDR = "127.0.0.1"
+"""Where `serve` (`runworker --metrics-port`) listens unless told: loopback only, since the
+server answers anyone who can reach it."""
+
 BACKLOG_TTL = 15.0
 """Seconds a backlog reading is served from cache: N scrapers cost one reading per TTL."""
 
@@ -271,7 +275,7 @@ def register_backlog() -> BacklogCollector | None:
 # --------------------------------------------------------------------------- exposition
 
 
-def serve(port: int, addr: str = "0.0.0.0") -> tuple[str, int]:
+def serve(port: int, addr: str = DEFAULT_ADDR) -> tuple[str, int]:
     """Serve the default registry over HTTP from a daemon thread; return (host, port).
 
     Port 0 picks a free port (the returned one). Raises `MetricsUnavailable` without

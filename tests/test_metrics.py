@@ -348,6 +348,27 @@ def test_runworker_serves_its_metrics_on_the_given_port(worker_env: dict[str, st
     assert values[("agentruns_queue_depth", frozenset({("queue", "default")}))] == 0
 
 
+def test_runworker_serves_metrics_on_loopback_unless_told(worker_env: dict[str, str]) -> None:
+    """The metrics server has no authentication: it binds 127.0.0.1 by default."""
+    with helpers.start_manage(["runworker", "--metrics-port", "0"], worker_env) as worker:
+        found = helpers.wait_until(
+            lambda: re.search(r"serving metrics on http://([^/]+):(\d+)/metrics",
+                              worker.stderr), message="the metrics server to start")
+        with socket.create_connection(("127.0.0.1", int(found.group(2))), timeout=5):
+            pass
+        worker.stop()
+    assert found.group(1) == "127.0.0.1"
+
+
+@pytest.mark.parametrize("flag", ["--metrics-addr", "--metrics-host"])
+def test_the_metrics_bind_address_is_an_option(flag: str) -> None:
+    from django_agentruns.management.commands.runworker import Command
+
+    parser = Command().create_parser("manage.py", "runworker")
+    assert parser.parse_args([]).metrics_addr == "127.0.0.1"
+    assert parser.parse_args([flag, "0.0.0.0"]).metrics_addr == "0.0.0.0"
+
+
 def test_runworker_refuses_a_bad_or_busy_metrics_port() -> None:
     with pytest.raises(CommandError, match="must be a port number from 0 to 65535"):
         call_command("runworker", "--metrics-port", "70000")

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import threading
+import tracemalloc
+from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
+from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection, connections, transaction
+from django.db.models.signals import post_delete, pre_delete
+from django.dispatch import Signal
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from django_agentruns import retry
 from django_agentruns.exceptions import InvalidInputError
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.retention import parse_duration, purge
+from tests import helpers
 
 pytestmark = pytest.mark.django_db
 
@@ -104,3 +114,121 @@ def test_the_command_prints_counts() -> None:
 def test_the_command_refuses_bad_arguments(args: list[str]) -> None:
     with pytest.raises(CommandError):
         call_command("purge", *args)
+
+
+# --------------------------------------------------------------------------- payloads stay unread
+
+BIG = "x" * 2_000_000  # per column: a purge that loaded rows would hold megabytes per run
+PAYLOAD_COLUMNS = ('"input"', '"output"', '"checkpoint_state"', '"error_traceback"',
+                   '"payload"')
+
+
+def make_big(runs: int, events: int) -> list[int]:
+    ids = [make(Status.SUCCEEDED, Reason.COMPLETED, events=events).pk for _ in range(runs)]
+    # Written past the size caps on purpose: what purge must cope with is what is stored.
+    AgentRun.objects.filter(pk__in=ids).update(
+        input={"blob": BIG}, output={"blob": BIG}, checkpoint_state={"blob": BIG},
+        error_traceback=BIG)
+    RunEvent.objects.filter(run_id__in=ids).update(payload={"blob": BIG})
+    return ids
+
+
+@pytest.fixture(params=["no receivers", "receivers"])
+def deleted_by_receivers(request: pytest.FixtureRequest) -> Iterator[list[tuple[str, int]]]:
+    """(model, pk) per pre_delete and post_delete sent, with receivers on both models when
+    the param asks; they must still get every row, as from `QuerySet.delete()`."""
+    seen: list[tuple[str, int]] = []
+    if request.param == "no receivers":
+        yield seen
+        return
+
+    def receiver(sender: type, instance: Any, signal: Signal, **kwargs: Any) -> None:
+        seen.append((f"{'pre' if signal is pre_delete else 'post'}:{sender.__name__}",
+                     instance.pk))
+
+    hooks = [(s, m) for s in (pre_delete, post_delete) for m in (AgentRun, RunEvent)]
+    for signal, model in hooks:
+        signal.connect(receiver, sender=model, weak=False)
+    try:
+        yield seen
+    finally:
+        for signal, model in hooks:
+            signal.disconnect(receiver, sender=model)
+
+
+def test_purge_never_selects_a_payload_column(
+        deleted_by_receivers: list[tuple[str, int]]) -> None:
+    ids = make_big(runs=3, events=2)
+    kept = make(Status.SUCCEEDED, Reason.COMPLETED, finished_days_ago=1)
+    event_ids = list(RunEvent.objects.filter(run_id__in=ids).values_list("id", flat=True))
+
+    with CaptureQueriesContext(connection) as queries:
+        report = purge(timedelta(days=30), batch_size=2)
+
+    assert (report.runs, report.events, report.batches) == (3, 6, 2)
+    assert list(AgentRun.objects.values_list("id", flat=True)) == [kept.pk]
+    assert RunEvent.objects.count() == 2
+    reads = [q["sql"] for q in queries.captured_queries
+             if q["sql"].lstrip().upper().startswith("SELECT")]
+    assert reads, "purge read no ids?"
+    for sql in reads:
+        assert not any(column in sql for column in PAYLOAD_COLUMNS), sql
+    if deleted_by_receivers:
+        for when in ("pre", "post"):
+            assert sorted(pk for name, pk in deleted_by_receivers
+                          if name == f"{when}:AgentRun") == sorted(ids)
+            assert sorted(pk for name, pk in deleted_by_receivers
+                          if name == f"{when}:RunEvent") == sorted(event_ids)
+
+
+def test_purge_memory_stays_below_one_payload(
+        deleted_by_receivers: list[tuple[str, int]]) -> None:
+    make_big(runs=4, events=1)
+    tracemalloc.start()
+    try:
+        report = purge(timedelta(days=30))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert report.runs == 4
+    # Loading the rows would hold 4 runs x 4 columns + 4 events of 2 MB each (32+ MB).
+    assert peak < len(BIG), f"purge peaked at {peak} bytes"
+
+
+# --------------------------------------------------------------------------- racing an operator
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_run_retried_while_purge_reads_its_batch_is_kept() -> None:
+    """The batch's rows are locked as they are read: a retry committing first takes the run
+    out of the batch (without the lock, purge would delete the queued run by id)."""
+    run = make(Status.FAILED, Reason.ERROR)
+    done: list[int] = []
+
+    def purging() -> None:
+        try:
+            done.append(purge(timedelta(days=30)).runs)
+        finally:
+            connections.close_all()  # this thread's own connection
+
+    thread = threading.Thread(target=purging, name="test-purge")
+    with transaction.atomic():
+        assert retry(run.pk)  # holds the row's lock until this commits
+        thread.start()
+        helpers.wait_until(_waiting_for_a_lock, message="purge to wait for the row")
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert done == [0]
+    run.refresh_from_db()
+    assert run.status == Status.QUEUED
+    assert RunEvent.objects.filter(run_id=run.pk, type="x").count() == 2
+
+
+def _waiting_for_a_lock() -> bool:
+    with connection.cursor() as cursor:
+        # Activity is read once per transaction unless the snapshot is cleared.
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                       "current_database() AND wait_event_type = 'Lock'")
+        return bool(cursor.fetchone()[0])

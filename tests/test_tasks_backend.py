@@ -21,10 +21,12 @@ from typing import Any
 import pytest
 from asgiref.sync import async_to_sync
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, connections, transaction
 from django.test import override_settings
 from django.utils import timezone
 
+import tests as tests_package
 from django_agentruns import NotRetryable, Retryable, RunCancelledError, cancel, enqueue
 from django_agentruns.apps import uses_tasks_backend
 from django_agentruns.models import AgentRun, Reason, Status
@@ -483,3 +485,65 @@ def test_a_backend_without_the_app_installed_fails_its_system_check(tasks: Modul
         apps.is_installed = real  # type: ignore[method-assign]
     assert message.id == E008_APP_NOT_INSTALLED
     assert "INSTALLED_APPS" in message.msg
+
+
+# --------------------------------------------------------------------------- what a worker imports
+
+
+def test_a_run_naming_a_module_outside_the_installed_apps_is_refused_unimported(
+        tasks: ModuleType) -> None:
+    """A run's input is data: the task path it names is checked before anything imports."""
+    path = "tests.import_side_effect.anything"
+    run = enqueue(SYNC_AGENT, input={"task": path, "args": [], "kwargs": {},
+                                     "backend": "default", "run_after": None})
+    work()
+    run.refresh_from_db()
+    assert (run.status, run.reason, run.attempt) == (Status.FAILED, Reason.NOT_RETRYABLE, 1)
+    assert run.error_type == "django.core.exceptions.ImproperlyConfigured"
+    assert f"Task {path!r} is not in an installed app" in run.error_message
+    with pytest.raises(ImproperlyConfigured, match="not in an installed app"):
+        AgentRunsBackend("default", {}).get_result(str(run.pk))
+    assert "tests.import_side_effect" not in sys.modules
+    assert not hasattr(tests_package, "import_side_effect_ran")
+
+
+def test_a_task_outside_the_installed_apps_is_refused_at_enqueue(tasks: ModuleType) -> None:
+    outside = importlib.import_module("tests.outside_tasks").outside
+    with pytest.raises(compat.InvalidTask, match="is not in an installed app"):
+        outside.enqueue()
+    assert AgentRun.objects.count() == 0
+
+
+# --------------------------------------------------------------------------- task_finished
+
+
+def test_task_finished_is_sent_once_the_outcome_is_written(tasks: ModuleType) -> None:
+    """Each status `task_finished` carries is the one the run already has in the database."""
+    seen: list[tuple[str, str, str]] = []
+
+    def receiver(sender: type, task_result: Any, **kwargs: Any) -> None:
+        seen.append((task_result.id, str(task_result.status),
+                     str(task_result.task.get_result(task_result.id).status)))
+
+    compat.task_finished.connect(receiver, weak=False)
+    try:
+        flaky = tasks.flaky.enqueue()
+        failed = tasks.refuse.enqueue()
+        product = tasks.multiply.enqueue(2, 3)
+        work()  # the test settings have no backoff: the retry runs in this drain
+    finally:
+        compat.task_finished.disconnect(receiver)
+    assert sorted(seen) == sorted([
+        (flaky.id, "READY", "READY"), (flaky.id, "SUCCESSFUL", "SUCCESSFUL"),
+        (failed.id, "FAILED", "FAILED"), (product.id, "SUCCESSFUL", "SUCCESSFUL")])
+
+
+def test_an_attempt_whose_lease_was_lost_sends_no_task_finished(
+    tasks: ModuleType, received: list[tuple[str, str, str, int, type]]
+) -> None:
+    """The worker wrote nothing for it, so there is no outcome to announce."""
+    result = tasks.lose_lease.enqueue()
+    work()
+    assert run_of(result).status == Status.RUNNING  # the other worker's now
+    assert [(name, status) for name, rid, status, *_ in received if rid == result.id] == [
+        ("task_enqueued", "READY"), ("task_started", "RUNNING")]

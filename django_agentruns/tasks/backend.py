@@ -18,7 +18,14 @@ from django.db import transaction
 from django.utils import timezone
 
 from . import compat
-from .results import ASYNC_AGENT, SYNC_AGENT, TASK_AGENTS, read_result, task_input
+from .results import (
+    ASYNC_AGENT,
+    SYNC_AGENT,
+    TASK_AGENTS,
+    in_installed_app,
+    read_result,
+    task_input,
+)
 
 QUEUE_MAX = 100  # AgentRun.queue's length
 E008_APP_NOT_INSTALLED = "agentruns.E008"
@@ -94,6 +101,10 @@ def _check_importable(task: compat.Task[Any, Any]) -> None:
     """The worker imports the task by its path: refuse now, not there, if that will fail."""
     from django.utils.module_loading import import_string
 
+    if not in_installed_app(task.func.__module__):
+        raise compat.InvalidTask(
+            f"Task {task.module_path!r} is not in an installed app: workers run only tasks "
+            "defined in the modules of INSTALLED_APPS.")
     try:
         found = import_string(task.module_path)
     except ImportError:

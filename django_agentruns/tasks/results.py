@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
@@ -52,9 +53,18 @@ def task_input(
 
 
 def load_task(path: Any) -> compat.Task[Any, Any]:
-    """The `Task` at `path`. ImproperlyConfigured (never retried) if there is none here."""
+    """The `Task` at `path`. ImproperlyConfigured (never retried) if there is none here.
+
+    The path comes from the run's input, which is data: only a module of an installed app is
+    imported, so a crafted run cannot make a worker (or `get_result`) import anything else.
+    """
     if not compat.TASKS_AVAILABLE:
         raise ImproperlyConfigured(compat.UNAVAILABLE_REASON)
+    module, _, name = str(path).rpartition(".")
+    if not name or not in_installed_app(module):
+        raise ImproperlyConfigured(
+            f"Task {str(path)[:300]!r} is not in an installed app: only tasks defined in the "
+            "modules of INSTALLED_APPS are run")
     try:
         found = import_string(str(path))
     except Exception as exc:  # ImportError, or the task module failing as it imports
@@ -64,6 +74,12 @@ def load_task(path: Any) -> compat.Task[Any, Any]:
     if not isinstance(found, compat.Task):
         raise ImproperlyConfigured(f"{path!r} is not a task: decorate it with @task")
     return found
+
+
+def in_installed_app(module: str) -> bool:
+    """Whether `module` is an installed app's package or inside one (checked, not imported)."""
+    return any(module == config.name or module.startswith(f"{config.name}.")
+               for config in apps.get_app_configs())
 
 
 def as_enqueued(task: compat.Task[Any, Any], run: AgentRun) -> compat.Task[Any, Any]:

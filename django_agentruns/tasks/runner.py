@@ -1,35 +1,38 @@
 """The two internal agents that run `@task` functions, registered when this module imports.
 
 Each attempt: import the task by path, send `task_started`, call it (with a `TaskContext`
-if it takes one), send `task_finished` (also when it raises, from inside the handler), and
-return its JSON return value or re-raise. The worker then settles the run as for any
-agent: an exception is classified by `policy.classify`, so `Retryable`, timeouts and 5xx
-are retried within the budget and the rest dead-letter.
+if it takes one), and return its JSON return value or re-raise. The worker then settles the
+run as for any agent: an exception is classified by `policy.classify`, so `Retryable`,
+timeouts and 5xx are retried within the budget and the rest dead-letter.
+
+`task_finished` is sent from what the worker wrote, not from a guess at it: the attempt
+keeps how it ended (`Attempt.finish`), and the settle signal for that run and attempt
+(`run_succeeded`, `run_requeued`, `run_dead_lettered`, `run_cancelled`) sends it with the
+matching status, once the outcome has committed. An attempt that was stopped (cancel,
+shutdown, lost lease) never reaches `finish`, and a lost lease writes nothing: neither sends
+`task_finished`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+import threading
+from typing import TYPE_CHECKING, Any
 
-from django.db import close_old_connections
 from django.utils import timezone
 
-from ..registry import agent, get_agent
+from .. import signals
+from ..context import storage_call
+from ..registry import agent
 from . import compat
-from .results import ASYNC_AGENT, SYNC_AGENT, as_enqueued, load_task, read_result
+from .results import ASYNC_AGENT, SYNC_AGENT, TASK_AGENTS, as_enqueued, load_task, read_result
 
 if TYPE_CHECKING:
     from ..context import RunContext
 
-T = TypeVar("T")
-
 
 @agent(SYNC_AGENT)
 def run_task(ctx: RunContext) -> Any:
-    attempt = Attempt.begin(ctx, SYNC_AGENT)
+    attempt = Attempt.begin(ctx)
     try:
         value = attempt.returned(attempt.call())
     except Exception as exc:
@@ -43,35 +46,35 @@ def run_task(ctx: RunContext) -> Any:
 async def run_async_task(ctx: RunContext) -> Any:
     # The ORM and the signal receivers are synchronous: they run off the event loop. The
     # task itself runs on the worker's loop, where a cancel or a shutdown cancels it.
-    attempt = await _off_loop(Attempt.begin, ctx, ASYNC_AGENT)
+    attempt = await storage_call(ctx, Attempt.begin, ctx)
     try:
         value = attempt.returned(await attempt.acall())
     except Exception as exc:
-        await _off_loop(attempt.finish, exc)
+        attempt.finish(exc)
         raise
-    await _off_loop(attempt.finish, None, value)
+    attempt.finish(None, value)
     return value
 
 
 class Attempt:
     """One attempt at a task: its `TaskResult`, as the task and the signals see it."""
 
-    def __init__(self, agent_name: str, run_id: int, task: compat.Task[Any, Any],
+    def __init__(self, run_id: int, attempt: int, task: compat.Task[Any, Any],
                  result: compat.TaskResult[Any, Any]) -> None:
-        self.agent_name = agent_name
         self.run_id = run_id
+        self.attempt = attempt
         self.task = task
         self.result = result
 
     @classmethod
-    def begin(cls, ctx: RunContext, agent_name: str) -> Attempt:
+    def begin(cls, ctx: RunContext) -> Attempt:
         from ..models import AgentRun
         from .backend import AgentRunsBackend
 
         payload = ctx.input if isinstance(ctx.input, dict) else {}
         run = AgentRun.objects.get(pk=ctx.run_id)
         task = as_enqueued(load_task(payload.get("task")), run)
-        attempt = cls(agent_name, ctx.run_id, task, read_result(run, task))
+        attempt = cls(ctx.run_id, ctx.attempt, task, read_result(run, task))
         compat.task_started.send(sender=AgentRunsBackend, task_result=attempt.result)
         return attempt
 
@@ -102,53 +105,54 @@ class Attempt:
         return ensure_json(normal, f"Return value of task {self.task.module_path!r}")
 
     def finish(self, error: Exception | None, value: Any = None) -> None:
-        """Send `task_finished`: SUCCESSFUL, or for an error FAILED, or READY when the
-        error will be retried (what `get_result` reads once the worker has settled)."""
+        """Keep how the task ended; `task_finished` goes once the worker has written it."""
         from ..execution import describe
-        from .backend import AgentRunsBackend
 
-        result, statuses = self.result, compat.TaskResultStatus
+        result = self.result
         if error is None:
-            status = statuses.SUCCESSFUL
             object.__setattr__(result, "_return_value", value)
         else:
-            status = statuses.READY if self._will_retry(error) else statuses.FAILED
-            info = describe(error)
             result.errors.append(compat.TaskError(
                 exception_class_path=f"{type(error).__module__}.{type(error).__qualname__}",
-                traceback=info.traceback))
-        object.__setattr__(result, "status", status)
-        if status != statuses.READY:
-            object.__setattr__(result, "finished_at", timezone.now())
-        compat.task_finished.send(sender=AgentRunsBackend, task_result=result)
+                traceback=describe(error).traceback))
+        with _ended_lock:
+            _ended[(self.run_id, self.attempt)] = self
 
-    def _will_retry(self, error: Exception) -> bool:
-        """The decision the worker is about to store, taken by the same pure policy."""
-        from .. import policy
-        from ..execution import classify_for
-        from ..models import AgentRun
+    def announce(self, status: compat.TaskResultStatus) -> None:
+        """Send `task_finished` with the status the stored outcome reads as."""
+        from .backend import AgentRunsBackend
 
-        row = AgentRun.objects.filter(pk=self.run_id).values(
-            "requeue_count", "max_requeues", "cancel_requested_at").first()
-        if row is None:
-            return False
-        decision = policy.decide(
-            classify_for(get_agent(self.agent_name), error),
-            requeue_count=row["requeue_count"], max_requeues=row["max_requeues"],
-            cancel_requested=row["cancel_requested_at"] is not None,
-            backoff_delay=lambda n: 0.0)  # how long does not matter here, only whether
-        return decision.action == "retry"
+        object.__setattr__(self.result, "status", status)
+        if status != compat.TaskResultStatus.READY:
+            object.__setattr__(self.result, "finished_at", timezone.now())
+        compat.task_finished.send(sender=AgentRunsBackend, task_result=self.result)
 
 
-async def _off_loop(func: Callable[..., T], *args: Any) -> T:
-    """Run a synchronous call on an executor thread, whose connection obeys CONN_MAX_AGE."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, functools.partial(_call, func, *args))
+# Attempts that returned or raised, by (run id, attempt), until their settle signal. An
+# entry whose outcome this process never writes (its write failed; another process reaped
+# the run) stays: one small object per such failure.
+_ended: dict[tuple[int, int], Attempt] = {}
+_ended_lock = threading.Lock()
+
+# What each settle signal reads as; None: nothing was written, nothing to announce.
+SETTLED_AS = {
+    signals.run_succeeded: "SUCCESSFUL",
+    signals.run_requeued: "READY",  # retried: what `get_result` reads until the next attempt
+    signals.run_dead_lettered: "FAILED",
+    signals.run_cancelled: "FAILED",
+    signals.run_lease_lost: None,
+}
 
 
-def _call(func: Callable[..., T], *args: Any) -> T:
-    close_old_connections()
-    try:
-        return func(*args)
-    finally:
-        close_old_connections()
+def _settled(signal: Any, run_id: int, agent: str, attempt: int, **kwargs: Any) -> None:
+    if agent not in TASK_AGENTS:
+        return
+    with _ended_lock:
+        ended = _ended.pop((run_id, attempt), None)
+    status = SETTLED_AS.get(signal)
+    if ended is not None and status is not None:
+        ended.announce(compat.TaskResultStatus[status])
+
+
+for _signal in SETTLED_AS:
+    _signal.connect(_settled, dispatch_uid="django_agentruns.tasks.runner")

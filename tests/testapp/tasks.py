@@ -78,6 +78,16 @@ async def sleep_long(seconds: float = 30) -> str:
     return "slept"
 
 
+@task(takes_context=True)
+def lose_lease(context: TaskContext) -> str:
+    """Returns after another worker took its run over (as a reclaim after a lapsed lease
+    would): the worker's write is fenced off, so nothing is recorded for this attempt."""
+    from django_agentruns.models import AgentRun
+
+    AgentRun.objects.filter(pk=int(context.task_result.id)).update(claimed_by="another-worker")
+    return "too late"
+
+
 def _unreachable() -> None:
     """Wrapped below under another name, so its module path does not lead to a task."""
 

@@ -36,8 +36,13 @@ class Command(BaseCommand):
         parser.add_argument("--metrics-port", type=port_number, default=None,
                             help="Serve Prometheus metrics on this port (0: any free port; "
                                  "needs the `prometheus` extra).")
-        parser.add_argument("--metrics-addr", default="0.0.0.0",
-                            help="Address the metrics server binds (default 0.0.0.0).")
+        # Loopback by default: the metrics server has no authentication, so exposing it
+        # beyond the host (0.0.0.0, a pod IP) is the operator's explicit choice.
+        parser.add_argument("--metrics-addr", "--metrics-host", dest="metrics_addr",
+                            default=metrics.DEFAULT_ADDR,
+                            help=f"Address the metrics server binds (default "
+                                 f"{metrics.DEFAULT_ADDR}; 0.0.0.0 for every interface: it "
+                                 "has no authentication).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         logging.getLogger("django_agentruns").setLevel(
