@@ -81,9 +81,11 @@ _lock = threading.Lock()
 class Hub:
     """The registry of subscriptions and the thread that polls for them."""
 
-    def __init__(self, read: Read, interval: float, *, name: str = "agentruns-streams") -> None:
+    def __init__(self, read: Read, interval: float, *, name: str = "agentruns-streams",
+                 background: bool = True) -> None:
         self._read = read
         self.interval = interval
+        self._background = background  # False: no thread, the caller calls poll_once()
         self._name = name
         self._subs: dict[int, list[Subscription]] = {}
         self._wakeup = threading.Event()
@@ -172,7 +174,8 @@ class Hub:
     def _ensure_thread(self) -> None:
         """Under the lock: start the poller on first use (and again in a forked child,
         which inherits the object but not the thread)."""
-        if self._thread is not None and self._thread.is_alive() and self._pid == os.getpid():
+        if not self._background or (self._thread is not None and self._thread.is_alive()
+                                     and self._pid == os.getpid()):
             return
         self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)

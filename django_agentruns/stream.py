@@ -29,6 +29,7 @@ import json
 import operator
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Generator, Hashable, Iterator, Mapping
 from functools import reduce
@@ -324,6 +325,9 @@ def run_events(request: HttpRequest, run_id: int) -> HttpResponseBase:
     # A sync iterator under ASGI would be read to its end before anything is sent.
     body: Any = _AsyncBody(stream, release) if isinstance(request, ASGIRequest) \
         else _SyncBody(stream, release)
+    # Servers close every response; one dropped unclosed (a test, a broken middleware)
+    # gives its slot back when collected, rather than never.
+    weakref.finalize(body, release)
     response = StreamingHttpResponse(body, content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # nginx: pass each event on at once
