@@ -55,7 +55,6 @@ class Subscription:
         self.after = after  # the hub's position for it: the last seq handed over
         self._wake = wake
         self._pending: Found | None = None
-        self.active = True
 
     def take(self) -> Found | None:
         """What the hub found since the last take (rows merged), or None if nothing."""
@@ -91,7 +90,6 @@ class Hub:
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
-        self._stopping = False
         self.connected = False
         """Whether the poller holds its database connection (only while streams are open)."""
 
@@ -119,7 +117,6 @@ class Hub:
 
     def _remove(self, sub: Subscription) -> None:
         """Under the lock."""
-        sub.active = False
         subs = self._subs.get(sub.run_id, [])
         if sub in subs:
             subs.remove(sub)
@@ -160,17 +157,6 @@ class Hub:
                 wake()
         return any(f.full for f in found.values())
 
-    def stop(self) -> None:
-        """End the poller thread (tests); it closes its connection first."""
-        with _lock:
-            self._stopping = True
-            thread = self._thread
-        self._wakeup.set()
-        if thread is not None:
-            thread.join(timeout=10)
-        with _lock:
-            self._thread, self._stopping = None, False
-
     def _ensure_thread(self) -> None:
         """Under the lock: start the poller on first use (and again in a forked child,
         which inherits the object but not the thread)."""
@@ -185,18 +171,16 @@ class Hub:
         failures = 0
         while True:
             with _lock:
-                idle, stopping = not self._subs, self._stopping
-            if stopping or idle:
+                idle = not self._subs
+            if idle:
                 self._disconnect()
-                if stopping:
-                    return
                 self._wakeup.wait()  # no stream open: no connection, no reads
                 self._wakeup.clear()
                 continue
             self._wakeup.clear()
+            self.connected = True  # from before the read, which may connect
             try:
                 more = self.poll_once()
-                self.connected = connection.connection is not None
                 failures = 0
             except Exception:  # the database is away: streams keep their heartbeats
                 failures += 1
