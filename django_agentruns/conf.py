@@ -47,6 +47,12 @@ class Defaults:
     """PostgreSQL: have the server plan the enqueue, claim and settle statements once per
     connection. Off by default, as Django's own `prepare_threshold` is: a pooler in
     transaction mode without prepared-statement support (PgBouncer before 1.21) breaks them."""
+    STREAMS_PER_USER: int = 4
+    """Event streams (`runs/<id>/events/`) one user may have open in one web process; past
+    it the answer is 429 with Retry-After."""
+    STREAMS_PER_PROCESS: int = 50
+    """Event streams one web process serves at once (each holds a server thread under WSGI:
+    keep it below the process's threads); past it, 429 with Retry-After."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

@@ -284,7 +284,9 @@ def test_cancel_and_retry_take_any_reason_and_operator(reason: Any, by: Any) -> 
 # --------------------------------------------------------------------------- settings
 
 NUMBERS = {"LEASE_TTL", "POLL_INTERVAL", "BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL",
-           "GRACE", "MAX_REQUEUES", "CLAIM_BATCH", "BACKOFF_JITTER"}
+           "GRACE", "MAX_REQUEUES", "CLAIM_BATCH", "BACKOFF_JITTER", "STREAMS_PER_USER",
+           "STREAMS_PER_PROCESS"}
+AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS")
 odd_numbers = st.integers() | st.floats() | st.just(10**400) | st.just(-(10**400)) | \
     st.just(float("nan")) | st.just(float("inf")) | st.just(1e308) | st.booleans()
 setting_values = odd_numbers | st.none() | odd_text | st.lists(st.integers(), max_size=2) | \
@@ -349,7 +351,7 @@ def test_an_agentruns_setting_that_is_not_a_dict_is_e001(value: Any) -> None:
 
 def good_number(key: str) -> st.SearchStrategy[Any]:
     """Values each numeric setting accepts (the README's table): sensible magnitudes."""
-    if key == "CLAIM_BATCH":
+    if key in AT_LEAST_ONE:
         return st.integers(min_value=1, max_value=1000)
     if key == "MAX_REQUEUES":
         return st.integers(min_value=0, max_value=1000)
@@ -366,7 +368,7 @@ def bad_number(key: str) -> st.SearchStrategy[Any]:
     wrong_type = st.none() | st.booleans() | odd_text | st.just(Decimal("1")) | \
         st.lists(st.integers(), max_size=1) | st.just(10**400)
     not_finite = st.sampled_from([float("nan"), float("inf"), float("-inf")])
-    if key == "CLAIM_BATCH":
+    if key in AT_LEAST_ONE:
         out = st.integers(max_value=0) | st.floats(min_value=1.5, max_value=10, exclude_max=True)
     elif key == "MAX_REQUEUES":
         out = st.integers(max_value=-1) | st.just(2.5)
@@ -425,7 +427,7 @@ def test_classifier_queue_and_token_are_reported_never_raised(classifier: Any, q
         assert agentruns_checks.E004_BAD_CLASSIFIER not in {m.id for m in messages}
 
 
-DURATIONS = NUMBERS - {"MAX_REQUEUES", "CLAIM_BATCH", "BACKOFF_JITTER"}
+DURATIONS = NUMBERS - {"MAX_REQUEUES", "BACKOFF_JITTER", *AT_LEAST_ONE}
 
 
 @PROPERTY

@@ -7,6 +7,7 @@ under ASGI.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections.abc import Iterator
@@ -75,6 +76,20 @@ def make_user(username: str, *codenames: str, staff: bool = False) -> User:
     user.user_permissions.set(Permission.objects.filter(
         content_type__app_label="django_agentruns", codename__in=codenames))
     return user
+
+
+@pytest.fixture(autouse=True)
+def streams_let_go() -> Iterator[None]:
+    """Every test starts and ends with no stream open and the poller holding no connection
+    (PostgreSQL could not drop the test database under it)."""
+
+    def let_go() -> bool:
+        gc.collect()  # a response a test did not close gives its slot back when collected
+        return len(stream.hub) == 0 and not stream.hub.connected and stream.caps.open == 0
+
+    helpers.wait_until(let_go, timeout=10, message="streams of earlier tests to let go")
+    yield
+    helpers.wait_until(let_go, timeout=10, message="streams to let go")
 
 
 @pytest.fixture

@@ -1,0 +1,200 @@
+"""One poller per process for every open event stream: subscribe, get woken, unsubscribe.
+
+Each open stream used to poll the database on its own connection, so N streams held N
+connections for minutes. Now a stream registers a `Subscription` (its run and position)
+with the process's `Hub`; one background thread reads, every interval, the new events of
+all watched runs in one read (`read` below: two statements whatever the number of
+streams) on the one connection it holds while any stream is open, and hands each
+subscription the rows past its own position. A stream waits on its subscription, holding
+no connection; closing it unsubscribes at once.
+
+Later fan-out sources (live chunks from a LISTEN connection) plug into the same registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import connection
+
+logger = logging.getLogger("django_agentruns.stream")
+
+Row = dict[str, Any]
+"""One event as the stream sends it: `seq`, `type`, `payload`, `attempt`, `created_at`."""
+
+
+@dataclass
+class Found:
+    """What one read found for one run past a position."""
+
+    run: Row | None
+    """The run's `status` and `reason`; None if it no longer exists."""
+    rows: list[Row] = field(default_factory=list)
+    """Its events past the position, in order, at most one batch."""
+    full: bool = False
+    """The batch was full: there may be more, read again at once."""
+    finished: bool = False
+    """The run is terminal (or gone): once `rows` are sent, nothing more will come."""
+
+
+Read = Callable[[Mapping[int, int]], dict[int, Found]]
+"""`{run_id: after}` -> `{run_id: Found}`: one read for many runs (status first, then events)."""
+
+
+class Subscription:
+    """One stream's place in the hub. The hub appends to it; the stream takes from it."""
+
+    def __init__(self, run_id: int, after: int, wake: Callable[[], None]) -> None:
+        self.run_id = run_id
+        self.after = after  # the hub's position for it: the last seq handed over
+        self._wake = wake
+        self._pending: Found | None = None
+
+    def take(self) -> Found | None:
+        """What the hub found since the last take (rows merged), or None if nothing."""
+        with _lock:
+            found, self._pending = self._pending, None
+        return found
+
+    def _offer(self, found: Found) -> None:
+        """Under the hub's lock: merge with what the stream has not taken yet."""
+        if self._pending is None:
+            self._pending = Found(found.run, list(found.rows), found.full, found.finished)
+        else:
+            self._pending.rows.extend(found.rows)
+            self._pending.run, self._pending.full = found.run, found.full
+            self._pending.finished = found.finished
+
+
+# One lock for the registry and every subscription's pending rows: both are touched a
+# few times per poll interval, never while the database is read.
+_lock = threading.Lock()
+
+
+class Hub:
+    """The registry of subscriptions and the thread that polls for them."""
+
+    def __init__(self, read: Read, interval: float, *, name: str = "agentruns-streams",
+                 background: bool = True) -> None:
+        self._read = read
+        self.interval = interval
+        self._background = background  # False: no thread, the caller calls poll_once()
+        self._name = name
+        self._subs: dict[int, list[Subscription]] = {}
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self.connected = False
+        """Whether the poller holds its database connection (only while streams are open)."""
+
+    def __len__(self) -> int:
+        with _lock:
+            return sum(len(subs) for subs in self._subs.values())
+
+    def subscribe(self, run_id: int, after: int, wake: Callable[[], None]) -> Subscription:
+        """Watch `run_id` past `after`; `wake()` is called (from the poller) when the
+        subscription has something to take."""
+        sub = Subscription(run_id, after, wake)
+        with _lock:
+            self._subs.setdefault(run_id, []).append(sub)
+            self._ensure_thread()
+        self._wakeup.set()  # a new stream is served now, not an interval later
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Stop watching; idempotent. The last one out lets the poller drop its connection."""
+        with _lock:
+            self._remove(sub)
+            empty = not self._subs
+        if empty:
+            self._wakeup.set()
+
+    def _remove(self, sub: Subscription) -> None:
+        """Under the lock."""
+        subs = self._subs.get(sub.run_id, [])
+        if sub in subs:
+            subs.remove(sub)
+            if not subs:
+                del self._subs[sub.run_id]
+
+    def poll_once(self) -> bool:
+        """One read for every watched run, handed out; True if a batch was full (read
+        again at once). Runs in the poller thread, or in a test's."""
+        with _lock:
+            # Only subscriptions at or past the position read get this read's rows; one
+            # that joined behind it (a resume from earlier) is served by the next read.
+            positions = {run_id: min(s.after for s in subs)
+                         for run_id, subs in self._subs.items()}
+        if not positions:
+            return False
+        found = self._read(positions)
+        wakes = []
+        with _lock:
+            for run_id, after in positions.items():
+                run_found = found.get(run_id) or Found(None, finished=True)
+                for sub in list(self._subs.get(run_id, ())):
+                    if sub.after < after:
+                        continue
+                    rows = [row for row in run_found.rows if row["seq"] > sub.after]
+                    done = run_found.finished and not run_found.full
+                    if not rows and not done:
+                        continue
+                    if rows:
+                        sub.after = rows[-1]["seq"]
+                    sub._offer(Found(run_found.run, rows, run_found.full, done))
+                    if done:  # nothing more will come: it leaves the registry now
+                        self._remove(sub)
+                    wakes.append(sub._wake)
+        for wake in wakes:
+            # RuntimeError: an async stream's event loop is gone; it unsubscribes itself.
+            with contextlib.suppress(RuntimeError):
+                wake()
+        return any(f.full for f in found.values())
+
+    def _ensure_thread(self) -> None:
+        """Under the lock: start the poller on first use (and again in a forked child,
+        which inherits the object but not the thread)."""
+        if not self._background or (self._thread is not None and self._thread.is_alive()
+                                     and self._pid == os.getpid()):
+            return
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failures = 0
+        while True:
+            with _lock:
+                idle = not self._subs
+            if idle:
+                self._disconnect()
+                self._wakeup.wait()  # no stream open: no connection, no reads
+                self._wakeup.clear()
+                continue
+            self._wakeup.clear()
+            self.connected = True  # from before the read, which may connect
+            try:
+                more = self.poll_once()
+                failures = 0
+            except Exception:  # the database is away: streams keep their heartbeats
+                failures += 1
+                logger.warning("event stream poll failed (%s in a row)", failures,
+                               exc_info=failures == 1)
+                self._disconnect()
+                more = False
+            if not more:
+                self._wakeup.wait(self.interval * min(2 ** failures, 50))
+
+    def _disconnect(self) -> None:
+        """Close this thread's connection (a pool takes it back)."""
+        try:
+            connection.close()
+        except Exception:  # already broken: nothing left to give back
+            logger.debug("closing the stream poller's connection failed", exc_info=True)
+        self.connected = False
