@@ -34,7 +34,8 @@ LARGEST_COUNT = 2**31 - 1
 
 _POSITIVE = ("LEASE_TTL", "POLL_INTERVAL")
 _NON_NEGATIVE = ("BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL", "GRACE")
-_INTEGERS = ("MAX_REQUEUES", "CLAIM_BATCH")
+_INTEGERS = ("MAX_REQUEUES", "CLAIM_BATCH", "WRITER_CONNECTIONS")
+_AT_LEAST_ONE = ("CLAIM_BATCH", "WRITER_CONNECTIONS")
 _FLAGS = ("UNKNOWN_ERRORS_RETRYABLE", "PREPARED_STATEMENTS")
 
 
@@ -115,9 +116,9 @@ def _number_problem(key: str, value: Any) -> str | None:
     if isinstance(value, float) and not math.isfinite(value):  # any int is finite
         # An infinite LEASE_TTL overflows the lease arithmetic; NaN compares false to all.
         return "must be a finite number"
-    if key in _INTEGERS and (not isinstance(value, int) or value < (1 if key == "CLAIM_BATCH"
-                                                                    else 0)):
-        return "must be a whole number >= " + ("1" if key == "CLAIM_BATCH" else "0")
+    least = 1 if key in _AT_LEAST_ONE else 0
+    if key in _INTEGERS and (not isinstance(value, int) or value < least):
+        return f"must be a whole number >= {least}"
     if key in _POSITIVE and not value > 0:
         return "must be > 0"
     if key in _NON_NEGATIVE and value < 0:

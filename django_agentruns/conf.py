@@ -47,6 +47,9 @@ class Defaults:
     """PostgreSQL: have the server plan the enqueue, claim and settle statements once per
     connection. Off by default, as Django's own `prepare_threshold` is: a pooler in
     transaction mode without prepared-statement support (PgBouncer before 1.21) breaks them."""
+    WRITER_CONNECTIONS: int = 2
+    """Connections (and threads) of a worker's attempt store, which commits every write its
+    attempts make (events, checkpoints, renewals, successes) in group commits."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""
