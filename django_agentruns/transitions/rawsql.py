@@ -74,11 +74,14 @@ def _insert_events_head(vendor: str) -> str:
 
 
 def insert_events(
-    events: Sequence[tuple[int, str, dict[str, Any], int, Any]], at: datetime
+    events: Sequence[tuple[int, str, dict[str, Any], int, Any]], at: datetime, *,
+    unless_exists: bool = False,
 ) -> tuple[str, list[Any]]:
     """One INSERT for all `events`, each seq one past its run's highest (k-th of a run: +k).
 
-    The caller holds the runs' rows, so no other writer appends to them meanwhile.
+    The caller holds the runs' rows, so no other writer appends to them meanwhile. With
+    `unless_exists`, an event whose id is stored already adds nothing (a retry re-emitting);
+    callers pass at most one such event per run, so no seq is skipped.
     """
     seen: dict[int, int] = {}
     params: list[Any] = []
@@ -90,7 +93,28 @@ def insert_events(
     rows = values_rows(len(events), "bigint", "integer", "uuid", "varchar", "jsonb", "integer")
     sql = (f"WITH v (run_id, k, event_id, type, payload, attempt) AS (VALUES {rows}) "
            + _insert_events_head(connection.vendor))
+    if unless_exists:
+        table = qn(RunEvent._meta.db_table)
+        sql += f" WHERE NOT EXISTS (SELECT 1 FROM {table} x WHERE x.event_id = v.event_id)"
     return sql, params
+
+
+def renew_returning(
+    items: Sequence[tuple[int, int, str, datetime | None]], running: str,
+) -> tuple[str, list[Any]]:
+    """Extend the leases of (run_id, attempt, worker, lease_until) rows whose fence holds
+    and whose run has no cancel request; returns the ids it renewed."""
+    table = qn(AgentRun._meta.db_table)
+    params: list[Any] = []
+    for run_id, attempt, worker_id, until in items:
+        params += [run_id, attempt, worker_id, prep(AgentRun, "lease_expires", until)]
+    rows = values_rows(len(items), "bigint", "integer", "varchar", "timestamptz")
+    params.append(running)
+    return (f"WITH v (run_id, run_attempt, run_worker, run_lease) AS (VALUES {rows}) "
+            f"UPDATE {table} SET lease_expires = v.run_lease FROM v "
+            f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
+            f"AND {table}.status = %s AND {table}.claimed_by = v.run_worker "
+            f"AND {table}.cancel_requested_at IS NULL RETURNING {table}.id"), params
 
 
 def settle_succeeded(

@@ -1,0 +1,178 @@
+"""The worker's attempt store: every write its attempts make, on a few connections.
+
+Attempts hold no database connection. Their writes (events, checkpoints, renewals,
+successes; `transitions.batched`) queue here, and `WRITER_CONNECTIONS` writer threads,
+each with its own connection, take every write waiting and commit them in one transaction
+(group commit, as databases do it for their log): no timer, so a lone write goes at once
+and a burst costs one commit. A caller's `call()` / `await acall()` returns once its write
+has committed, so every guarantee of the single-write path stands. Each write keeps its
+own fence: a lost lease is that write's result (`LOST`), never the batch's failure. On
+SQLite the writers' IMMEDIATE transactions take turns on the file's one write lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from django.db import DatabaseError, connection, transaction
+
+from .conf import app_settings
+from .db import is_transient_lock_error
+from .transitions.batched import Result, Write, apply_writes
+
+logger = logging.getLogger("django_agentruns.store")
+
+Apply = Callable[[Sequence[Write]], list[Result]]
+
+
+@dataclass
+class _Queued:
+    write: Write
+    future: Future[Result]
+
+
+class AttemptStore:
+    """`writers` threads committing queued writes in group commits.
+
+    `apply` runs a batch inside the writer's transaction (tests wrap it to fail on cue).
+    A batch whose transaction fails for any other reason than a lock or a broken
+    connection is retried write by write, each alone, so a write the database rejects
+    fails only its own caller.
+    """
+
+    def __init__(self, writers: int | None = None, *, max_batch: int = 256,
+                 apply: Apply = apply_writes, lock_retries: int = 8,
+                 reconnects: int = 5) -> None:
+        self.writers = int(app_settings.WRITER_CONNECTIONS) if writers is None else writers
+        if self.writers < 1:
+            raise ValueError("an attempt store needs at least one writer")
+        self._max_batch = max_batch
+        self._apply = apply
+        self._lock_retries = lock_retries
+        self._reconnects = reconnects
+        self._cond = threading.Condition()
+        self._queue: list[_Queued] = []
+        self._closed = False
+        self.batches = 0  # transactions committed, for tests and the benchmark
+        self.writes = 0  # writes committed (a LOST result counts: it was answered)
+        self.alone = 0  # writes retried alone after their batch failed
+        self._threads = [threading.Thread(target=self._write_loop, daemon=True,
+                                          name=f"agentruns-writer-{n}")
+                         for n in range(self.writers)]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def waiting(self) -> int:
+        """Writes queued behind the batches in flight."""
+        with self._cond:
+            return len(self._queue)
+
+    def submit(self, write: Write) -> Future[Result]:
+        """Queue `write`; the future resolves once it has committed (or raises its error)."""
+        future: Future[Result] = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the attempt store is closed")
+            self._queue.append(_Queued(write, future))
+            self._cond.notify()
+        return future
+
+    def call(self, write: Write) -> Result:
+        """Write and wait for the commit, from a thread (never the event loop's)."""
+        return self.submit(write).result()
+
+    async def acall(self, write: Write) -> Result:
+        """Write and await the commit. The writer resolves the future, which wakes this
+        coroutine through `loop.call_soon_threadsafe`: no executor thread, no hop."""
+        return await asyncio.wrap_future(self.submit(write))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Commit what is queued, then stop the writers (closing their connections)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------------ writer threads
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._closed:
+                        self._cond.wait()
+                    if not self._queue:
+                        return  # closed, and nothing left to write
+                    batch = self._queue[:self._max_batch]
+                    del self._queue[:self._max_batch]
+                batch = [q for q in batch if q.future.set_running_or_notify_cancel()]
+                if batch:
+                    self._write(batch)
+        finally:
+            connection.close()
+
+    def _write(self, batch: list[_Queued]) -> None:
+        try:
+            results = self._commit([q.write for q in batch])
+        except Exception as exc:
+            if len(batch) == 1 or self._broken():
+                for q in batch:
+                    q.future.set_exception(exc)
+                return
+            logger.debug("a batch of %d writes failed (%s); writing each alone", len(batch), exc)
+            with self._cond:
+                self.alone += len(batch)
+            for q in batch:
+                self._write([q])
+            return
+        for q, result in zip(batch, results, strict=True):
+            q.future.set_result(result)
+
+    def _commit(self, writes: list[Write]) -> list[Result]:
+        """One transaction, retried whole on a lock conflict or a broken connection."""
+        locks = reconnects = 0
+        while True:
+            opened = None
+            try:
+                connection.ensure_connection()
+                opened = connection.connection
+                with transaction.atomic():
+                    results = self._apply(writes)
+            except DatabaseError as exc:
+                if is_transient_lock_error(exc) and locks < self._lock_retries - 1:
+                    locks += 1
+                    time.sleep(min(0.5, 0.005 * 2**locks) * (0.5 + random.random()))
+                    continue
+                if self._broken(opened) and reconnects < self._reconnects:
+                    reconnects += 1
+                    logger.warning("an attempt store writer lost its connection (%s); "
+                                   "reconnecting (%d)", exc, reconnects)
+                    connection.close()
+                    time.sleep(0.05 * 2**reconnects)
+                    continue
+                if self._broken(opened):
+                    connection.close()  # the next batch opens a new one
+                raise
+            with self._cond:
+                self.batches += 1
+                self.writes += len(writes)
+            return results
+
+    @staticmethod
+    def _broken(opened: object = None) -> bool:
+        """Whether the connection a batch ran on is gone (asked after an error only):
+        Django drops or replaces one whose rollback failed; one a server restart cut
+        fails `SELECT 1`."""
+        current = connection.connection
+        return current is None or (opened is not None and current is not opened) or \
+            not connection.is_usable()

@@ -1,0 +1,339 @@
+"""The attempt store: writes of many attempts committed together on a few connections,
+each still fenced on its own, each caller answered once its write has committed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
+
+from django_agentruns import enqueue, transitions
+from django_agentruns.models import AgentRun, RunEvent, Status
+from django_agentruns.store import AttemptStore
+from django_agentruns.transitions import (
+    AttemptRef,
+    CheckpointWrite,
+    EmitWrite,
+    Renewal,
+    RenewWrite,
+    ScopePolicy,
+    Settlement,
+    SucceedWrite,
+    Write,
+    apply_writes,
+)
+from django_agentruns.transitions.batched import Result
+from tests import helpers
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WORKER = "store:1:abcd"
+
+
+def claimed(count: int) -> list[AttemptRef]:
+    for i in range(count):
+        enqueue("tests.noop", {"i": i})
+    runs = transitions.claim(WORKER, ["default"], count, ScopePolicy(), {}, 30.0,
+                             include_lapsed=False)
+    assert len(runs) == count
+    return [AttemptRef(r.pk, r.attempt, WORKER, 30.0, r.agent) for r in runs]
+
+
+def emit(ref: AttemptRef, n: int, type_: str = "step") -> EmitWrite:
+    return EmitWrite(ref, uuid.uuid4(), type_, {"n": n})
+
+
+def story(ref: AttemptRef) -> list[tuple[int, str, Any]]:
+    return list(RunEvent.objects.filter(run_id=ref.run_id).order_by("seq")
+                .values_list("seq", "type", "payload"))
+
+
+def reclaim(ref: AttemptRef) -> None:
+    """Another worker's attempt took the run (as a reaper reclaim and a new claim do)."""
+    AgentRun.objects.filter(pk=ref.run_id).update(claimed_by="other:2:ffff",
+                                                  attempt=ref.attempt + 1)
+
+
+class Gated:
+    """Wraps apply_writes: records each batch (and its connection); the first batch waits
+    at the gate, so the writes submitted meanwhile queue into the next one."""
+
+    def __init__(self, before: Callable[[Sequence[Write]], None] | None = None) -> None:
+        self.batches: list[int] = []
+        self.connections: set[int] = set()
+        self.gate = threading.Event()
+        self.before = before
+        self._lock = threading.Lock()
+
+    def __call__(self, writes: Sequence[Write]) -> list[Result]:
+        with self._lock:
+            self.batches.append(len(writes))
+            first = len(self.batches) == 1
+            connection.ensure_connection()
+            self.connections.add(id(connection.connection))
+        if first:
+            assert self.gate.wait(20), "the test never opened the gate"
+        if self.before is not None:
+            self.before(writes)
+        return apply_writes(writes)
+
+
+def queue_behind_a_held_write(store: AttemptStore, gated: Gated, ref: AttemptRef,
+                              writes: list[Write]) -> tuple[Future[Result], list[Future[Result]]]:
+    held = store.submit(RenewWrite(ref))
+    helpers.wait_until(lambda: gated.batches, message="the first batch to start")
+    futures = [store.submit(w) for w in writes]
+    helpers.wait_until(lambda: store.waiting == len(writes), message="the writes to queue")
+    gated.gate.set()
+    return held, futures
+
+
+# --------------------------------------------------------------------------- apply_writes
+
+
+def test_apply_writes_fences_each_write_on_its_own_in_one_transaction() -> None:
+    ok, lost, cancelled, pointed, done, gone = claimed(6)
+    reclaim(lost)
+    reclaim(gone)
+    AgentRun.objects.filter(pk=cancelled.run_id).update(cancel_requested_at=timezone.now())
+    writes: list[Write] = [
+        emit(ok, 1), emit(lost, 1), emit(cancelled, 1), CheckpointWrite(pointed, {"s": 1}, 1),
+        SucceedWrite(done, {"out": 1}), SucceedWrite(gone, {"out": 2}),
+        emit(ok, 2), RenewWrite(ok), RenewWrite(lost), CheckpointWrite(cancelled, {}, 1),
+    ]
+    with transaction.atomic():
+        results = apply_writes(writes)
+    assert results == [
+        Renewal.OK, Renewal.LOST, Renewal.CANCEL_REQUESTED, Renewal.OK,
+        Settlement.SUCCEEDED, Settlement.LOST,
+        Renewal.OK, Renewal.OK, Renewal.LOST, Renewal.CANCEL_REQUESTED,
+    ]
+    started = (1, transitions.STARTED)
+    assert [(s, t) for s, t, _ in story(ok)] == [started, (2, "step"), (3, "step")]
+    assert [p for _, t, p in story(ok) if t == "step"] == [{"n": 1}, {"n": 2}]
+    for ref in (lost, cancelled, gone):
+        assert [(s, t) for s, t, _ in story(ref)] == [started]
+    assert [(s, t) for s, t, _ in story(pointed)] == [started, (2, transitions.CHECKPOINT)]
+    assert AgentRun.objects.get(pk=pointed.run_id).checkpoint_state == {"s": 1}
+    assert [(s, t) for s, t, _ in story(done)] == [started, (2, transitions.SUCCEEDED)]
+    assert AgentRun.objects.values_list("status", "output").get(pk=done.run_id) == (
+        Status.SUCCEEDED, {"out": 1})
+    assert AgentRun.objects.get(pk=gone.run_id).status == Status.RUNNING
+
+
+def test_an_emit_retried_with_the_same_id_adds_nothing() -> None:
+    (ref,) = claimed(1)
+    write = emit(ref, 1)
+    with transaction.atomic():
+        assert apply_writes([write, write]) == [Renewal.OK, Renewal.OK]
+    with transaction.atomic():
+        assert apply_writes([write]) == [Renewal.OK]
+    assert [(s, t) for s, t, _ in story(ref)] == [(1, transitions.STARTED), (2, "step")]
+
+
+def test_apply_writes_refuses_to_run_outside_a_transaction() -> None:
+    (ref,) = claimed(1)
+    with pytest.raises(RuntimeError, match="inside"):
+        apply_writes([RenewWrite(ref)])
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def test_threads_and_coroutines_commit_every_write_on_at_most_writers_connections() -> None:
+    refs = claimed(20)
+    gated = Gated()
+    gated.gate.set()
+    store = AttemptStore(2, apply=gated)
+    steps = 5
+
+    def thread_attempt(ref: AttemptRef) -> None:
+        for n in range(steps):
+            assert store.call(emit(ref, n)) is Renewal.OK
+
+    async def coroutine_attempt(ref: AttemptRef) -> None:
+        for n in range(steps):
+            assert await store.acall(emit(ref, n)) is Renewal.OK
+
+    async def coroutines() -> None:
+        await asyncio.gather(*(coroutine_attempt(r) for r in refs[10:]))
+
+    threads = [threading.Thread(target=thread_attempt, args=(r,)) for r in refs[:10]]
+    for t in threads:
+        t.start()
+    asyncio.run(coroutines())
+    for t in threads:
+        t.join(20)
+    try:
+        assert len(gated.connections) <= 2
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                               "current_database() AND pid <> pg_backend_pid()")
+                (others,) = cursor.fetchone()
+            assert others <= 2, "only the writers hold connections; the attempts none"
+    finally:
+        store.close()
+    for ref in refs:
+        assert [p for _, t, p in story(ref) if t == "step"] == [{"n": n} for n in range(steps)]
+        assert [s for s, _, _ in story(ref)] == list(range(1, steps + 2))
+    assert store.writes == len(refs) * steps
+    assert store.batches == len(gated.batches) < store.writes
+
+
+def test_a_lost_lease_in_a_batch_costs_only_its_own_write() -> None:
+    keep, ref1, lost, ref2, ref3 = claimed(5)
+    gated = Gated()
+    store = AttemptStore(1, apply=gated)
+    reclaim(lost)
+    held, futures = queue_behind_a_held_write(store, gated, keep, [
+        emit(ref1, 1), emit(lost, 1), SucceedWrite(lost, {}), CheckpointWrite(ref2, 7, 1),
+        SucceedWrite(ref3, {"ok": True})])
+    assert held.result(20) is Renewal.OK
+    assert [f.result(20) for f in futures] == [
+        Renewal.OK, Renewal.LOST, Settlement.LOST, Renewal.OK, Settlement.SUCCEEDED]
+    store.close()
+    assert gated.batches == [1, 5]
+    assert (store.batches, store.writes, store.alone) == (2, 6, 0)
+    assert [t for _, t, _ in story(lost)] == [transitions.STARTED]
+    assert AgentRun.objects.get(pk=ref3.run_id).status == Status.SUCCEEDED
+
+
+def test_a_write_that_fails_fails_only_its_own_caller() -> None:
+    keep, *refs = claimed(5)
+
+    def fail_on_bad(writes: Sequence[Write]) -> None:
+        if any(isinstance(w, EmitWrite) and w.type == "bad" for w in writes):
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT * FROM no_such_table_of_agentruns")
+
+    gated = Gated(before=fail_on_bad)
+    store = AttemptStore(1, apply=gated)
+    held, futures = queue_behind_a_held_write(store, gated, keep, [
+        emit(refs[0], 1), emit(refs[1], 1, "bad"), emit(refs[2], 1),
+        SucceedWrite(refs[3], {})])
+    held.result(20)
+    with pytest.raises(DatabaseError):
+        futures[1].result(20)
+    assert [futures[i].result(20) for i in (0, 2, 3)] == [
+        Renewal.OK, Renewal.OK, Settlement.SUCCEEDED]
+    store.close()
+    assert (store.alone, store.writes) == (4, 4)
+    assert [t for _, t, _ in story(refs[1])] == [transitions.STARTED]
+    assert [t for _, t, _ in story(refs[0])] == [transitions.STARTED, "step"]
+
+
+@pytest.mark.postgres_only
+def test_a_payload_postgresql_rejects_fails_only_its_own_emit() -> None:
+    keep, good, bad = claimed(3)
+    gated = Gated()
+    store = AttemptStore(1, apply=gated)
+    rejected = EmitWrite(bad, uuid.uuid4(), "step", {"text": "nul \x00 byte"})
+    held, (ok, no) = queue_behind_a_held_write(store, gated, keep, [emit(good, 1), rejected])
+    held.result(20)
+    assert ok.result(20) is Renewal.OK
+    with pytest.raises(DatabaseError):
+        no.result(20)
+    store.close()
+    assert [t for _, t, _ in story(bad)] == [transitions.STARTED]
+
+
+def test_a_lock_conflict_retries_the_whole_batch() -> None:
+    (ref,) = claimed(1)
+    failures = [DatabaseError("database is locked")] * 2
+
+    def flaky(writes: Sequence[Write]) -> list[Result]:
+        results = apply_writes(writes)
+        if failures:
+            raise failures.pop()
+        return results
+
+    store = AttemptStore(1, apply=flaky)
+    try:
+        assert store.call(emit(ref, 1)) is Renewal.OK
+    finally:
+        store.close()
+    assert (store.batches, store.writes, store.alone) == (1, 1, 0)
+    assert [t for _, t, _ in story(ref)] == [transitions.STARTED, "step"]
+
+
+@pytest.mark.postgres_only
+def test_a_writer_whose_connection_died_reconnects_and_writes_the_batch() -> None:
+    (ref,) = claimed(1)
+    pids: list[int] = []
+
+    def record_pid(writes: Sequence[Write]) -> list[Result]:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            pids.append(cursor.fetchone()[0])
+        return apply_writes(writes)
+
+    store = AttemptStore(1, apply=record_pid)
+    try:
+        assert store.call(RenewWrite(ref)) is Renewal.OK
+        with connection.cursor() as cursor:  # the writer's own session, nobody else's
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pids[0]])
+        assert store.call(emit(ref, 1)) is Renewal.OK
+    finally:
+        store.close()
+    assert pids[-1] != pids[0]
+    assert [t for _, t, _ in story(ref)] == [transitions.STARTED, "step"]
+
+
+def test_500_coroutines_await_their_writes_without_executor_threads() -> None:
+    refs = claimed(50)
+    store = AttemptStore(2)
+    baseline = threading.active_count()
+    seen: list[int] = []
+
+    async def attempt(ref: AttemptRef, n: int) -> Result:
+        result = await store.acall(emit(ref, n))
+        seen.append(threading.active_count())
+        return result
+
+    async def main() -> list[Result]:
+        return await asyncio.gather(*(attempt(refs[i % 50], i) for i in range(500)))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        store.close()
+    assert results == [Renewal.OK] * 500
+    assert max(seen) <= baseline, "no thread beyond the store's writers"
+    assert RunEvent.objects.filter(type="step").count() == 500
+    assert store.batches < 500
+
+
+def test_close_commits_what_is_queued_then_refuses_writes() -> None:
+    keep, *refs = claimed(11)
+    gated = Gated()
+    store = AttemptStore(1, apply=gated)
+    held = store.submit(RenewWrite(keep))
+    helpers.wait_until(lambda: gated.batches, message="the first batch to start")
+    futures = [store.submit(emit(r, 1)) for r in refs]
+    closer = threading.Thread(target=store.close, args=(20,))
+    closer.start()
+    helpers.wait_until(lambda: store._closed, message="close() to begin")
+    with pytest.raises(RuntimeError, match="closed"):
+        store.submit(RenewWrite(keep))
+    gated.gate.set()
+    closer.join(20)
+    assert not closer.is_alive()
+    assert held.result(0) is Renewal.OK
+    assert [f.result(0) for f in futures] == [Renewal.OK] * 10
+    assert RunEvent.objects.filter(type="step").count() == 10
+    assert not any(t.name.startswith("agentruns-writer") for t in threading.enumerate())
+
+
+def test_the_store_reads_its_writer_count_from_the_setting(settings: Any) -> None:
+    settings.AGENTRUNS = {"WRITER_CONNECTIONS": 3}
+    store = AttemptStore()
+    store.close()
+    assert store.writers == 3
