@@ -107,13 +107,14 @@ def test_apply_writes_fences_each_write_on_its_own_in_one_transaction() -> None:
         emit(ok, 1), emit(lost, 1), emit(cancelled, 1), CheckpointWrite(pointed, {"s": 1}, 1),
         SucceedWrite(done, {"out": 1}), SucceedWrite(gone, {"out": 2}),
         emit(ok, 2), RenewWrite(ok), RenewWrite(lost), CheckpointWrite(cancelled, {}, 1),
+        CheckpointWrite(lost, {}, 1),
     ]
     with transaction.atomic():
         results = apply_writes(writes)
     assert results == [
         Renewal.OK, Renewal.LOST, Renewal.CANCEL_REQUESTED, Renewal.OK,
         Settlement.SUCCEEDED, Settlement.LOST,
-        Renewal.OK, Renewal.OK, Renewal.LOST, Renewal.CANCEL_REQUESTED,
+        Renewal.OK, Renewal.OK, Renewal.LOST, Renewal.CANCEL_REQUESTED, Renewal.LOST,
     ]
     started = (1, transitions.STARTED)
     assert [(s, t) for s, t, _ in story(ok)] == [started, (2, "step"), (3, "step")]

@@ -3,9 +3,10 @@
 The worker's attempt store (`django_agentruns.store`) commits the writes of many attempts
 together. Here they are applied without a savepoint each (nested `atomic()` blocks would
 cost a SAVEPOINT and a RELEASE round trip per write) and by kind, not one by one: every
-renewal and emit of a batch share one fenced UPDATE, every success one more, and all
-their events one INSERT. Each write keeps its own fence: one whose attempt lost the run
-comes back `Renewal.LOST` / `Settlement.LOST`, never an exception, and the rest go on.
+renewal and emit of a batch share one fenced UPDATE, every checkpoint one, every success
+one more, and all their events one INSERT. Each write keeps its own fence: one whose
+attempt lost the run comes back `Renewal.LOST` / `Settlement.LOST`, never an exception,
+and the rest go on.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import functools
 import operator
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -23,7 +24,6 @@ from django.db import connection
 from ..models import AgentRun, Reason, Status
 from ..outcomes import AttemptRef, Renewal, Settlement
 from . import rawsql
-from .attempts import _renew_locked
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded
 
@@ -99,16 +99,17 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
         return
     events: list[Event] = []
     renewing = [i for i in positions if isinstance(writes[i], RenewWrite | EmitWrite)]
-    renewed = _renew(writes, renewing, results, at)
-    for i in renewing:
+    for i in _fenced(writes, renewing, results, [(LEASE, TIMESTAMP)],
+                     lambda w: (w.ref.lease_until(at),)):
         write = writes[i]
-        if isinstance(write, EmitWrite) and i in renewed:
+        if isinstance(write, EmitWrite):
             events.append((write.ref.run_id, write.type, write.payload, write.ref.attempt,
                            write.event_id))
-    for i in positions:
-        write = writes[i]
-        if isinstance(write, CheckpointWrite):
-            results[i] = _checkpoint(write, at, events)
+    pointing = [i for i in positions if isinstance(writes[i], CheckpointWrite)]
+    for i in _fenced(writes, pointing, results, CHECKPOINT_FIELDS,
+                     lambda w: (w.ref.lease_until(at), *_state(w))):
+        ref, count = writes[i].ref, _state(writes[i])[1]
+        events.append(lifecycle(ref.run_id, CHECKPOINT, ref.attempt, count=count))
     succeeding = [i for i in positions if isinstance(writes[i], SucceedWrite)]
     ended = _succeed(writes, succeeding, results, at)
     if events or ended:
@@ -117,15 +118,27 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
             cursor.execute(sql, params)
 
 
-def _renew(writes: Sequence[Write], positions: list[int], results: list[Result | None],
-           at: datetime) -> set[int]:
-    """One fenced UPDATE for every renewal and emit; the positions whose lease held."""
+def _state(write: Write) -> tuple[Any, int]:
+    assert isinstance(write, CheckpointWrite)
+    return write.state, write.count
+
+
+LEASE, TIMESTAMP = "lease_expires", "timestamptz"
+CHECKPOINT_FIELDS = [(LEASE, TIMESTAMP), ("checkpoint_state", "jsonb"),
+                     ("checkpoint_count", "integer")]
+
+
+def _fenced(writes: Sequence[Write], positions: list[int], results: list[Result | None],
+            fields: list[tuple[str, str]], values: Callable[[Write], tuple[Any, ...]],
+            ) -> list[int]:
+    """One fenced UPDATE for the writes at `positions`, setting `fields` to `values(write)`;
+    records each one's Renewal and returns the positions whose fence held."""
     if not positions:
-        return set()
+        return []
     refs = {i: writes[i].ref for i in positions}
-    sql, params = rawsql.renew_returning(
-        [(r.run_id, r.attempt, r.worker_id, r.lease_until(at)) for r in refs.values()],
-        Status.RUNNING)
+    sql, params = rawsql.fenced_update(
+        [(r.run_id, r.attempt, r.worker_id, *values(writes[i])) for i, r in refs.items()],
+        Status.RUNNING, fields)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         done = {row[0] for row in cursor.fetchall()}
@@ -137,18 +150,7 @@ def _renew(writes: Sequence[Write], positions: list[int], results: list[Result |
     for i, ref in refs.items():
         results[i] = Renewal.OK if ref.run_id in done else \
             Renewal.CANCEL_REQUESTED if ref.run_id in fenced else Renewal.LOST
-    return {i for i, ref in refs.items() if ref.run_id in done}
-
-
-def _checkpoint(write: CheckpointWrite, at: datetime, events: list[Event]) -> Renewal:
-    ref = write.ref
-    updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True).update(
-        checkpoint_state=write.state, checkpoint_count=write.count,
-        lease_expires=ref.lease_until(at))
-    if not updated:
-        return _renew_locked(ref, at)
-    events.append(lifecycle(ref.run_id, CHECKPOINT, ref.attempt, count=write.count))
-    return Renewal.OK
+    return [i for i in positions if refs[i].run_id in done]
 
 
 def _succeed(writes: Sequence[Write], positions: list[int], results: list[Result | None],

@@ -99,19 +99,31 @@ def insert_events(
     return sql, params
 
 
-def renew_returning(
-    items: Sequence[tuple[int, int, str, datetime | None]], running: str,
+def _column(name: str) -> str:
+    field = AgentRun._meta.get_field(name)
+    assert isinstance(field, Field)
+    return str(field.column)
+
+
+def fenced_update(
+    items: Sequence[tuple[Any, ...]], running: str, fields: Sequence[tuple[str, str]],
 ) -> tuple[str, list[Any]]:
-    """Extend the leases of (run_id, attempt, worker, lease_until) rows whose fence holds
-    and whose run has no cancel request; returns the ids it renewed."""
+    """Set `fields` ((name, PostgreSQL type) of AgentRun) from (run_id, attempt, worker,
+    *values) rows whose fence holds and whose run has no cancel request; returns the ids
+    it updated (a renewal: `lease_expires` alone; a checkpoint: its state too)."""
     table = qn(AgentRun._meta.db_table)
     params: list[Any] = []
-    for run_id, attempt, worker_id, until in items:
-        params += [run_id, attempt, worker_id, prep(AgentRun, "lease_expires", until)]
-    rows = values_rows(len(items), "bigint", "integer", "varchar", "timestamptz")
+    for run_id, attempt, worker_id, *values in items:
+        params += [run_id, attempt, worker_id,
+                   *(prep(AgentRun, name, value) for (name, _), value in
+                     zip(fields, values, strict=True))]
+    rows = values_rows(len(items), "bigint", "integer", "varchar", *(t for _, t in fields))
     params.append(running)
-    return (f"WITH v (run_id, run_attempt, run_worker, run_lease) AS (VALUES {rows}) "
-            f"UPDATE {table} SET lease_expires = v.run_lease FROM v "
+    names = [f"f{i}" for i in range(len(fields))]
+    sets = ", ".join(f"{qn(_column(name))} = v.{n}"
+                     for (name, _), n in zip(fields, names, strict=True))
+    return (f"WITH v (run_id, run_attempt, run_worker, {', '.join(names)}) AS (VALUES {rows}) "
+            f"UPDATE {table} SET {sets} FROM v "
             f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
             f"AND {table}.status = %s AND {table}.claimed_by = v.run_worker "
             f"AND {table}.cancel_requested_at IS NULL RETURNING {table}.id"), params
