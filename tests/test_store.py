@@ -338,3 +338,17 @@ def test_the_store_reads_its_writer_count_from_the_setting(settings: Any) -> Non
     store = AttemptStore()
     store.close()
     assert store.writers == 3
+
+
+def test_checkpoint_states_of_any_json_shape_read_back_as_written() -> None:
+    states: list[Any] = ["a string", 3, None, [1, "x"], {"nested": {"ok": True}}]
+    refs = claimed(len(states))
+    with transaction.atomic():
+        results = apply_writes([CheckpointWrite(r, s, 2) for r, s in zip(refs, states,
+                                                                           strict=True)])
+    assert results == [Renewal.OK] * len(states)
+    for ref, state in zip(refs, states, strict=True):
+        row = AgentRun.objects.values("checkpoint_state", "checkpoint_count").get(
+            pk=ref.run_id)
+        assert row == {"checkpoint_state": state, "checkpoint_count": 2}
+    assert AgentRun.objects.filter(checkpoint_state__isnull=True).count() == 1

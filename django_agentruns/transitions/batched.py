@@ -113,7 +113,7 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
     succeeding = [i for i in positions if isinstance(writes[i], SucceedWrite)]
     ended = _succeed(writes, succeeding, results, at)
     if events or ended:
-        sql, params = rawsql.insert_events(events + ended, at, unless_exists=True)
+        sql, params = rawsql.insert_new_events(events + ended, at)
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
 
