@@ -34,8 +34,21 @@ Apply = Callable[[Sequence[Write]], list[Result]]
 
 @dataclass
 class _Queued:
+    """A write and who waits for it: a thread (`future`) or a coroutine (`afuture`)."""
+
     write: Write
-    future: Future[Result]
+    future: Future[Result] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    afuture: asyncio.Future[Result] | None = None
+
+    def wanted(self) -> bool:
+        """False once its caller gave up before the write was taken: it is not written."""
+        if self.future is not None:
+            return self.future.set_running_or_notify_cancel()
+        return self.afuture is not None and not self.afuture.cancelled()
+
+
+Outcome = tuple[_Queued, Result | BaseException]
 
 
 class AttemptStore:
@@ -78,11 +91,7 @@ class AttemptStore:
     def submit(self, write: Write) -> Future[Result]:
         """Queue `write`; the future resolves once it has committed (or raises its error)."""
         future: Future[Result] = Future()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the attempt store is closed")
-            self._queue.append(_Queued(write, future))
-            self._cond.notify()
+        self._enqueue(_Queued(write, future=future))
         return future
 
     def call(self, write: Write) -> Result:
@@ -90,9 +99,22 @@ class AttemptStore:
         return self.submit(write).result()
 
     async def acall(self, write: Write) -> Result:
-        """Write and await the commit. The writer resolves the future, which wakes this
-        coroutine through `loop.call_soon_threadsafe`: no executor thread, no hop."""
-        return await asyncio.wrap_future(self.submit(write))
+        """Write and await the commit, on the event loop itself: no executor thread. The
+        writer wakes the loop once per batch (`call_soon_threadsafe`), not once per write.
+
+        A cancelled `acall` withdraws its write if no writer has taken it yet; one taken
+        commits (or not) all the same, as a cancelled `call` would."""
+        loop = asyncio.get_running_loop()
+        afuture: asyncio.Future[Result] = loop.create_future()
+        self._enqueue(_Queued(write, loop=loop, afuture=afuture))
+        return await afuture
+
+    def _enqueue(self, queued: _Queued) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the attempt store is closed")
+            self._queue.append(queued)
+            self._cond.notify()
 
     def close(self, timeout: float = 5.0) -> None:
         """Commit what is queued, then stop the writers (closing their connections)."""
@@ -115,28 +137,23 @@ class AttemptStore:
                         return  # closed, and nothing left to write
                     batch = self._queue[:self._max_batch]
                     del self._queue[:self._max_batch]
-                batch = [q for q in batch if q.future.set_running_or_notify_cancel()]
+                batch = [q for q in batch if q.wanted()]
                 if batch:
-                    self._write(batch)
+                    _deliver(self._write(batch))
         finally:
             connection.close()
 
-    def _write(self, batch: list[_Queued]) -> None:
+    def _write(self, batch: list[_Queued]) -> list[Outcome]:
         try:
             results = self._commit([q.write for q in batch])
         except Exception as exc:
             if len(batch) == 1 or self._broken():
-                for q in batch:
-                    q.future.set_exception(exc)
-                return
+                return [(q, exc) for q in batch]
             logger.debug("a batch of %d writes failed (%s); writing each alone", len(batch), exc)
             with self._cond:
                 self.alone += len(batch)
-            for q in batch:
-                self._write([q])
-            return
-        for q, result in zip(batch, results, strict=True):
-            q.future.set_result(result)
+            return [outcome for q in batch for outcome in self._write([q])]
+        return list(zip(batch, results, strict=True))
 
     def _commit(self, writes: list[Write]) -> list[Result]:
         """One transaction, retried whole on a lock conflict or a broken connection."""
@@ -176,3 +193,33 @@ class AttemptStore:
         current = connection.connection
         return current is None or (opened is not None and current is not opened) or \
             not connection.is_usable()
+
+
+def _deliver(outcomes: list[Outcome]) -> None:
+    """Answer a batch's callers: threads each, each event loop once for all its own."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}
+    for queued, outcome in outcomes:
+        if queued.future is not None:
+            if isinstance(outcome, BaseException):
+                queued.future.set_exception(outcome)
+            else:
+                queued.future.set_result(outcome)
+        elif queued.loop is not None:
+            by_loop.setdefault(queued.loop, []).append((queued, outcome))
+    for loop, mine in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_answer, mine)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            logger.debug("%d writes committed for a closed event loop", len(mine))
+
+
+def _answer(outcomes: list[Outcome]) -> None:
+    """On the caller's loop: resolve the futures still awaited (not cancelled meanwhile)."""
+    for queued, outcome in outcomes:
+        afuture = queued.afuture
+        if afuture is None or afuture.done():
+            continue
+        if isinstance(outcome, BaseException):
+            afuture.set_exception(outcome)
+        else:
+            afuture.set_result(outcome)

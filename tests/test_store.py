@@ -352,3 +352,110 @@ def test_checkpoint_states_of_any_json_shape_read_back_as_written() -> None:
             pk=ref.run_id)
         assert row == {"checkpoint_state": state, "checkpoint_count": 2}
     assert AgentRun.objects.filter(checkpoint_state__isnull=True).count() == 1
+
+
+async def until(predicate: Callable[[], object], message: str, timeout: float = 20) -> None:
+    """helpers.wait_until for a coroutine: polls without blocking the event loop."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, f"timed out waiting for {message}"
+        await asyncio.sleep(0.01)
+
+
+def test_an_error_reaches_only_its_own_coroutine() -> None:
+    keep, *refs = claimed(41)
+
+    def fail_on_bad(writes: Sequence[Write]) -> None:
+        if any(isinstance(w, EmitWrite) and w.type == "bad" for w in writes):
+            raise DatabaseError("rejected")
+
+    gated = Gated(before=fail_on_bad)
+    store = AttemptStore(1, apply=gated)
+    wakeups: list[int] = []
+
+    async def main() -> list[Result | BaseException]:
+        loop = asyncio.get_running_loop()
+        wake = loop.call_soon_threadsafe
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            wakeups.append(1)
+            return wake(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        held = store.submit(RenewWrite(keep))
+        await until(lambda: gated.batches, "the first batch to start")
+        calls = [asyncio.ensure_future(store.acall(emit(r, 1, "bad" if i == 7 else "step")))
+                 for i, r in enumerate(refs)]
+        await until(lambda: store.waiting == len(refs), "the writes to queue")
+        gated.gate.set()
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        assert held.result(20) is Renewal.OK
+        return outcomes
+
+    try:
+        outcomes = asyncio.run(main())
+    finally:
+        store.close()
+    assert isinstance(outcomes[7], DatabaseError)
+    assert outcomes[:7] + outcomes[8:] == [Renewal.OK] * 39
+    assert store.alone == len(refs), "the batch failed, so each write went alone"
+    assert len(wakeups) == 1, "and the loop was still woken once, with every answer"
+    assert RunEvent.objects.filter(type="step").count() == 39
+
+
+def test_a_burst_of_coroutines_is_answered_with_one_wakeup_per_batch() -> None:
+    keep, *refs = claimed(41)
+    gated = Gated()
+    store = AttemptStore(1, apply=gated)
+    wakeups: list[int] = []
+
+    async def main() -> list[Result]:
+        loop = asyncio.get_running_loop()
+        wake = loop.call_soon_threadsafe
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            wakeups.append(1)
+            return wake(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        held = store.submit(RenewWrite(keep))
+        await until(lambda: gated.batches, "the first batch to start")
+        calls = [asyncio.ensure_future(store.acall(emit(r, 1))) for r in refs]
+        await until(lambda: store.waiting == len(refs), "the writes to queue")
+        gated.gate.set()
+        results = await asyncio.gather(*calls)
+        held.result(20)
+        return results
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        store.close()
+    assert results == [Renewal.OK] * 40
+    assert gated.batches == [1, 40]
+    assert len(wakeups) == 1
+
+
+def test_a_cancelled_acall_not_yet_taken_is_not_written() -> None:
+    keep, ref = claimed(2)
+    gated = Gated()
+    store = AttemptStore(1, apply=gated)
+
+    async def main() -> None:
+        held = store.submit(RenewWrite(keep))
+        await until(lambda: gated.batches, "the first batch to start")
+        task = asyncio.ensure_future(store.acall(emit(ref, 1)))
+        await until(lambda: store.waiting == 1, "the write to queue")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gated.gate.set()
+        held.result(20)
+        assert await store.acall(RenewWrite(ref)) is Renewal.OK
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+    assert [t for _, t, _ in story(ref)] == [transitions.STARTED]

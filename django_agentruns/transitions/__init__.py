@@ -21,7 +21,15 @@ from __future__ import annotations
 from .. import policy
 from ..outcomes import AttemptRef, CancelResult, ErrorInfo, Renewal, ScopePolicy, Settlement
 from .attempts import checkpoint, emit, renew, renew_many
-from .batched import CheckpointWrite, EmitWrite, RenewWrite, SucceedWrite, Write, apply_writes
+from .batched import (
+    CheckpointWrite,
+    EmitWrite,
+    RenewWrite,
+    Result,
+    SucceedWrite,
+    Write,
+    apply_writes,
+)
 from .claiming import claim
 from .due import awaited, due_queued, earlier_holder, holding_statuses, lapsed
 from .enqueue import NewRun, insert_runs
@@ -53,10 +61,10 @@ from .settling import (
 __all__ = [
     "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "RETRIED",
     "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult", "CheckpointWrite",
-    "EmitWrite", "ErrorInfo", "NewRun", "RenewWrite", "Renewal", "ScopePolicy", "Settlement",
-    "SucceedWrite", "Write", "abandon", "apply_writes", "awaited", "cancel", "checkpoint",
-    "claim", "due_queued", "earlier_holder", "emit", "emitted_event_id", "find_stale",
-    "holding_statuses", "insert_runs", "lapsed", "lifecycle_event_id", "now",
+    "EmitWrite", "ErrorInfo", "NewRun", "RenewWrite", "Renewal", "Result", "ScopePolicy",
+    "Settlement", "SucceedWrite", "Write", "abandon", "apply_writes", "awaited", "cancel",
+    "checkpoint", "claim", "due_queued", "earlier_holder", "emit", "emitted_event_id",
+    "find_stale", "holding_statuses", "insert_runs", "lapsed", "lifecycle_event_id", "now",
     "operator_retry", "policy", "reap_one", "renew", "renew_many", "settle_cancelled",
     "settle_failed", "settle_succeeded", "settle_succeeded_many", "start_interactive",
 ]
