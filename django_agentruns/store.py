@@ -72,6 +72,7 @@ class AttemptStore:
         self._reconnects = reconnects
         self._cond = threading.Condition()
         self._queue: list[_Queued] = []
+        self._busy: set[int] = set()  # runs with a write in a writer's hands
         self._closed = False
         self.batches = 0  # transactions committed, for tests and the benchmark
         self.writes = 0  # writes committed (a LOST result counts: it was answered)
@@ -131,17 +132,40 @@ class AttemptStore:
         try:
             while True:
                 with self._cond:
-                    while not self._queue and not self._closed:
+                    while not (batch := self._take()):
+                        if self._closed and not self._queue:
+                            return  # closed, and nothing left to write
                         self._cond.wait()
-                    if not self._queue:
-                        return  # closed, and nothing left to write
-                    batch = self._queue[:self._max_batch]
-                    del self._queue[:self._max_batch]
-                batch = [q for q in batch if q.wanted()]
-                if batch:
-                    _deliver(self._write(batch))
+                try:
+                    wanted = [q for q in batch if q.wanted()]
+                    if wanted:
+                        _deliver(self._write(wanted))
+                finally:
+                    with self._cond:
+                        self._busy.difference_update(q.write.ref.run_id for q in batch)
+                        self._cond.notify_all()
         finally:
             connection.close()
+
+    def _take(self) -> list[_Queued]:
+        """The next batch, under the lock: queued writes in order, up to `max_batch`, but
+        none of a run another writer is writing (nor any after one left behind), so one
+        attempt's writes commit in the order they were submitted, and no two writers
+        wait on each other's row locks."""
+        taken: list[_Queued] = []
+        rest: list[_Queued] = []
+        held = set(self._busy)
+        for queued in self._queue:
+            run_id = queued.write.ref.run_id
+            if run_id in held or len(taken) >= self._max_batch:
+                held.add(run_id)
+                rest.append(queued)
+            else:
+                taken.append(queued)
+        if taken:
+            self._queue = rest
+            self._busy.update(q.write.ref.run_id for q in taken)
+        return taken
 
     def _write(self, batch: list[_Queued]) -> list[Outcome]:
         try:

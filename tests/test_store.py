@@ -459,3 +459,23 @@ def test_a_cancelled_acall_not_yet_taken_is_not_written() -> None:
     finally:
         store.close()
     assert [t for _, t, _ in story(ref)] == [transitions.STARTED]
+
+
+@pytest.mark.postgres_only  # on SQLite the held batch holds the write lock: writers take turns
+def test_writes_of_one_run_wait_for_its_write_in_flight_on_another_writer() -> None:
+    """Two writers: the idle one takes the other runs' writes at once, but never a write
+    of the run the busy one holds, so an attempt's writes commit in submission order."""
+    busy, other = claimed(2)
+    gated = Gated()
+    store = AttemptStore(2, apply=gated)
+    first = store.submit(emit(busy, 1))
+    helpers.wait_until(lambda: gated.batches, message="the first batch to start")
+    second, third = store.submit(emit(busy, 2)), store.submit(emit(other, 1))
+    assert third.result(20) is Renewal.OK, "the idle writer took the other run's write"
+    assert not second.done()
+    assert store.waiting == 1
+    gated.gate.set()
+    assert (first.result(20), second.result(20)) == (Renewal.OK, Renewal.OK)
+    store.close()
+    assert gated.batches == [1, 1, 1]
+    assert [p for _, t, p in story(busy) if t == "step"] == [{"n": 1}, {"n": 2}]
