@@ -2,6 +2,7 @@
 (group commit) against today's path, a thread and a connection per attempt.
 
     python -m bench.store_bench [--attempts 1000] [--writes 5] [--threads 48] [--runs 3000]
+                                [--writers 2]
 
 PostgreSQL: DATABASE_URL names the database, else BENCH_PG_URL the server (database
 `agentruns_store_bench`, created and migrated on first use). Three figures:
@@ -11,6 +12,9 @@ PostgreSQL: DATABASE_URL names the database, else BENCH_PG_URL the server (datab
   holding its own connection (today's path for an async attempt), T threads;
 - `agent`: the issue's LLM-shaped agent, R runs at concurrency N through the store: three
   0.4 s model waits, an emit after each, one checkpoint, then its success.
+
+Connections are the peak of the database's sessions while a figure is taken (the store's
+writers stay open throughout, so `threads` counts them too).
 """
 
 from __future__ import annotations
