@@ -53,6 +53,9 @@ class Defaults:
     STREAMS_PER_PROCESS: int = 50
     """Event streams one web process serves at once (each holds a server thread under WSGI:
     keep it below the process's threads); past it, 429 with Retry-After."""
+    WRITER_CONNECTIONS: int = 2
+    """Connections (and threads) of a worker's attempt store, which commits every write its
+    attempts make (events, checkpoints, renewals, successes) in group commits."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

@@ -11,7 +11,8 @@ lease cannot touch the run's new attempt.
 
 One module per moment of a run: `enqueue` (new runs), `due` (what may be claimed),
 `claiming`, `attempts` (writes while it runs), `settling` (how it ends, and the reaper's
-reclaim), `operators` (cancel, retry, interactive runs); `events` appends the story;
+reclaim), `operators` (cancel, retry, interactive runs); `batched` (an attempt's writes
+as values, many applied in one transaction); `events` appends the story;
 `rawsql` builds the hot path's statements once per shape.
 """
 
@@ -20,6 +21,15 @@ from __future__ import annotations
 from .. import policy
 from ..outcomes import AttemptRef, CancelResult, ErrorInfo, Renewal, ScopePolicy, Settlement
 from .attempts import checkpoint, emit, renew, renew_many
+from .batched import (
+    CheckpointWrite,
+    EmitWrite,
+    RenewWrite,
+    Result,
+    SucceedWrite,
+    Write,
+    apply_writes,
+)
 from .claiming import claim
 from .due import awaited, due_queued, lapsed
 from .enqueue import NewRun, insert_runs
@@ -50,10 +60,11 @@ from .settling import (
 
 __all__ = [
     "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "RETRIED",
-    "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult", "ErrorInfo", "NewRun",
-    "Renewal", "ScopePolicy", "Settlement", "abandon", "awaited", "cancel", "checkpoint",
-    "claim", "due_queued", "emit", "emitted_event_id", "find_stale",
-    "insert_runs", "lapsed", "lifecycle_event_id", "now",
+    "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult", "CheckpointWrite",
+    "EmitWrite", "ErrorInfo", "NewRun", "RenewWrite", "Renewal", "Result", "ScopePolicy",
+    "Settlement", "SucceedWrite", "Write", "abandon", "apply_writes", "awaited", "cancel",
+    "checkpoint", "claim", "due_queued", "emit", "emitted_event_id",
+    "find_stale", "insert_runs", "lapsed", "lifecycle_event_id", "now",
     "operator_retry", "policy", "reap_one", "renew", "renew_many", "settle_cancelled",
     "settle_failed", "settle_succeeded", "settle_succeeded_many", "start_interactive",
 ]

@@ -9,6 +9,7 @@ executes a statement or decides a status.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -91,6 +92,86 @@ def insert_events(
     sql = (f"WITH v (run_id, k, event_id, type, payload, attempt) AS (VALUES {rows}) "
            + _insert_events_head(connection.vendor))
     return sql, params
+
+
+def _column(name: str) -> str:
+    field = AgentRun._meta.get_field(name)
+    assert isinstance(field, Field)
+    return str(field.column)
+
+
+def json_rows(columns: Sequence[tuple[str, str]]) -> str:
+    """`(SELECT ... )` of the rows sent as one JSON array parameter (see `json_values`),
+    with these (name, PostgreSQL type) columns.
+
+    One parameter, however many rows: the statement's text stays short and the same, where
+    a VALUES list of thousands of placeholders costs psycopg more to parse than the
+    database to run, and SQLite has a limit on them."""
+    if connection.vendor == "postgresql":
+        picks = ", ".join(f"(r->>{i})::{t} AS {n}" for i, (n, t) in enumerate(columns))
+        return f"(SELECT {picks} FROM jsonb_array_elements(%s::jsonb) AS rows(r))"
+    picks = ", ".join(f"json_extract(value, '$[{i}]') AS {n}" for i, (n, _) in enumerate(columns))
+    return f"(SELECT {picks} FROM json_each(%s))"
+
+
+def json_value(value: Any, type_: str) -> Any:
+    """A value as `json_rows` reads it back: times and JSON documents as their text, UUIDs
+    as the column stores them (hex on SQLite)."""
+    if value is None:
+        return None
+    if type_ == "timestamptz":
+        return str(connection.ops.adapt_datetimefield_value(value.astimezone(UTC)))
+    if type_ == "jsonb":
+        return json.dumps(value)
+    if type_ == "uuid":
+        return str(prep(RunEvent, "event_id", value))
+    return value
+
+
+def json_values(rows: Sequence[Sequence[Any]], types: Sequence[str]) -> str:
+    return json.dumps([[json_value(v, t) for v, t in zip(row, types, strict=True)]
+                       for row in rows])
+
+
+_FENCE = (("run_id", "bigint"), ("run_attempt", "integer"), ("run_worker", "varchar"))
+
+
+def fenced_update(
+    items: Sequence[tuple[Any, ...]], running: str, fields: Sequence[tuple[str, str]],
+) -> tuple[str, list[Any]]:
+    """Set `fields` ((name, PostgreSQL type) of AgentRun) from (run_id, attempt, worker,
+    *values) rows whose fence holds and whose run has no cancel request; returns the ids
+    it updated (a renewal: `lease_expires` alone; a checkpoint: its state too)."""
+    table = qn(AgentRun._meta.db_table)
+    columns = [*_FENCE, *((f"f{i}", t) for i, (_, t) in enumerate(fields))]
+    sets = ", ".join(f"{qn(_column(name))} = v.f{i}" for i, (name, _) in enumerate(fields))
+    sql = (f"WITH v AS {json_rows(columns)} UPDATE {table} SET {sets} FROM v "
+           f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
+           f"AND {table}.status = %s AND {table}.claimed_by = v.run_worker "
+           f"AND {table}.cancel_requested_at IS NULL RETURNING {table}.id")
+    return sql, [json_values(items, [t for _, t in columns]), running]
+
+
+_NEW_EVENT = (("run_id", "bigint"), ("event_id", "uuid"), ("type", "varchar"),
+              ("payload", "jsonb"), ("attempt", "integer"))
+
+
+def insert_new_events(
+    events: Sequence[tuple[int, str, dict[str, Any], int, Any]], at: datetime,
+) -> tuple[str, list[Any]]:
+    """One INSERT for at most one event per run, each one past its run's highest seq,
+    leaving out any whose id is stored already (a retry re-emitting)."""
+    table = qn(RunEvent._meta.db_table)
+    rows = [(run_id, event_id, type_, payload, attempt)
+            for run_id, type_, payload, attempt, event_id in events]
+    assert len({r[0] for r in rows}) == len(rows), "one event per run"
+    sql = (f"WITH v AS {json_rows(_NEW_EVENT)} "
+           f"INSERT INTO {table} (run_id, seq, event_id, type, payload, attempt, created_at) "
+           f"SELECT v.run_id, COALESCE((SELECT MAX(e.seq) FROM {table} e "
+           f"WHERE e.run_id = v.run_id), 0) + 1, v.event_id, v.type, v.payload, v.attempt, %s "
+           f"FROM v WHERE NOT EXISTS (SELECT 1 FROM {table} x WHERE x.event_id = v.event_id)")
+    return sql, [json_values(rows, [t for _, t in _NEW_EVENT]),
+                 prep(RunEvent, "created_at", at)]
 
 
 def settle_succeeded(

@@ -1,0 +1,481 @@
+"""The attempt store: writes of many attempts committed together on a few connections,
+each still fenced on its own, each caller answered once its write has committed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
+
+from django_agentruns import enqueue, transitions
+from django_agentruns.models import AgentRun, RunEvent, Status
+from django_agentruns.store import AttemptStore
+from django_agentruns.transitions import (
+    AttemptRef,
+    CheckpointWrite,
+    EmitWrite,
+    Renewal,
+    RenewWrite,
+    ScopePolicy,
+    Settlement,
+    SucceedWrite,
+    Write,
+    apply_writes,
+)
+from django_agentruns.transitions.batched import Result
+from tests import helpers
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WORKER = "store:1:abcd"
+
+
+def claimed(count: int) -> list[AttemptRef]:
+    for i in range(count):
+        enqueue("tests.noop", {"i": i})
+    runs = transitions.claim(WORKER, ["default"], count, ScopePolicy(), {}, 30.0,
+                             include_lapsed=False)
+    assert len(runs) == count
+    return [AttemptRef(r.pk, r.attempt, WORKER, 30.0, r.agent) for r in runs]
+
+
+def emit(ref: AttemptRef, n: int, type_: str = "step") -> EmitWrite:
+    return EmitWrite(ref, uuid.uuid4(), type_, {"n": n})
+
+
+def story(ref: AttemptRef) -> list[tuple[int, str, Any]]:
+    return list(RunEvent.objects.filter(run_id=ref.run_id).order_by("seq")
+                .values_list("seq", "type", "payload"))
+
+
+def reclaim(ref: AttemptRef) -> None:
+    """Another worker's attempt took the run (as a reaper reclaim and a new claim do)."""
+    AgentRun.objects.filter(pk=ref.run_id).update(claimed_by="other:2:ffff",
+                                                  attempt=ref.attempt + 1)
+
+
+class Gated:
+    """Wraps apply_writes: records each batch (and its connection); the first batch waits
+    at the gate, so the writes submitted meanwhile queue into the next one."""
+
+    def __init__(self, before: Callable[[Sequence[Write]], None] | None = None) -> None:
+        self.batches: list[int] = []
+        self.connections: set[int] = set()
+        self.gate = threading.Event()
+        self.before = before
+        self._lock = threading.Lock()
+
+    def __call__(self, writes: Sequence[Write]) -> list[Result]:
+        with self._lock:
+            self.batches.append(len(writes))
+            first = len(self.batches) == 1
+            connection.ensure_connection()
+            self.connections.add(id(connection.connection))
+        if first:
+            assert self.gate.wait(20), "the test never opened the gate"
+        if self.before is not None:
+            self.before(writes)
+        return apply_writes(writes)
+
+
+def queue_behind_a_held_write(store: AttemptStore, gated: Gated, ref: AttemptRef,
+                              writes: list[Write]) -> tuple[Future[Result], list[Future[Result]]]:
+    held = store.submit(RenewWrite(ref))
+    helpers.wait_until(lambda: gated.batches, message="the first batch to start")
+    futures = [store.submit(w) for w in writes]
+    helpers.wait_until(lambda: store.waiting == len(writes), message="the writes to queue")
+    gated.gate.set()
+    return held, futures
+
+
+# --------------------------------------------------------------------------- apply_writes
+
+
+def test_apply_writes_fences_each_write_on_its_own_in_one_transaction() -> None:
+    ok, lost, cancelled, pointed, done, gone = claimed(6)
+    reclaim(lost)
+    reclaim(gone)
+    AgentRun.objects.filter(pk=cancelled.run_id).update(cancel_requested_at=timezone.now())
+    writes: list[Write] = [
+        emit(ok, 1), emit(lost, 1), emit(cancelled, 1), CheckpointWrite(pointed, {"s": 1}, 1),
+        SucceedWrite(done, {"out": 1}), SucceedWrite(gone, {"out": 2}),
+        emit(ok, 2), RenewWrite(ok), RenewWrite(lost), CheckpointWrite(cancelled, {}, 1),
+        CheckpointWrite(lost, {}, 1),
+    ]
+    with transaction.atomic():
+        results = apply_writes(writes)
+    assert results == [
+        Renewal.OK, Renewal.LOST, Renewal.CANCEL_REQUESTED, Renewal.OK,
+        Settlement.SUCCEEDED, Settlement.LOST,
+        Renewal.OK, Renewal.OK, Renewal.LOST, Renewal.CANCEL_REQUESTED, Renewal.LOST,
+    ]
+    started = (1, transitions.STARTED)
+    assert [(s, t) for s, t, _ in story(ok)] == [started, (2, "step"), (3, "step")]
+    assert [p for _, t, p in story(ok) if t == "step"] == [{"n": 1}, {"n": 2}]
+    for ref in (lost, cancelled, gone):
+        assert [(s, t) for s, t, _ in story(ref)] == [started]
+    assert [(s, t) for s, t, _ in story(pointed)] == [started, (2, transitions.CHECKPOINT)]
+    assert AgentRun.objects.get(pk=pointed.run_id).checkpoint_state == {"s": 1}
+    assert [(s, t) for s, t, _ in story(done)] == [started, (2, transitions.SUCCEEDED)]
+    assert AgentRun.objects.values_list("status", "output").get(pk=done.run_id) == (
+        Status.SUCCEEDED, {"out": 1})
+    assert AgentRun.objects.get(pk=gone.run_id).status == Status.RUNNING
+
+
+def test_an_emit_retried_with_the_same_id_adds_nothing() -> None:
+    (ref,) = claimed(1)
+    write = emit(ref, 1)
+    with transaction.atomic():
+        assert apply_writes([write, write]) == [Renewal.OK, Renewal.OK]
+    with transaction.atomic():
+        assert apply_writes([write]) == [Renewal.OK]
+    assert [(s, t) for s, t, _ in story(ref)] == [(1, transitions.STARTED), (2, "step")]
+
+
+def test_apply_writes_refuses_to_run_outside_a_transaction() -> None:
+    (ref,) = claimed(1)
+    with pytest.raises(RuntimeError, match="inside"):
+        apply_writes([RenewWrite(ref)])
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def test_threads_and_coroutines_commit_every_write_on_at_most_writers_connections() -> None:
+    refs = claimed(20)
+    gated = Gated()
+    gated.gate.set()
+    store = AttemptStore(2, apply=gated)
+    steps = 5
+
+    def thread_attempt(ref: AttemptRef) -> None:
+        for n in range(steps):
+            assert store.call(emit(ref, n)) is Renewal.OK
+
+    async def coroutine_attempt(ref: AttemptRef) -> None:
+        for n in range(steps):
+            assert await store.acall(emit(ref, n)) is Renewal.OK
+
+    async def coroutines() -> None:
+        await asyncio.gather(*(coroutine_attempt(r) for r in refs[10:]))
+
+    threads = [threading.Thread(target=thread_attempt, args=(r,)) for r in refs[:10]]
+    for t in threads:
+        t.start()
+    asyncio.run(coroutines())
+    for t in threads:
+        t.join(20)
+    try:
+        assert len(gated.connections) <= 2
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                               "current_database() AND pid <> pg_backend_pid()")
+                (others,) = cursor.fetchone()
+            assert others <= 2, "only the writers hold connections; the attempts none"
+    finally:
+        store.close()
+    for ref in refs:
+        assert [p for _, t, p in story(ref) if t == "step"] == [{"n": n} for n in range(steps)]
+        assert [s for s, _, _ in story(ref)] == list(range(1, steps + 2))
+    assert store.writes == len(refs) * steps
+    assert store.batches == len(gated.batches) < store.writes
+
+
+def test_a_lost_lease_in_a_batch_costs_only_its_own_write() -> None:
+    keep, ref1, lost, ref2, ref3 = claimed(5)
+    gated = Gated()
+    store = AttemptStore(1, apply=gated)
+    reclaim(lost)
+    held, futures = queue_behind_a_held_write(store, gated, keep, [
+        emit(ref1, 1), emit(lost, 1), SucceedWrite(lost, {}), CheckpointWrite(ref2, 7, 1),
+        SucceedWrite(ref3, {"ok": True})])
+    assert held.result(20) is Renewal.OK
+    assert [f.result(20) for f in futures] == [
+        Renewal.OK, Renewal.LOST, Settlement.LOST, Renewal.OK, Settlement.SUCCEEDED]
+    store.close()
+    assert gated.batches == [1, 5]
+    assert (store.batches, store.writes, store.alone) == (2, 6, 0)
+    assert [t for _, t, _ in story(lost)] == [transitions.STARTED]
+    assert AgentRun.objects.get(pk=ref3.run_id).status == Status.SUCCEEDED
+
+
+def test_a_write_that_fails_fails_only_its_own_caller() -> None:
+    keep, *refs = claimed(5)
+
+    def fail_on_bad(writes: Sequence[Write]) -> None:
+        if any(isinstance(w, EmitWrite) and w.type == "bad" for w in writes):
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT * FROM no_such_table_of_agentruns")
+
+    gated = Gated(before=fail_on_bad)
+    store = AttemptStore(1, apply=gated)
+    held, futures = queue_behind_a_held_write(store, gated, keep, [
+        emit(refs[0], 1), emit(refs[1], 1, "bad"), emit(refs[2], 1),
+        SucceedWrite(refs[3], {})])
+    held.result(20)
+    with pytest.raises(DatabaseError):
+        futures[1].result(20)
+    assert [futures[i].result(20) for i in (0, 2, 3)] == [
+        Renewal.OK, Renewal.OK, Settlement.SUCCEEDED]
+    store.close()
+    assert (store.alone, store.writes) == (4, 4)
+    assert [t for _, t, _ in story(refs[1])] == [transitions.STARTED]
+    assert [t for _, t, _ in story(refs[0])] == [transitions.STARTED, "step"]
+
+
+@pytest.mark.postgres_only
+def test_a_payload_postgresql_rejects_fails_only_its_own_emit() -> None:
+    keep, good, bad = claimed(3)
+    gated = Gated()
+    store = AttemptStore(1, apply=gated)
+    rejected = EmitWrite(bad, uuid.uuid4(), "step", {"text": "nul \x00 byte"})
+    held, (ok, no) = queue_behind_a_held_write(store, gated, keep, [emit(good, 1), rejected])
+    held.result(20)
+    assert ok.result(20) is Renewal.OK
+    with pytest.raises(DatabaseError):
+        no.result(20)
+    store.close()
+    assert [t for _, t, _ in story(bad)] == [transitions.STARTED]
+
+
+def test_a_lock_conflict_retries_the_whole_batch() -> None:
+    (ref,) = claimed(1)
+    failures = [DatabaseError("database is locked")] * 2
+
+    def flaky(writes: Sequence[Write]) -> list[Result]:
+        results = apply_writes(writes)
+        if failures:
+            raise failures.pop()
+        return results
+
+    store = AttemptStore(1, apply=flaky)
+    try:
+        assert store.call(emit(ref, 1)) is Renewal.OK
+    finally:
+        store.close()
+    assert (store.batches, store.writes, store.alone) == (1, 1, 0)
+    assert [t for _, t, _ in story(ref)] == [transitions.STARTED, "step"]
+
+
+@pytest.mark.postgres_only
+def test_a_writer_whose_connection_died_reconnects_and_writes_the_batch() -> None:
+    (ref,) = claimed(1)
+    pids: list[int] = []
+
+    def record_pid(writes: Sequence[Write]) -> list[Result]:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            pids.append(cursor.fetchone()[0])
+        return apply_writes(writes)
+
+    store = AttemptStore(1, apply=record_pid)
+    try:
+        assert store.call(RenewWrite(ref)) is Renewal.OK
+        with connection.cursor() as cursor:  # the writer's own session, nobody else's
+            cursor.execute("SELECT pg_terminate_backend(%s)", [pids[0]])
+        assert store.call(emit(ref, 1)) is Renewal.OK
+    finally:
+        store.close()
+    assert pids[-1] != pids[0]
+    assert [t for _, t, _ in story(ref)] == [transitions.STARTED, "step"]
+
+
+def test_500_coroutines_await_their_writes_without_executor_threads() -> None:
+    refs = claimed(50)
+    store = AttemptStore(2)
+    baseline = threading.active_count()
+    seen: list[int] = []
+
+    async def attempt(ref: AttemptRef, n: int) -> Result:
+        result = await store.acall(emit(ref, n))
+        seen.append(threading.active_count())
+        return result
+
+    async def main() -> list[Result]:
+        return await asyncio.gather(*(attempt(refs[i % 50], i) for i in range(500)))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        store.close()
+    assert results == [Renewal.OK] * 500
+    assert max(seen) <= baseline, "no thread beyond the store's writers"
+    assert RunEvent.objects.filter(type="step").count() == 500
+    assert store.batches < 500
+
+
+def test_close_commits_what_is_queued_then_refuses_writes() -> None:
+    keep, *refs = claimed(11)
+    gated = Gated()
+    store = AttemptStore(1, apply=gated)
+    held = store.submit(RenewWrite(keep))
+    helpers.wait_until(lambda: gated.batches, message="the first batch to start")
+    futures = [store.submit(emit(r, 1)) for r in refs]
+    closer = threading.Thread(target=store.close, args=(20,))
+    closer.start()
+    helpers.wait_until(lambda: store._closed, message="close() to begin")
+    with pytest.raises(RuntimeError, match="closed"):
+        store.submit(RenewWrite(keep))
+    gated.gate.set()
+    closer.join(20)
+    assert not closer.is_alive()
+    assert held.result(0) is Renewal.OK
+    assert [f.result(0) for f in futures] == [Renewal.OK] * 10
+    assert RunEvent.objects.filter(type="step").count() == 10
+    assert not any(t.name.startswith("agentruns-writer") for t in threading.enumerate())
+
+
+def test_the_store_reads_its_writer_count_from_the_setting(settings: Any) -> None:
+    settings.AGENTRUNS = {"WRITER_CONNECTIONS": 3}
+    store = AttemptStore()
+    store.close()
+    assert store.writers == 3
+
+
+def test_checkpoint_states_of_any_json_shape_read_back_as_written() -> None:
+    states: list[Any] = ["a string", 3, None, [1, "x"], {"nested": {"ok": True}}]
+    refs = claimed(len(states))
+    with transaction.atomic():
+        results = apply_writes([CheckpointWrite(r, s, 2) for r, s in zip(refs, states,
+                                                                           strict=True)])
+    assert results == [Renewal.OK] * len(states)
+    for ref, state in zip(refs, states, strict=True):
+        row = AgentRun.objects.values("checkpoint_state", "checkpoint_count").get(
+            pk=ref.run_id)
+        assert row == {"checkpoint_state": state, "checkpoint_count": 2}
+    assert AgentRun.objects.filter(checkpoint_state__isnull=True).count() == 1
+
+
+async def until(predicate: Callable[[], object], message: str, timeout: float = 20) -> None:
+    """helpers.wait_until for a coroutine: polls without blocking the event loop."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, f"timed out waiting for {message}"
+        await asyncio.sleep(0.01)
+
+
+def test_an_error_reaches_only_its_own_coroutine() -> None:
+    keep, *refs = claimed(41)
+
+    def fail_on_bad(writes: Sequence[Write]) -> None:
+        if any(isinstance(w, EmitWrite) and w.type == "bad" for w in writes):
+            raise DatabaseError("rejected")
+
+    gated = Gated(before=fail_on_bad)
+    store = AttemptStore(1, apply=gated)
+    wakeups: list[int] = []
+
+    async def main() -> list[Result | BaseException]:
+        loop = asyncio.get_running_loop()
+        wake = loop.call_soon_threadsafe
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            wakeups.append(1)
+            return wake(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        held = store.submit(RenewWrite(keep))
+        await until(lambda: gated.batches, "the first batch to start")
+        calls = [asyncio.ensure_future(store.acall(emit(r, 1, "bad" if i == 7 else "step")))
+                 for i, r in enumerate(refs)]
+        await until(lambda: store.waiting == len(refs), "the writes to queue")
+        gated.gate.set()
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        assert held.result(20) is Renewal.OK
+        return outcomes
+
+    try:
+        outcomes = asyncio.run(main())
+    finally:
+        store.close()
+    assert isinstance(outcomes[7], DatabaseError)
+    assert outcomes[:7] + outcomes[8:] == [Renewal.OK] * 39
+    assert store.alone == len(refs), "the batch failed, so each write went alone"
+    assert len(wakeups) == 1, "and the loop was still woken once, with every answer"
+    assert RunEvent.objects.filter(type="step").count() == 39
+
+
+def test_a_burst_of_coroutines_is_answered_with_one_wakeup_per_batch() -> None:
+    keep, *refs = claimed(41)
+    gated = Gated()
+    store = AttemptStore(1, apply=gated)
+    wakeups: list[int] = []
+
+    async def main() -> list[Result]:
+        loop = asyncio.get_running_loop()
+        wake = loop.call_soon_threadsafe
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            wakeups.append(1)
+            return wake(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        held = store.submit(RenewWrite(keep))
+        await until(lambda: gated.batches, "the first batch to start")
+        calls = [asyncio.ensure_future(store.acall(emit(r, 1))) for r in refs]
+        await until(lambda: store.waiting == len(refs), "the writes to queue")
+        gated.gate.set()
+        results = await asyncio.gather(*calls)
+        held.result(20)
+        return results
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        store.close()
+    assert results == [Renewal.OK] * 40
+    assert gated.batches == [1, 40]
+    assert len(wakeups) == 1
+
+
+def test_a_cancelled_acall_not_yet_taken_is_not_written() -> None:
+    keep, ref = claimed(2)
+    gated = Gated()
+    store = AttemptStore(1, apply=gated)
+
+    async def main() -> None:
+        held = store.submit(RenewWrite(keep))
+        await until(lambda: gated.batches, "the first batch to start")
+        task = asyncio.ensure_future(store.acall(emit(ref, 1)))
+        await until(lambda: store.waiting == 1, "the write to queue")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gated.gate.set()
+        held.result(20)
+        assert await store.acall(RenewWrite(ref)) is Renewal.OK
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+    assert [t for _, t, _ in story(ref)] == [transitions.STARTED]
+
+
+@pytest.mark.postgres_only  # on SQLite the held batch holds the write lock: writers take turns
+def test_writes_of_one_run_wait_for_its_write_in_flight_on_another_writer() -> None:
+    """Two writers: the idle one takes the other runs' writes at once, but never a write
+    of the run the busy one holds, so an attempt's writes commit in submission order."""
+    busy, other = claimed(2)
+    gated = Gated()
+    store = AttemptStore(2, apply=gated)
+    first = store.submit(emit(busy, 1))
+    helpers.wait_until(lambda: gated.batches, message="the first batch to start")
+    second, third = store.submit(emit(busy, 2)), store.submit(emit(other, 1))
+    assert third.result(20) is Renewal.OK, "the idle writer took the other run's write"
+    assert not second.done()
+    assert store.waiting == 1
+    gated.gate.set()
+    assert (first.result(20), second.result(20)) == (Renewal.OK, Renewal.OK)
+    store.close()
+    assert gated.batches == [1, 1, 1]
+    assert [p for _, t, p in story(busy) if t == "step"] == [{"n": 1}, {"n": 2}]
