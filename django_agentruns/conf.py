@@ -47,6 +47,18 @@ class Defaults:
     """PostgreSQL: have the server plan the enqueue, claim and settle statements once per
     connection. Off by default, as Django's own `prepare_threshold` is: a pooler in
     transaction mode without prepared-statement support (PgBouncer before 1.21) breaks them."""
+    MAX_INPUT_BYTES: int = 1_048_576
+    """Largest run input, as JSON text (1 MiB); `enqueue` refuses a larger one."""
+    MAX_OUTPUT_BYTES: int = 1_048_576
+    """Largest output an agent may return, as JSON text; past it the run is dead-lettered
+    `not_retryable`, before anything is written."""
+    MAX_STATE_BYTES: int = 1_048_576
+    """Largest checkpoint state, as JSON text; `ctx.checkpoint` refuses a larger one."""
+    MAX_EVENT_BYTES: int = 262_144
+    """Largest event payload, as JSON text (256 KiB); `ctx.emit` refuses a larger one."""
+    MAX_EVENTS_PER_RUN: int = 10_000
+    """Events an attempt may add to its run's stream (emits and checkpoint markers); past
+    it `ctx.emit` raises. The run's own transitions are always recorded."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

@@ -16,6 +16,8 @@ from .models import DEAD_LETTER_REASONS, TERMINAL, AgentRun, RunEvent, Status
 
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+# Longer ago than this reaches before the year 1 (nothing finished then anyway).
+LONGEST_DURATION = timedelta(days=365 * 1000)
 
 
 def parse_duration(text: str) -> timedelta:
@@ -24,7 +26,11 @@ def parse_duration(text: str) -> timedelta:
     if not match:
         raise InvalidInputError(f"a duration is a number and a unit (s, m, h, d, w), e.g. 30d; "
                                 f"not {text!r}")
-    return timedelta(seconds=float(match[1]) * UNITS[match[2]])
+    seconds = float(match[1]) * UNITS[match[2]]
+    if seconds > LONGEST_DURATION.total_seconds():
+        raise InvalidInputError(f"a duration is at most {LONGEST_DURATION.days}d (1000 years), "
+                                f"not {text!r}")
+    return timedelta(seconds=seconds)
 
 
 @dataclass
@@ -44,7 +50,10 @@ def purgeable(
     if unknown:
         raise InvalidInputError(f"only finished runs can be purged ({', '.join(TERMINAL)}); "
                                 f"not {', '.join(sorted(unknown))}")
-    cutoff = (at or timezone.now()) - older_than
+    try:
+        cutoff = (at or timezone.now()) - older_than
+    except OverflowError:
+        raise InvalidInputError(f"older_than reaches before the year 1: {older_than!r}") from None
     where = Q(status__in=chosen, finished_at__lt=cutoff)
     if not include_dead_letters:
         where &= ~Q(status=Status.FAILED, reason__in=DEAD_LETTER_REASONS)
