@@ -102,7 +102,7 @@ def test_a_state_over_the_cap_is_refused_and_the_run_dead_lettered() -> None:
     assert (run.status, run.reason) == (Status.FAILED, Reason.NOT_RETRYABLE)
     assert "Checkpoint state is" in run.error_message
     assert "AGENTRUNS['MAX_STATE_BYTES']" in run.error_message
-    assert run.checkpoint_state is None and run.checkpoint_count == 0, "nothing written"
+    assert (run.checkpoint_state, run.checkpoint_count) == (None, 0), "nothing written"
 
 
 # --------------------------------------------------------------------------- events
