@@ -64,19 +64,22 @@ class Defaults:
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""
 
 
+# Read on every setting lookup, some of them per run: built once.
+_NAMES = frozenset(f.name for f in fields(Defaults))
+
+
 class AppSettings:
     """Attribute access to `settings.AGENTRUNS` with the defaults above filled in."""
 
     def __getattr__(self, name: str) -> Any:
-        names = {f.name for f in fields(Defaults)}
-        if name not in names:
+        if name not in _NAMES:
             raise AttributeError(f"Unknown django-agentruns setting {name!r}")
         user: dict[str, Any] = getattr(settings, SETTING_NAME, {}) or {}
         return user.get(name, getattr(Defaults, name))
 
     @staticmethod
     def known() -> set[str]:
-        return {f.name for f in fields(Defaults)}
+        return set(_NAMES)
 
     def classifier(self) -> Callable[[BaseException], bool | None] | None:
         path = self.CLASSIFIER
