@@ -21,7 +21,8 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 
 from . import transitions
-from .exceptions import AttemptStopped, InvalidInputError
+from .conf import SETTING_NAME, app_settings
+from .exceptions import AttemptStopped, InvalidInputError, LimitExceeded
 from .outcomes import AttemptRef, Renewal
 
 T = TypeVar("T")
@@ -133,9 +134,39 @@ def json_text(value: Any, what: str) -> str:
     suspect = "\\u0000" in text or "\\ud" in text \
         or text.count("[") + text.count("{") > MAX_JSON_DEPTH
     problem = _unstorable(value) if suspect else None
+    if problem is None and "{" in text:  # no brace in the text, no dict in the value
+        problem = _odd_key(value)
     if problem:
         raise InvalidInputError(f"{what} cannot be stored: {problem}")
     return text
+
+
+def capped_json(value: Any, what: str, setting: str) -> str:
+    """`json_text`, refused with `LimitExceeded` if longer than the size cap `setting`."""
+    text = json_text(value, what)
+    limit = int(getattr(app_settings, setting))
+    # The encoder escapes every non-ASCII character, so the text's length is its size.
+    if len(text) > limit:
+        raise LimitExceeded(f"{what} is {len(text)} bytes as JSON, over the limit of {limit} "
+                            f"bytes ({SETTING_NAME}['{setting}'])")
+    return text
+
+
+def _odd_key(value: Any) -> str | None:
+    """A dict key that is not a string, if any: JSON would turn 1 into "1" (and merge it
+    with a "1" beside it), so the value would not come back as it was given."""
+    stack = [value]
+    containers = (dict, list, tuple)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key in item:
+                if not isinstance(key, str):
+                    return f"the key {key!r} is not a string (JSON keys are strings)"
+            stack.extend(v for v in item.values() if isinstance(v, containers))
+        else:
+            stack.extend(v for v in item if isinstance(v, containers))
+    return None
 
 
 def _unstorable(value: Any) -> str | None:
@@ -185,23 +216,26 @@ class RunContext:
         """Append an event to the run's stream (a step boundary)."""
         control = self._control
         control.check()
-        if not isinstance(type, str) or not type or len(type) > 100:
-            raise InvalidInputError(f"Event type must be a non-empty string of at most 100 "
-                                    f"characters, not {type!r}")
-        payload = ensure_json({} if payload is None else payload, f"Payload of event {type!r}")
+        if not isinstance(type, str) or not type or len(type) > 100 or unstorable_text(type):
+            raise InvalidInputError(f"Event type must be a string of 1-100 characters with no "
+                                    f"NUL or surrogate, not {type!r:.120}")
+        payload = {} if payload is None else payload
+        capped_json(payload, f"Payload of event {type!r}", "MAX_EVENT_BYTES")
         event_id = transitions.emitted_event_id(self.run_id, control.checkpoints, control.position)
         control.position += 1
         with control.storage():
-            renewal = transitions.emit(control.ref, event_id, type, payload)
+            renewal = transitions.emit(control.ref, event_id, type, payload,
+                                       max_events=int(app_settings.MAX_EVENTS_PER_RUN))
         control.apply(renewal)
 
     def checkpoint(self, state: Any) -> None:
         """Save the state the next attempt resumes from (a step boundary)."""
         control = self._control
         control.check()
-        state = ensure_json(state, "Checkpoint state")
+        capped_json(state, "Checkpoint state", "MAX_STATE_BYTES")
         with control.storage():
-            renewal = transitions.checkpoint(control.ref, state, control.checkpoints + 1)
+            renewal = transitions.checkpoint(control.ref, state, control.checkpoints + 1,
+                                             max_events=int(app_settings.MAX_EVENTS_PER_RUN))
         control.apply(renewal)
         control.checkpoints += 1
         control.position = 0

@@ -18,7 +18,7 @@ from asgiref.sync import async_to_sync
 
 from . import policy, signals, transitions
 from .conf import app_settings
-from .context import AttemptControl, RunContext, StopReason, ensure_json, storable_text
+from .context import AttemptControl, RunContext, StopReason, capped_json, storable_text
 from .exceptions import AttemptStopped, AttemptTimeout, InvalidInputError, RunCancelledError
 from .models import AgentRun
 from .registry import AgentSpec
@@ -75,7 +75,9 @@ def call_agent(
         # reaching another step boundary: the operator asked for it to stop.
         return Outcome("stopped", stop_reason=control.stop_reason)
     try:
-        ensure_json(result, f"Output of agent {spec.name!r}")
+        # Capped before anything is written: one oversized output must not reach (and
+        # fail) the statement that settles the worker's other successes with it.
+        capped_json(result, f"Output of agent {spec.name!r}", "MAX_OUTPUT_BYTES")
     except InvalidInputError as exc:
         return Outcome("failed", error=exc)
     return Outcome("succeeded", output=result)

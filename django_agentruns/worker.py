@@ -34,7 +34,7 @@ from .exceptions import AgentRunsError, UnknownAgentError
 from .group_commit import GroupCommit
 from .models import AgentRun
 from .notify import Listener
-from .registry import AgentSpec, all_agents, find_agent, scope_policy
+from .registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
 from .transitions import AttemptRef, Renewal
 
 logger = logging.getLogger("django_agentruns.worker")
@@ -88,6 +88,7 @@ class Worker:
         self.concurrency = concurrency
         self.burst = burst
         self.worker_id = worker_id or make_worker_id()
+        check_worker_names(self.queues, self.worker_id)
         self.poll_interval = float(poll_interval if poll_interval is not None
                                    else app_settings.POLL_INTERVAL)
         self.grace = float(grace if grace is not None else app_settings.GRACE)

@@ -14,6 +14,7 @@ from django_agentruns.management.arguments import (
     port_number,
     positive_int,
     queue_list,
+    worker_id,
 )
 from django_agentruns.worker import Worker
 
@@ -28,7 +29,7 @@ class Command(BaseCommand):
                             help="Attempts run at once (sync in threads, async on a loop).")
         parser.add_argument("--burst", action="store_true",
                             help="Exit once nothing is due (for scripts and tests).")
-        parser.add_argument("--worker-id", default=None,
+        parser.add_argument("--worker-id", type=worker_id, default=None,
                             help="Worker id (default: host:pid:random, unique per start).")
         parser.add_argument("--poll-interval", type=non_negative_float, default=None)
         parser.add_argument("--grace", type=non_negative_float, default=None,
