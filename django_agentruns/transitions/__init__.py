@@ -21,7 +21,7 @@ from .. import policy
 from ..outcomes import AttemptRef, CancelResult, ErrorInfo, Renewal, ScopePolicy, Settlement
 from .attempts import checkpoint, emit, renew, renew_many
 from .claiming import claim
-from .due import awaited, due_queued, earlier_holder, holding_statuses, lapsed
+from .due import awaited, due_elsewhere, due_queued, earlier_holder, holding_statuses, lapsed
 from .enqueue import NewRun, insert_runs
 from .events import (
     ABANDONED,
@@ -52,8 +52,8 @@ __all__ = [
     "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "RETRIED",
     "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult", "ErrorInfo", "NewRun",
     "Renewal", "ScopePolicy", "Settlement", "abandon", "awaited", "cancel", "checkpoint",
-    "claim", "due_queued", "earlier_holder", "emit", "emitted_event_id", "find_stale",
-    "holding_statuses", "insert_runs", "lapsed", "lifecycle_event_id", "now",
+    "claim", "due_elsewhere", "due_queued", "earlier_holder", "emit", "emitted_event_id",
+    "find_stale", "holding_statuses", "insert_runs", "lapsed", "lifecycle_event_id", "now",
     "operator_retry", "policy", "reap_one", "renew", "renew_many", "settle_cancelled",
     "settle_failed", "settle_succeeded", "settle_succeeded_many", "start_interactive",
 ]

@@ -52,23 +52,40 @@ def startable(qs: QuerySet[AgentRun], scopes: ScopePolicy) -> QuerySet[AgentRun]
     return qs
 
 
-def due_queued(queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> QuerySet[AgentRun]:
+def of_agents(qs: QuerySet[AgentRun], agents: frozenset[str] | None) -> QuerySet[AgentRun]:
+    """Only runs of `agents` (None: of any agent).
+
+    A worker claims only runs of agents it has, so that in a rolling deploy an old worker
+    leaves a new agent's runs to a new worker instead of dead-lettering them. A filter on
+    the due index's scan, not an index column: the claim order stays the index order.
+    """
+    return qs if agents is None else qs.filter(agent__in=sorted(agents))
+
+
+def due_queued(
+    queues: Iterable[str], at: datetime, scopes: ScopePolicy,
+    agents: frozenset[str] | None = None,
+) -> QuerySet[AgentRun]:
     """Queued runs that can start now, in claim order: priority, due time, firing order."""
-    qs = AgentRun.objects.filter(status=Status.QUEUED, queue__in=list(queues),
-                                 available_at__lte=at)
+    qs = of_agents(AgentRun.objects.filter(status=Status.QUEUED, queue__in=list(queues),
+                                           available_at__lte=at), agents)
     return startable(qs, scopes).order_by("-priority", "available_at", "fired_seq", "id")
 
 
-def awaited(queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> QuerySet[AgentRun]:
+def awaited(
+    queues: Iterable[str], at: datetime, scopes: ScopePolicy,
+    agents: frozenset[str] | None = None,
+) -> QuerySet[AgentRun]:
     """Queued runs due by time that a worker will get to without outside help.
 
     That is, all but those behind a run no worker releases: a dead letter (where the agent
-    says it blocks) or a run still backing off. A burst worker whose claim came back empty
-    waits while any of these remain (another worker holds them, or the run ahead of them),
-    and exits past the rest.
+    says it blocks) or a run still backing off; and, given `agents`, all but runs of other
+    agents (a worker that has them takes those). A burst worker whose claim came back
+    empty waits while any of these remain (another worker holds them, or the run ahead of
+    them), and exits past the rest.
     """
-    qs = AgentRun.objects.filter(status=Status.QUEUED, queue__in=list(queues),
-                                 available_at__lte=at)
+    qs = of_agents(AgentRun.objects.filter(status=Status.QUEUED, queue__in=list(queues),
+                                           available_at__lte=at), agents)
     for agents, blocking in ((scopes.ordered - scopes.dead_letters_block, False),
                              (scopes.ordered & scopes.dead_letters_block, True)):
         stuck = Q(status=Status.QUEUED, available_at__gt=at)
@@ -79,9 +96,21 @@ def awaited(queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> QuerySe
     return qs
 
 
-def lapsed(queues: Iterable[str] | None, at: datetime) -> QuerySet[AgentRun]:
+def lapsed(
+    queues: Iterable[str] | None, at: datetime, agents: frozenset[str] | None = None
+) -> QuerySet[AgentRun]:
     """Running runs whose lease has lapsed: their worker is gone (or too slow to count)."""
-    qs = AgentRun.objects.filter(status=Status.RUNNING, lease_expires__lt=at)
+    qs = of_agents(AgentRun.objects.filter(status=Status.RUNNING, lease_expires__lt=at), agents)
+    return qs if queues is None else qs.filter(queue__in=list(queues))
+
+
+def due_elsewhere(
+    queues: Iterable[str] | None, at: datetime, agents: frozenset[str]
+) -> QuerySet[AgentRun]:
+    """Queued, due runs of agents not in `agents`: a worker that has only `agents` leaves
+    them to another (the metrics count them; a burst worker says it left them)."""
+    qs = AgentRun.objects.filter(status=Status.QUEUED, available_at__lte=at).exclude(
+        agent__in=sorted(agents))
     return qs if queues is None else qs.filter(queue__in=list(queues))
 
 
@@ -91,10 +120,14 @@ CLAIM_FIELDS = ("id", "agent", "status", "attempt", "requeue_count", "max_requeu
 
 @functools.lru_cache(maxsize=512)
 def compiled_due(
-    vendor: str, queues: tuple[str, ...], scopes: ScopePolicy, limit: int, *, ids_only: bool
+    vendor: str, queues: tuple[str, ...], scopes: ScopePolicy, limit: int, *, ids_only: bool,
+    agents: frozenset[str] | None = None,
 ) -> rawsql.Compiled:
-    """The due query's SQL for this shape, compiled once (`vendor` keys the cache)."""
-    qs = due_queued(queues, rawsql.SENTINEL_TIME, scopes)
+    """The due query's SQL for this shape, compiled once (`vendor` keys the cache).
+
+    A worker's agents are fixed, so they are baked into the statement with its queues.
+    """
+    qs = due_queued(queues, rawsql.SENTINEL_TIME, scopes, agents)
     if vendor == "postgresql":
         qs = qs.select_for_update(skip_locked=True, of=("self",))
     with transaction.atomic():  # Django compiles FOR UPDATE only inside one (no statement runs)
