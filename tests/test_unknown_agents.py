@@ -14,10 +14,13 @@ import logging
 from datetime import datetime, timedelta
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from django_agentruns import RunRequest, enqueue, enqueue_many, transitions
 from django_agentruns.models import AgentRun, RunEvent, Status
+from django_agentruns.registry import all_agents
+from django_agentruns.transitions import due
 from django_agentruns.worker import Worker, scope_policy
 from tests import helpers
 from tests.testapp.models import SideEffect
@@ -89,6 +92,49 @@ def test_a_lapsed_run_is_taken_back_only_by_a_claim_that_has_its_agent() -> None
 
     [taken] = claim(frozenset({NEW}))
     assert (taken.pk, taken.attempt, taken.claimed_by) == (run.pk, 2, "w")
+
+
+@pytest.mark.django_db
+def test_the_agent_filter_is_one_no_index_on_agent_can_serve() -> None:
+    """The claim order is the due index's; `agentruns_scope_head` starts with `agent`, and a
+    planner without statistics took it for a plain `agent IN (...)`, then sorted the
+    whole backlog on every claim."""
+    sql = due.compiled_due(connection.vendor, ("default",), scope_policy(), 32, ids_only=True,
+                           agents=OLD).sql
+    qn = connection.ops.quote_name
+    column = f"{qn(AgentRun._meta.db_table)}.{qn('agent')}"
+    if connection.vendor == "postgresql":
+        assert f"array_position(%s::text[], {column}) IS NOT NULL" in sql
+    else:
+        assert f"+{column} IN (%s, %s)" in sql
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db
+def test_the_claim_with_an_agent_filter_stays_on_the_due_index() -> None:
+    """Also on statistics taken while every run was another agent's, before a burst of
+    the worker's own: they made a plain `agent IN (...)` look so selective that the
+    planner took the scope-head index and sorted all 2,000 runs for each claim."""
+    table = AgentRun._meta.db_table
+    AgentRun.objects.bulk_create([AgentRun(agent=NEW, queue="default", status=status)
+                                  for status in [Status.SUCCEEDED] * 2000 + [Status.QUEUED] * 50])
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {table}")
+    enqueue_many([RunRequest("tests.noop", {"n": i}) for i in range(2000)])
+    enqueue_many([RunRequest(NEW, {"n": i}, priority=1) for i in range(200)])
+    old_worker = frozenset(all_agents()) - {NEW}  # as many agents as a real worker has
+    compiled = due.compiled_due("postgresql", ("default",), scope_policy(), 32, ids_only=True,
+                                agents=old_worker)
+    with connection.cursor() as cursor:
+        for analyzed in (False, True):
+            if analyzed:
+                cursor.execute(f"ANALYZE {table}")
+            cursor.execute("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + compiled.sql,
+                           compiled.bind(timezone.now()))
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+            assert "Index Scan using agentruns_due" in plan, plan
+            assert "Sort" not in plan, plan
+            assert "Rows Removed by Filter: 250" in plan, plan  # read past, not sorted
 
 
 # --------------------------------------------------------------------------- burst workers

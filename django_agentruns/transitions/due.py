@@ -14,7 +14,7 @@ from typing import Any
 from django.db import transaction
 from django.db.models import Exists, F, OuterRef, Q, QuerySet
 
-from ..db import RowBefore
+from ..db import AmongUnindexed, RowBefore
 from ..models import AgentRun, Status
 from ..outcomes import ScopePolicy
 from . import rawsql
@@ -57,9 +57,10 @@ def of_agents(qs: QuerySet[AgentRun], agents: frozenset[str] | None) -> QuerySet
 
     A worker claims only runs of agents it has, so that in a rolling deploy an old worker
     leaves a new agent's runs to a new worker instead of dead-lettering them. A filter on
-    the due index's scan, not an index column: the claim order stays the index order.
+    the due (or running) index's scan that no index on `agent` can serve: the claim keeps
+    the due index's order whatever the planner's statistics say.
     """
-    return qs if agents is None else qs.filter(agent__in=sorted(agents))
+    return qs if agents is None else qs.filter(AmongUnindexed(F("agent"), sorted(agents)))
 
 
 def due_queued(
