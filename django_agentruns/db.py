@@ -98,8 +98,9 @@ class AmongUnindexed(Lookup):
 
     For the claim's agent filter. The due index gives the claim order; an index that starts
     with `agent` (`agentruns_scope_head`) could answer a plain `agent IN (...)`, and where
-    the planner lacks statistics (a new table, a bulk enqueue before autoanalyze) it takes
-    that one and sorts the whole backlog on every claim. PostgreSQL gets
+    the planner's statistics predate the backlog (taken when the worker's agents had few
+    runs, before a burst of enqueues) it takes that one and sorts the whole backlog on
+    every claim (tests/test_unknown_agents.py shows it). PostgreSQL gets
     `array_position(%s::text[], column) IS NOT NULL`: one array parameter, no index can
     serve it, and it is estimated almost always true, as it is. SQLite gets
     `+column IN (...)`, its documented way to rule an index out.

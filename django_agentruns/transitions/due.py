@@ -87,13 +87,13 @@ def awaited(
     """
     qs = of_agents(AgentRun.objects.filter(status=Status.QUEUED, queue__in=list(queues),
                                            available_at__lte=at), agents)
-    for agents, blocking in ((scopes.ordered - scopes.dead_letters_block, False),
-                             (scopes.ordered & scopes.dead_letters_block, True)):
+    for ordered, blocking in ((scopes.ordered - scopes.dead_letters_block, False),
+                              (scopes.ordered & scopes.dead_letters_block, True)):
         stuck = Q(status=Status.QUEUED, available_at__gt=at)
         if blocking:
             stuck |= Q(status=Status.FAILED)
-        if agents:
-            qs = qs.filter(~Q(agent__in=agents) | ~Exists(ahead_in_scope().filter(stuck)))
+        if ordered:
+            qs = qs.filter(~Q(agent__in=ordered) | ~Exists(ahead_in_scope().filter(stuck)))
     return qs
 
 
