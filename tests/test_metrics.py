@@ -379,6 +379,25 @@ def test_runworker_serves_its_metrics_on_the_given_port(worker_env: dict[str, st
     assert values[("agentruns_queue_depth", frozenset({("queue", "default")}))] == 0
 
 
+def test_a_worker_reports_the_due_runs_of_agents_it_lacks(worker_env: dict[str, str]) -> None:
+    """A worker of old code in a rolling deploy: it leaves the new agent's runs queued,
+    and its metrics say how many."""
+    enqueue("tests.once")
+    enqueue("tests.once")
+    env = {**worker_env, "AGENTRUNS_TEST_HIDE_AGENTS": "tests.once"}
+    with helpers.start_manage(["runworker", "--metrics-port", "0", "--metrics-addr",
+                               "127.0.0.1"], env) as worker:
+        found = helpers.wait_until(
+            lambda: re.search(r"serving metrics on (http://127\.0\.0\.1:\d+)/metrics",
+                              worker.stderr), message="the metrics server to start")
+        with urllib.request.urlopen(f"{found.group(1)}/metrics", timeout=5) as response:
+            values = parse(response.read().decode())
+        worker.stop()
+    key = frozenset({("queue", "default"), ("agent", "tests.once")})
+    assert values[("agentruns_unknown_agent_runs", key)] == 2
+    assert AgentRun.objects.filter(status=Status.QUEUED).count() == 2
+
+
 def test_runworker_refuses_a_bad_or_busy_metrics_port() -> None:
     with pytest.raises(CommandError, match="must be a port number from 0 to 65535"):
         call_command("runworker", "--metrics-port", "70000")
