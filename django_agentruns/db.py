@@ -90,3 +90,33 @@ class RowBefore(Lookup):
         lhs, lhs_params = compiler.compile(self.lhs)
         rhs, rhs_params = compiler.compile(self.rhs)
         return f"{lhs} < {rhs}", (*lhs_params, *rhs_params)
+
+
+class AmongUnindexed(Lookup):
+    """`column IN (values)` that no index on the column can answer: a filter on the rows
+    another index finds, in that index's order.
+
+    For the claim's agent filter. The due index gives the claim order; an index that starts
+    with `agent` (`agentruns_scope_head`) could answer a plain `agent IN (...)`, and where
+    the planner's statistics predate the backlog (taken when the worker's agents had few
+    runs, before a burst of enqueues) it takes that one and sorts the whole backlog on
+    every claim (tests/test_unknown_agents.py shows it). PostgreSQL gets
+    `array_position(%s::text[], column) IS NOT NULL`: one array parameter, no index can
+    serve it, and it is estimated almost always true, as it is. SQLite gets
+    `+column IN (...)`, its documented way to rule an index out.
+    """
+
+    lookup_name = "among_unindexed"
+    prepare_rhs = False
+
+    def __init__(self, column: Any, values: list[str]) -> None:
+        super().__init__(column, list(values))
+
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, tuple[Any, ...]]:
+        column, params = compiler.compile(self.lhs)
+        if not self.rhs:
+            return "1 = 0", ()
+        if connection.vendor == "postgresql":
+            return f"array_position(%s::text[], {column}) IS NOT NULL", (self.rhs, *params)
+        marks = ", ".join(["%s"] * len(self.rhs))
+        return f"+{column} IN ({marks})", (*params, *self.rhs)

@@ -8,7 +8,8 @@ Two kinds:
 * read from the database when scraped: the backlog per queue and the dead letters
   (`BacklogCollector`), at most once per `BACKLOG_TTL` seconds whoever scrapes, with
   grouped COUNTs the partial due index, the running index and the status+reason index
-  answer, never a count of the whole table.
+  answer, never a count of the whole table; and the due runs of agents this process does
+  not have (the runs its workers leave queued), one grouped COUNT over the queued runs.
 
 Served by `runworker --metrics-port` (`serve`) and, for the web process, by `metrics_view`
 (`django_agentruns.urls`). Without prometheus_client everything here imports, the observe
@@ -127,16 +128,22 @@ class Backlog:
     """Seconds the longest-waiting due run has been due."""
     running: dict[str, int] = field(default_factory=dict)
     dead_letters: dict[str, int] = field(default_factory=dict)
+    unknown_agents: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Due runs of agents not registered in this process, by (queue, agent): a worker
+    claims only runs of agents it has, so its workers leave these to others."""
 
 
 def read_backlog(at: datetime | None = None) -> Backlog:
-    """Three grouped COUNTs, each answered from an index that holds only what it counts.
+    """Four grouped COUNTs, three answered from an index that holds only what it counts.
 
     The queued runs come from the partial due index (status='queued'), the running ones
     from the partial running index, the dead letters from the status+reason index: the
-    size of the history (succeeded runs) costs nothing here.
+    size of the history (succeeded runs) costs nothing here. The fourth reads the queued
+    rows (the backlog, not the history) for their agent.
     """
     from .models import AgentRun
+    from .registry import all_agents
+    from .visibility import due_elsewhere
 
     at = at or timezone.now()
     backlog = Backlog()
@@ -155,6 +162,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
+    backlog.unknown_agents.update(due_elsewhere(None, frozenset(all_agents()), at))
     return backlog
 
 
@@ -231,6 +239,14 @@ class BacklogCollector:
         for reason in DEAD_LETTER_REASONS:
             dead.add_metric([str(reason)], backlog.dead_letters.get(reason, 0))
         yield dead
+        unknown = GaugeMetricFamily(
+            "agentruns_unknown_agent_runs",
+            "Due runs of agents not registered in this process, by queue and agent: its "
+            "workers leave them queued for a worker that has the agent (present while > 0).",
+            labels=["queue", "agent"])
+        for (queue, agent), count in sorted(backlog.unknown_agents.items()):
+            unknown.add_metric([queue, agent], count)
+        yield unknown
 
 
 def _agent_queues() -> set[str]:

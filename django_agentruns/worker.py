@@ -27,7 +27,7 @@ from typing import Any
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from . import execution, metrics, reaper, tracing, transitions
+from . import execution, metrics, reaper, tracing, transitions, visibility
 from .conf import app_settings
 from .context import AttemptControl, StopReason
 from .exceptions import AgentRunsError, UnknownAgentError
@@ -111,6 +111,9 @@ class Worker:
         self._last_reap = 0.0
         self._last_lapsed_scan = 0.0
         self._agents = all_agents()
+        # Claims take only runs of these: another worker's agent (a rolling deploy's new
+        # one) is left queued for a worker that has it, not dead-lettered here.
+        self._known = frozenset(self._agents)
         self._scopes = scope_policy(self._agents)
         self._ttls = {name: s.effective_lease_ttl() for name, s in self._agents.items()}
         # Successes that finish together are written in one transaction, on one connection.
@@ -209,7 +212,8 @@ class Worker:
         include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
         runs = transitions.claim(
             self.worker_id, self.queues, min(free, int(app_settings.CLAIM_BATCH)), self._scopes,
-            self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed)
+            self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed,
+            agents=self._known)
         if include_lapsed:
             self._last_lapsed_scan = now
         for run in runs:
@@ -219,8 +223,18 @@ class Worker:
 
     def _work_pending(self) -> bool:
         # Not every queued, due run: one behind a dead letter or a backoff is not waiting
-        # on another worker, and waiting for it would end in ContentionTimeout.
-        return transitions.awaited(self.queues, timezone.now(), self._scopes).exists()
+        # on another worker, nor one of an agent this worker lacks (a worker that has it
+        # takes it); waiting for those would end in ContentionTimeout.
+        at = timezone.now()
+        if transitions.awaited(self.queues, at, self._scopes, self._known).exists():
+            return True
+        left = visibility.due_elsewhere(self.queues, self._known, at)
+        if left:
+            logger.warning("leaving %s due runs of agents this worker does not have (%s): "
+                           "a worker that has them will claim them", sum(left.values()),
+                           ", ".join(sorted({agent for _, agent in left})),
+                           extra={"worker_id": self.worker_id})
+        return False
 
     def _maybe_reap(self) -> None:
         if self.reap_interval <= 0:

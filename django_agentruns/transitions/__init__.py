@@ -31,7 +31,7 @@ from .batched import (
     apply_writes,
 )
 from .claiming import claim
-from .due import awaited, due_queued, lapsed
+from .due import awaited, due_elsewhere, due_queued, lapsed
 from .enqueue import NewRun, insert_runs
 from .events import (
     ABANDONED,
@@ -63,7 +63,7 @@ __all__ = [
     "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult", "CheckpointWrite",
     "EmitWrite", "ErrorInfo", "NewRun", "RenewWrite", "Renewal", "Result", "ScopePolicy",
     "Settlement", "SucceedWrite", "Write", "abandon", "apply_writes", "awaited", "cancel",
-    "checkpoint", "claim", "due_queued", "emit", "emitted_event_id",
+    "checkpoint", "claim", "due_elsewhere", "due_queued", "emit", "emitted_event_id",
     "find_stale", "insert_runs", "lapsed", "lifecycle_event_id", "now",
     "operator_retry", "policy", "reap_one", "renew", "renew_many", "settle_cancelled",
     "settle_failed", "settle_succeeded", "settle_succeeded_many", "start_interactive",
