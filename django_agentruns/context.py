@@ -10,19 +10,23 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import re
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections
+from django.db import DatabaseError, close_old_connections, connection
 
 from . import transitions
+from .db import storage_unreachable
 from .exceptions import AttemptStopped, InvalidInputError
 from .outcomes import AttemptRef, Renewal
+
+logger = logging.getLogger("django_agentruns.worker")
 
 
 class StopReason:
@@ -30,6 +34,7 @@ class StopReason:
     LEASE_LOST = "lease_lost"
     TIMEOUT = "timeout"
     SHUTDOWN = "shutdown"
+    INTERRUPTED = "interrupted"  # the database stayed out of reach: requeued, not charged
 
 
 class AttemptControl:
@@ -70,6 +75,37 @@ class AttemptControl:
         elif renewal is Renewal.CANCEL_REQUESTED:
             self.request_stop(StopReason.CANCELLED)
         self.check()
+
+    def call(self, write: Callable[..., Renewal], *args: Any) -> Renewal:
+        """One storage call of the attempt, retried on a fresh connection while the
+        database is out of reach (a restart, a killed session, lock contention).
+
+        The engine's storage failures are not the agent's: past half the lease the attempt
+        stops as interrupted, and is requeued without spending its budget. Each write is
+        one guarded, idempotent transaction, so a retry after a lost commit adds nothing.
+        Interactive runs (no lease, maybe in the caller's transaction) are not retried.
+        """
+        deadline = time.monotonic() + (self.ref.lease_ttl or 0.0) / 2
+        wait = 0.05
+        while True:
+            try:
+                with self.storage():
+                    return write(*args)
+            except DatabaseError as exc:
+                if self.ref.lease_ttl is None or connection.in_atomic_block \
+                        or not storage_unreachable(exc):
+                    raise
+                with suppress(Exception):
+                    connection.close()  # broken: the next try opens a fresh one
+                if self.stop_reason is not None:
+                    raise AttemptStopped(self.stop_reason) from exc
+                if time.monotonic() + wait > deadline:
+                    self.request_stop(StopReason.INTERRUPTED)
+                    raise AttemptStopped(StopReason.INTERRUPTED) from exc
+                logger.warning("run %s: storage call failed (%s); retrying in %.2fs",
+                               self.ref.run_id, exc, wait)
+                time.sleep(wait)
+                wait = min(1.0, wait * 2)
 
     @contextmanager
     def storage(self) -> Iterator[None]:
@@ -189,8 +225,7 @@ class RunContext:
         payload = ensure_json({} if payload is None else payload, f"Payload of event {type!r}")
         event_id = transitions.emitted_event_id(self.run_id, control.checkpoints, control.position)
         control.position += 1
-        with control.storage():
-            renewal = transitions.emit(control.ref, event_id, type, payload)
+        renewal = control.call(transitions.emit, control.ref, event_id, type, payload)
         control.apply(renewal)
 
     def checkpoint(self, state: Any) -> None:
@@ -198,8 +233,8 @@ class RunContext:
         control = self._control
         control.check()
         state = ensure_json(state, "Checkpoint state")
-        with control.storage():
-            renewal = transitions.checkpoint(control.ref, state, control.checkpoints + 1)
+        renewal = control.call(transitions.checkpoint, control.ref, state,
+                               control.checkpoints + 1)
         control.apply(renewal)
         control.checkpoints += 1
         control.position = 0
@@ -209,8 +244,7 @@ class RunContext:
         """Renew the lease and take any stop request (a step boundary with no event)."""
         control = self._control
         control.check()
-        with control.storage():
-            renewal = transitions.renew(control.ref)
+        renewal = control.call(transitions.renew, control.ref)
         control.apply(renewal)
 
     async def aemit(self, type: str, payload: dict[str, Any] | None = None) -> None:

@@ -35,6 +35,32 @@ def is_transient_lock_error(exc: BaseException) -> bool:
     )
 
 
+def storage_unreachable(exc: BaseException) -> bool:
+    """Whether a database error is the database out of reach, not the statement's fault:
+    lock contention, or a connection that no longer answers (a restart, a killed session,
+    a refused connect). Errors on a working connection (bad data, a statement timeout)
+    are not: retrying them would loop."""
+    if not isinstance(exc, DatabaseError):
+        return False
+    return is_transient_lock_error(exc) or not connection_answers()
+
+
+def connection_answers() -> bool:
+    """Ping this thread's connection on its own DB-API handle (no Django wrapping)."""
+    raw = connection.connection
+    if raw is None:
+        return False
+    try:
+        cursor = raw.cursor()
+        try:
+            cursor.execute("SELECT 1")
+        finally:
+            cursor.close()
+    except Exception:
+        return False
+    return True
+
+
 def retry_on_lock(attempts: int = 8) -> Callable[[Callable[P, T]], Callable[P, T]]:
     """Retry a whole transaction that met lock contention, with short jittered waits.
 

@@ -29,6 +29,7 @@ from .events import (
     CANCELLED,
     CHECKPOINT,
     DEAD_LETTERED,
+    INTERRUPTED,
     RETRIED,
     RETRYING,
     STARTED,
@@ -41,6 +42,7 @@ from .operators import cancel, operator_retry, start_interactive
 from .settling import (
     abandon,
     find_stale,
+    interrupt,
     reap_one,
     settle_cancelled,
     settle_failed,
@@ -49,11 +51,11 @@ from .settling import (
 )
 
 __all__ = [
-    "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "RETRIED",
-    "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult", "ErrorInfo", "NewRun",
-    "Renewal", "ScopePolicy", "Settlement", "abandon", "awaited", "cancel", "checkpoint",
+    "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "INTERRUPTED",
+    "RETRIED", "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult", "ErrorInfo",
+    "NewRun", "Renewal", "ScopePolicy", "Settlement", "abandon", "awaited", "cancel", "checkpoint",
     "claim", "due_queued", "earlier_holder", "emit", "emitted_event_id", "find_stale",
-    "holding_statuses", "insert_runs", "lapsed", "lifecycle_event_id", "now",
+    "holding_statuses", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "now",
     "operator_retry", "policy", "reap_one", "renew", "renew_many", "settle_cancelled",
     "settle_failed", "settle_succeeded", "settle_succeeded_many", "start_interactive",
 ]

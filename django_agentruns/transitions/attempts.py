@@ -95,10 +95,14 @@ def emit(
 
 @retry_on_lock()
 def checkpoint(ref: AttemptRef, state: Any, count: int, at: datetime | None = None) -> Renewal:
-    """Save resume state as checkpoint number `count`, renewing the lease."""
+    """Save resume state as checkpoint number `count`, renewing the lease.
+
+    A replay of a checkpoint already stored (a retry after a lost commit) only renews.
+    """
     at = at or now()
     with transaction.atomic():
-        updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True).update(
+        updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True,
+                                          checkpoint_count__lt=count).update(
             checkpoint_state=state, checkpoint_count=count, lease_expires=ref.lease_until(at))
         if not updated:
             return _renew_locked(ref, at)
