@@ -311,4 +311,4 @@ async def async_traced(ctx: RunContext) -> dict[str, Any]:
     return {"traced": True}
 
 
-from . import chaos_agents  # noqa: E402,F401
+from . import chaos_agents, failure_agents  # noqa: E402,F401
