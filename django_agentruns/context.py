@@ -88,12 +88,13 @@ class AttemptControl:
         deadline = time.monotonic() + (self.ref.lease_ttl or 0.0) / 2
         wait = 0.05
         while True:
+            raw = connection.connection
             try:
                 with self.storage():
                     return write(*args)
             except DatabaseError as exc:
                 if self.ref.lease_ttl is None or connection.in_atomic_block \
-                        or not storage_unreachable(exc):
+                        or not storage_unreachable(exc, raw):
                     raise
                 with suppress(Exception):
                     connection.close()  # broken: the next try opens a fresh one

@@ -35,14 +35,30 @@ def is_transient_lock_error(exc: BaseException) -> bool:
     )
 
 
-def storage_unreachable(exc: BaseException) -> bool:
+# SQLSTATEs of a lost connection: class 08, and the server shutting down or starting up.
+_LOST_CONNECTION_STATES = ("08", "57P01", "57P02", "57P03")
+
+
+def storage_unreachable(exc: BaseException, raw_before: Any = None) -> bool:
     """Whether a database error is the database out of reach, not the statement's fault:
-    lock contention, or a connection that no longer answers (a restart, a killed session,
-    a refused connect). Errors on a working connection (bad data, a statement timeout)
-    are not: retrying them would loop."""
+    lock contention, or a lost connection (a restart, a killed session, a refused connect).
+
+    Errors on a working connection (bad data, a statement timeout) are not: retrying them
+    would loop. `raw_before` is the DB-API connection the call began on: one Django has
+    replaced since (it drops a connection whose rollback failed, and may reconnect at
+    once) was lost.
+    """
     if not isinstance(exc, DatabaseError):
         return False
-    return is_transient_lock_error(exc) or not connection_answers()
+    if is_transient_lock_error(exc):
+        return True
+    state = getattr(exc.__cause__, "sqlstate", None) or ""
+    if state.startswith(_LOST_CONNECTION_STATES):
+        return True
+    raw = connection.connection
+    if raw is None or (raw_before is not None and raw is not raw_before):
+        return True
+    return not connection_answers()
 
 
 def connection_answers() -> bool:
