@@ -71,7 +71,9 @@ def call_agent(
     except BaseException as exc:
         # BaseException: an agent's SystemExit or KeyboardInterrupt is its failure too, and
         # must be recorded like any other (the caller of `run_now` still gets it raised).
-        if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED):
+        if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED,
+                                   StopReason.INTERRUPTED):
+            # The agent turned our stop into an error of its own: the stop is what happened.
             return Outcome("stopped", stop_reason=control.stop_reason)
         return Outcome("failed", error=exc.error if isinstance(exc, _Escaped) else exc)
     if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED):

@@ -147,6 +147,26 @@ def test_a_database_out_of_reach_past_half_the_lease_interrupts_without_charge(
     assert any("requeued (interrupted)" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_an_interruption_the_agent_wraps_in_its_own_error_is_still_an_interruption(
+    monkeypatch: pytest.MonkeyPatch, settings: Any,
+) -> None:
+    settings.AGENTRUNS = {**settings.AGENTRUNS, "LEASE_TTL": 0.4}
+    real = transitions.checkpoint
+
+    def unreachable_on_attempt_1(ref: AttemptRef, *args: Any, **kwargs: Any) -> Any:
+        if ref.attempt == 1:
+            raise OperationalError("database is locked")
+        return real(ref, *args, **kwargs)
+
+    monkeypatch.setattr(transitions, "checkpoint", unreachable_on_attempt_1)
+    run_id = enqueue("tests.converts_stop").pk  # max_requeues=0: a charge dead-letters it
+    Worker(burst=True, reap_interval=0).run(install_signals=False)
+    row = AgentRun.objects.get(pk=run_id)
+    assert (row.status, row.attempt, row.requeue_count) == (Status.SUCCEEDED, 2, 0)
+    assert "run.interrupted" in events(run_id)
+
+
 # --------------------------------------------------------------------------- the transition
 
 

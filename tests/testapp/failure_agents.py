@@ -76,3 +76,13 @@ def drops_connection(ctx: RunContext) -> dict[str, Any]:
     ctx.heartbeat()
     ctx.checkpoint({"step": 2})
     return {"attempt": ctx.attempt}
+
+
+@agent("tests.converts_stop", max_requeues=0)
+def converts_stop(ctx: RunContext) -> dict[str, Any]:
+    """Turns whatever its checkpoint raises (a stop too) into an error of its own."""
+    try:
+        ctx.checkpoint({"step": 1})
+    except BaseException as exc:
+        raise RuntimeError("the agent's own wrapper") from exc
+    return {"attempt": ctx.attempt}
