@@ -35,6 +35,48 @@ def is_transient_lock_error(exc: BaseException) -> bool:
     )
 
 
+# SQLSTATEs of a lost connection: class 08, and the server shutting down or starting up.
+_LOST_CONNECTION_STATES = ("08", "57P01", "57P02", "57P03")
+
+
+def storage_unreachable(exc: BaseException, raw_before: Any = None) -> bool:
+    """Whether a database error is the database out of reach, not the statement's fault:
+    lock contention, or a lost connection (a restart, a killed session, a refused connect).
+
+    Errors on a working connection (bad data, a statement timeout) are not: retrying them
+    would loop. `raw_before` is the DB-API connection the call began on: one Django has
+    replaced since (it drops a connection whose rollback failed, and may reconnect at
+    once) was lost.
+    """
+    if not isinstance(exc, DatabaseError):
+        return False
+    if is_transient_lock_error(exc):
+        return True
+    state = getattr(exc.__cause__, "sqlstate", None) or ""
+    if state.startswith(_LOST_CONNECTION_STATES):
+        return True
+    raw = connection.connection
+    if raw is None or (raw_before is not None and raw is not raw_before):
+        return True
+    return not connection_answers()
+
+
+def connection_answers() -> bool:
+    """Ping this thread's connection on its own DB-API handle (no Django wrapping)."""
+    raw = connection.connection
+    if raw is None:
+        return False
+    try:
+        cursor = raw.cursor()
+        try:
+            cursor.execute("SELECT 1")
+        finally:
+            cursor.close()
+    except Exception:
+        return False
+    return True
+
+
 def retry_on_lock(attempts: int = 8) -> Callable[[Callable[P, T]], Callable[P, T]]:
     """Retry a whole transaction that met lock contention, with short jittered waits.
 

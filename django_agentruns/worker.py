@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -19,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -260,7 +261,8 @@ class Worker:
                     extra=_extra(ref, run.agent))
         if spec is not None and spec.is_async:
             self._ensure_loop()
-        self._pool.submit(self._attempt, live)
+        future = self._pool.submit(self._attempt, live)
+        future.add_done_callback(functools.partial(self._attempt_done, live))
 
     def _attempt(self, live: _Live) -> None:
         run, control = live.run, live.control
@@ -279,9 +281,10 @@ class Worker:
             self.stats.settled[settlement.value] = self.stats.settled.get(settlement.value, 0) + 1
             metrics.observe_settlement(run.agent, settlement.value, metrics.queue_wait(run),
                                        time.monotonic() - began)
-        except Exception:
+        except BaseException:
             # Storage failed while settling: the run stays running until its lease lapses,
-            # then the reaper (or a claim) takes it back. Nothing is lost.
+            # then the reaper (or a claim) takes it back. Nothing is lost. BaseException:
+            # in a pool thread nothing else would ever read it.
             logger.exception("run %s: could not record the attempt's outcome", run.pk,
                              extra=_extra(control.ref, run.agent))
         finally:
@@ -291,6 +294,13 @@ class Worker:
                     del self._live[run.pk]
             close_old_connections()
             self._wake.set()
+
+    def _attempt_done(self, live: _Live, future: Future[None]) -> None:
+        """Log what escaped `_attempt` (nothing should): a pool future is never read."""
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            logger.error("run %s: attempt thread raised", live.run.pk, exc_info=error,
+                         extra=_extra(live.control.ref, live.run.agent))
 
     def _record(self, live: _Live, outcome: execution.Outcome) -> transitions.Settlement:
         """Write the outcome, retrying a database error for up to half the lease.

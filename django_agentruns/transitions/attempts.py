@@ -109,11 +109,13 @@ def checkpoint(
 ) -> Renewal:
     """Save resume state as checkpoint number `count`, renewing the lease.
 
-    Its marker event is left out once the stream holds `max_events`: the state is what
+    A replay of a checkpoint already stored (a retry after a lost commit) only renews. Its
+    marker event is left out once the stream holds `max_events`: the state is what
     matters, and a loop of checkpoints must not grow the stream without bound."""
     at = at or now()
     with transaction.atomic():
-        updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True).update(
+        updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True,
+                                          checkpoint_count__lt=count).update(
             checkpoint_state=state, checkpoint_count=count, lease_expires=ref.lease_until(at))
         if not updated:
             return _renew_locked(ref, at)

@@ -29,6 +29,7 @@ CANCEL_REQUESTED = "run.cancel_requested"
 ABANDONED = "run.abandoned"
 RETRIED = "run.retried"
 CHECKPOINT = "run.checkpoint"
+INTERRUPTED = "run.interrupted"
 
 
 def now() -> datetime:
