@@ -288,7 +288,7 @@ PHASES = [
     ("start an attempt (Worker._start: log, submit)", "Worker._start (django_agentruns/"),
     ("burst check (Worker._work_pending)", "Worker._work_pending (django_agentruns/"),
     ("reaper (reaper.reap)", "reap (django_agentruns/reaper.py"),
-    ("lease keeper (renew_many)", "Worker._keep_leases (django_agentruns/"),
+    ("lease keeper (renew_many)", "LeaseKeeper._run (django_agentruns/"),
     ("LISTEN thread", "Listener._run (django_agentruns/"),
     ("log the settlement", "log_settlement (django_agentruns/"),
     ("agent call and context", "call_agent (django_agentruns/"),

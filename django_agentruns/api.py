@@ -13,12 +13,14 @@ from typing import Any
 
 from django.utils import timezone
 
-from . import execution, signals, transitions
-from .context import AttemptControl, capped_json, storable_text, unstorable_text
+from . import signals, transitions
 from .exceptions import InvalidInputError, RunNotFoundError
+from .executor import AttemptControl, Executor, stopped_error
 from .models import AgentRun
+from .outcomes import OutcomeKind
 from .registry import QUEUE_RULE, AgentSpec, get_agent, is_queue_name
 from .transitions import AttemptRef, CancelResult, NewRun
+from .validation import capped_json, storable_text, unstorable_text
 
 SCOPE_MAX = 255
 QUEUE_MAX = 100
@@ -223,11 +225,10 @@ def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
     transitions.start_interactive(run, worker_id)
     ref = AttemptRef(run.pk, 1, worker_id, lease_ttl=None, agent=run.agent)
     control = AttemptControl(ref, spec.timeout, checkpoints=0)
-    outcome = execution.call_agent(spec, execution.make_context(run, control), control, None)
-    execution.record(spec, ref, outcome, interactive=True)
-    if outcome.kind == "failed":
+    outcome = Executor(worker_id).interactive(spec, run, control)
+    if outcome.kind is OutcomeKind.FAILED:
         assert outcome.error is not None
         raise outcome.error
-    if outcome.kind == "stopped":
-        raise execution.stopped_error(spec, outcome)
+    if outcome.kind is OutcomeKind.STOPPED:
+        raise stopped_error(spec, outcome)
     return outcome.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
@@ -9,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from django.db import DatabaseError, OperationalError, connection
+from django.db import DatabaseError, OperationalError, connection, connections
 from django.db.models import BigIntegerField, Func, Lookup
 
 P = ParamSpec("P")
@@ -19,6 +20,14 @@ logger = logging.getLogger("django_agentruns.db")
 
 _TRANSIENT_MARKERS = ("database is locked", "database table is locked", "busy", "deadlock detected",
                       "could not serialize access")
+
+
+def close_all_connections() -> None:
+    """Close this thread's open connections, whatever state they are in (after an error
+    they may be broken; a thread that ends must not leave one open)."""
+    for conn in connections.all(initialized_only=True):
+        with contextlib.suppress(Exception):
+            conn.close()
 
 
 def is_postgres() -> bool:

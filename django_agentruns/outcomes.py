@@ -1,7 +1,10 @@
-"""Values passed between the executor and storage: the fence, and what a write came to.
+"""The result vocabulary, in one home: what an attempt, a write or a decision came to.
 
-Kept apart from `transitions` (which imports the models) so `RunContext` can be imported
-before the app registry is ready.
+Every value an executor, the policy or storage switches on is an enum here (so mypy
+checks each branch), with the values passed between them: the fence (`AttemptRef`) and
+an attempt's `Outcome`. The string enums keep the values that are stored and logged
+("lease_lost", "dead_letter"). Kept apart from `transitions` (which imports the models)
+so `RunContext` can be imported before the app registry is ready.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db.models import Q
 
@@ -55,6 +59,48 @@ class CancelResult(enum.Enum):
     REQUESTED = "requested"  # was running: its attempt will stop within a third of its lease
     ALREADY_REQUESTED = "already_requested"
     NOT_CANCELLABLE = "not_cancellable"  # already finished: nothing to do
+
+
+class StopReason(enum.StrEnum):
+    """Why an attempt was told to stop (logged, and the `stop_reason` of its outcome)."""
+
+    CANCELLED = "cancelled"
+    LEASE_LOST = "lease_lost"
+    TIMEOUT = "timeout"
+    SHUTDOWN = "shutdown"
+    INTERRUPTED = "interrupted"  # the database stayed out of reach: requeued, not charged
+
+
+class OutcomeKind(enum.StrEnum):
+    """How the agent's code ended, before storage is told."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class DecisionAction(enum.StrEnum):
+    """What happens to a run after a failed or abandoned attempt (`policy.decide`)."""
+
+    RETRY = "retry"
+    DEAD_LETTER = "dead_letter"
+    CANCEL = "cancel"
+
+
+@dataclass
+class Outcome:
+    """What the attempt came to, before storage is told."""
+
+    kind: OutcomeKind
+    output: Any = None
+    error: BaseException | None = None
+    stop_reason: StopReason | None = None
+
+    def __post_init__(self) -> None:
+        # Plain strings are accepted (and kept as the enum), as before the enums existed.
+        self.kind = OutcomeKind(self.kind)
+        if self.stop_reason is not None:
+            self.stop_reason = StopReason(self.stop_reason)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 
 from .exceptions import InvalidInputError, NotRetryable, Retryable, UnknownAgentError
+from .outcomes import DecisionAction
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
 NOT_RETRYABLE_NAMES = ("Authentication", "PermissionDenied", "Unauthorized", "Forbidden")
@@ -151,9 +152,12 @@ def backoff(
 class Decision:
     """What happens to a run after a failed or abandoned attempt."""
 
-    action: str  # "retry" | "dead_letter" | "cancel"
-    reason: str = ""  # the dead-letter reason, for "dead_letter"
-    delay: float = 0.0  # seconds before the run is due again, for "retry"
+    action: DecisionAction
+    reason: str = ""  # the dead-letter reason, for DEAD_LETTER
+    delay: float = 0.0  # seconds before the run is due again, for RETRY
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "action", DecisionAction(self.action))
 
 
 def decide(
@@ -166,10 +170,10 @@ def decide(
 ) -> Decision:
     """The next step after a failure: a requested cancel wins, then the budget decides."""
     if cancel_requested:
-        return Decision("cancel")
+        return Decision(DecisionAction.CANCEL)
     if not failure.retryable:
-        return Decision("dead_letter", reason="not_retryable")
+        return Decision(DecisionAction.DEAD_LETTER, reason="not_retryable")
     if requeue_count >= max_requeues:
-        return Decision("dead_letter", reason="retries_exhausted")
+        return Decision(DecisionAction.DEAD_LETTER, reason="retries_exhausted")
     delay = failure.delay if failure.delay is not None else backoff_delay(requeue_count)
-    return Decision("retry", delay=max(0.0, delay))
+    return Decision(DecisionAction.RETRY, delay=max(0.0, delay))

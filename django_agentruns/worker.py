@@ -1,16 +1,15 @@
-"""The worker process: claims due runs, runs them, keeps their leases, stops gracefully.
+"""The worker process: the claim loop, burst and contention handling, the stop sequence.
 
-Threads: the main loop claims and dispatches; each attempt runs in a pool thread (an
-async agent's coroutine runs on one shared event loop, its pool thread waiting on it);
-one settle thread writes the successes (group_commit); one lease keeper renews every live
-lease in one statement per TTL/3 and turns cancel requests, lost leases and timeouts into
-stops; on PostgreSQL one thread LISTENs.
+The roles it starts have their own modules: each claimed attempt runs in a pool thread
+through the `executor` (an async agent's coroutine on one shared event loop, its pool
+thread waiting on it); one settle thread writes the successes (`group_commit`); the
+`lease_keeper` renews every live lease in one statement per TTL/3 and turns cancel
+requests, lost leases and timeouts into stops; the `live` set is what they share; on
+PostgreSQL one thread LISTENs (`notify`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -23,20 +22,22 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
 
-from django.db import DatabaseError, close_old_connections, connection
+from django.db import close_old_connections
 from django.utils import timezone
 
-from . import execution, metrics, reaper, tracing, transitions, visibility
+from . import reaper, transitions, visibility
 from .conf import app_settings
-from .context import AttemptControl, StopReason
-from .exceptions import AgentRunsError, UnknownAgentError
+from .db import close_all_connections
+from .exceptions import AgentRunsError
+from .executor import AttemptControl, Executor, extra
 from .group_commit import GroupCommit
+from .lease_keeper import LeaseKeeper
+from .live import Live, LiveAttempts
 from .models import AgentRun
 from .notify import Listener
-from .registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
-from .transitions import AttemptRef, Renewal
+from .outcomes import AttemptRef, StopReason
+from .registry import all_agents, check_worker_names, find_agent, scope_policy
 
 logger = logging.getLogger("django_agentruns.worker")
 
@@ -60,14 +61,6 @@ class WorkerStats:
     settled: dict[str, int] = field(default_factory=dict)
     pass_errors: int = 0
     reaped: int = 0
-
-
-@dataclass
-class _Live:
-    run: AgentRun
-    spec: AgentSpec | None
-    control: AttemptControl
-    last_renewed: float
 
 
 class Worker:
@@ -99,13 +92,9 @@ class Worker:
         self.stats = WorkerStats()
         self.stopping = threading.Event()
         self._wake = threading.Event()
-        self._live: dict[int, _Live] = {}
-        self._live_lock = threading.Lock()
+        self.live = LiveAttempts()
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="agentrun")
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: threading.Thread | None = None
-        self._keeper: threading.Thread | None = None
-        self._keeper_stop = threading.Event()
+        self.keeper = LeaseKeeper(self.worker_id, self.live)
         self._listener_stop = threading.Event()
         self._listener: Listener | None = None
         self._signals = 0
@@ -120,7 +109,9 @@ class Worker:
         # Successes that finish together are written in one transaction, on one connection.
         self.successes = GroupCommit(
             lambda items: transitions.settle_succeeded_many(self.worker_id, items),
-            on_error=_close_connections)
+            on_error=close_all_connections)
+        self.executor = Executor(self.worker_id, succeed=self.successes.settle,
+                                 known=self._agents)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -132,9 +123,7 @@ class Worker:
         logger.info("worker %s serving queues %s with concurrency %s%s", self.worker_id,
                     ",".join(self.queues), self.concurrency, " (burst)" if self.burst else "",
                     extra={"worker_id": self.worker_id})
-        self._keeper = threading.Thread(target=self._keep_leases, name="agentruns-keeper",
-                                         daemon=True)
-        self._keeper.start()
+        self.keeper.start()
         if Listener.available():
             self._listener = Listener(self.queues, self._wake, self._listener_stop)
             self._listener.start()
@@ -161,8 +150,7 @@ class Worker:
 
     @property
     def busy(self) -> int:
-        with self._live_lock:
-            return len(self._live)
+        return len(self.live)
 
     # ----------------------------------------------------------------- main loop
 
@@ -184,7 +172,7 @@ class Worker:
                 wait = min(30.0, 0.1 * 2 ** min(errors, 9))
                 logger.exception("worker pass failed (%s in a row); retrying in %.1fs", errors,
                                  wait, extra={"worker_id": self.worker_id})
-                _close_connections()
+                close_all_connections()
                 self.stopping.wait(wait)
                 continue
             if claimed:
@@ -254,135 +242,31 @@ class Worker:
         ttl = spec.effective_lease_ttl() if spec else float(app_settings.LEASE_TTL)
         ref = AttemptRef(run.pk, run.attempt, self.worker_id, ttl, agent=run.agent)
         control = AttemptControl(ref, spec.timeout if spec else None, run.checkpoint_count)
-        live = _Live(run, spec, control, time.monotonic())
-        with self._live_lock:
-            self._live[run.pk] = live
+        live = Live(run, spec, control, time.monotonic())
+        self.live.add(live)
         logger.info("run %s %s attempt %s started", run.pk, run.agent, run.attempt,
-                    extra=_extra(ref, run.agent))
-        if spec is not None and spec.is_async:
-            self._ensure_loop()
+                    extra=extra(ref, run.agent))
         future = self._pool.submit(self._attempt, live)
         future.add_done_callback(functools.partial(self._attempt_done, live))
 
-    def _attempt(self, live: _Live) -> None:
-        run, control = live.run, live.control
-        began = time.monotonic()
+    def _attempt(self, live: Live) -> None:
         try:
-            close_old_connections()
-            # Current while the agent runs, so the agent's own spans nest in the attempt's.
-            with tracing.attempt_span(run, self.worker_id) as span:
-                outcome = self._outcome(live)
-                # The agent may have left this thread's connection broken (the database
-                # restarted mid-run): replace it before the outcome is written.
-                close_old_connections()
-                settlement = self._record(live, outcome)
-                span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
-            execution.log_settlement(control.ref, run.agent, settlement, outcome)
-            self.stats.settled[settlement.value] = self.stats.settled.get(settlement.value, 0) + 1
-            metrics.observe_settlement(run.agent, settlement.value, metrics.queue_wait(run),
-                                       time.monotonic() - began)
-        except BaseException:
-            # Storage failed while settling: the run stays running until its lease lapses,
-            # then the reaper (or a claim) takes it back. Nothing is lost. BaseException:
-            # in a pool thread nothing else would ever read it.
-            logger.exception("run %s: could not record the attempt's outcome", run.pk,
-                             extra=_extra(control.ref, run.agent))
+            settlement = self.executor.run(live.run, live.spec, live.control)
+            if settlement is not None:
+                settled = self.stats.settled
+                settled[settlement.value] = settled.get(settlement.value, 0) + 1
         finally:
-            control.done.set()
-            with self._live_lock:
-                if self._live.get(run.pk) is live:
-                    del self._live[run.pk]
+            live.control.done.set()
+            self.live.discard(live)
             close_old_connections()
             self._wake.set()
 
-    def _attempt_done(self, live: _Live, future: Future[None]) -> None:
+    def _attempt_done(self, live: Live, future: Future[None]) -> None:
         """Log what escaped `_attempt` (nothing should): a pool future is never read."""
         error = None if future.cancelled() else future.exception()
         if error is not None:
             logger.error("run %s: attempt thread raised", live.run.pk, exc_info=error,
-                         extra=_extra(live.control.ref, live.run.agent))
-
-    def _record(self, live: _Live, outcome: execution.Outcome) -> transitions.Settlement:
-        """Write the outcome, retrying a database error for up to half the lease.
-
-        Each settle is one guarded transaction, so a retry after a commit whose answer was
-        lost finds the guard unmatched and writes nothing twice. Past half the lease the
-        run is left to lapse and be reclaimed, as if this worker had died.
-        """
-        deadline = time.monotonic() + (live.control.ref.lease_ttl or 0.0) / 2
-        wait = 0.05
-        while True:
-            try:
-                return execution.record(live.spec, live.control.ref, outcome,
-                                        succeed=self.successes.settle)
-            except DatabaseError as exc:
-                if time.monotonic() + wait > deadline:
-                    raise
-                logger.warning("run %s: recording the outcome failed (%s); retrying in %.2fs",
-                               live.run.pk, exc, wait,
-                               extra=_extra(live.control.ref, live.run.agent))
-                connection.close()
-                time.sleep(wait)
-                wait = min(1.0, wait * 2)
-
-    def _outcome(self, live: _Live) -> execution.Outcome:
-        if live.spec is None:
-            return execution.Outcome(
-                "failed", error=UnknownAgentError(live.run.agent, list(self._agents)))
-        ctx = execution.make_context(live.run, live.control)
-        return execution.call_agent(live.spec, ctx, live.control, self._loop)
-
-    def _ensure_loop(self) -> None:
-        if self._loop is not None:
-            return
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="agentruns-loop", daemon=True)
-        thread.start()
-        self._loop, self._loop_thread = loop, thread
-
-    # ----------------------------------------------------------------- lease keeper
-
-    def _keep_leases(self) -> None:
-        while not self._keeper_stop.is_set():
-            with self._live_lock:
-                lives = list(self._live.values())
-            try:
-                self._keeper_tick(lives)
-            except Exception:
-                logger.exception("lease keeper failed; retrying",
-                                 extra={"worker_id": self.worker_id})
-                _close_connections()
-            ttls = [lv.control.ref.lease_ttl for lv in lives if lv.control.ref.lease_ttl]
-            # Wake often enough to renew at a third of the shortest TTL, and to notice
-            # timeouts promptly.
-            self._keeper_stop.wait(min([*ttls, 3.0]) / 6)
-        _close_connections()
-
-    def _keeper_tick(self, lives: list[_Live]) -> None:
-        now = time.monotonic()
-        due: list[_Live] = []
-        for lv in lives:
-            control, ttl = lv.control, lv.control.ref.lease_ttl or 0.0
-            if control.timed_out():
-                control.request_stop(StopReason.TIMEOUT)
-                if control.deadline is not None and now > control.deadline + ttl / 3:
-                    # Stuck past its timeout in code that never reaches a step boundary:
-                    # stop renewing, so the lease lapses and the run is reclaimed.
-                    continue
-            if ttl and now - lv.last_renewed >= ttl / 3:
-                due.append(lv)
-        if not due:
-            return
-        close_old_connections()
-        results = transitions.renew_many(self.worker_id, [lv.control.ref for lv in due])
-        for lv in due:
-            renewal = results.get(lv.control.ref, Renewal.LOST)
-            if renewal is Renewal.LOST:
-                lv.control.request_stop(StopReason.LEASE_LOST)
-                continue
-            lv.last_renewed = now
-            if renewal is Renewal.CANCEL_REQUESTED:
-                lv.control.request_stop(StopReason.CANCELLED)
+                         extra=extra(live.control.ref, live.run.agent))
 
     # ----------------------------------------------------------------- graceful stop
 
@@ -392,8 +276,7 @@ class Worker:
         while self.busy and time.monotonic() < deadline:
             self._wake.wait(0.05)
             self._wake.clear()
-        with self._live_lock:
-            remaining = list(self._live.values())
+        remaining = self.live.snapshot()
         for lv in remaining:
             lv.control.request_stop(StopReason.SHUTDOWN)
         # Stopped attempts record themselves as abandoned once their storage call (if
@@ -407,37 +290,21 @@ class Worker:
                     settlement = transitions.abandon(lv.control.ref, "the worker stopped")
                     logger.info("run %s %s attempt %s %s (the worker stopped; agent stuck)",
                                 lv.run.pk, lv.run.agent, lv.control.ref.attempt,
-                                settlement.value, extra=_extra(lv.control.ref, lv.run.agent))
+                                settlement.value, extra=extra(lv.control.ref, lv.run.agent))
                 except Exception:
                     logger.exception("could not abandon run %s", lv.run.pk)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.successes.close()
-        self._keeper_stop.set()
         self._listener_stop.set()
         # Their connections must be closed when run() returns (a test database cannot be
         # dropped while a session is open on it).
-        threads = [self._keeper, self._listener.thread if self._listener else None]
-        for thread in threads:
-            if thread is not None:
-                thread.join(timeout=5)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        self.keeper.stop(timeout=5)
+        if self._listener is not None:
+            self._listener.thread.join(timeout=5)
+        self.executor.close()
         logger.info("worker %s stopped", self.worker_id, extra={"worker_id": self.worker_id})
 
     @property
     def stuck_attempts(self) -> int:
         """Attempts whose thread is still inside agent code after the worker stopped."""
         return self.busy
-
-
-def _extra(ref: AttemptRef, agent: str) -> dict[str, Any]:
-    return {"run_id": ref.run_id, "agent": agent, "attempt": ref.attempt,
-            "worker_id": ref.worker_id}
-
-
-def _close_connections() -> None:
-    from django.db import connections
-
-    for conn in connections.all(initialized_only=True):
-        with contextlib.suppress(Exception):
-            conn.close()

@@ -39,9 +39,9 @@ from django_agentruns import (
 from django_agentruns import checks as agentruns_checks
 from django_agentruns.api import LATEST_RUN_AFTER
 from django_agentruns.conf import AppSettings, Defaults
-from django_agentruns.context import unstorable_text
 from django_agentruns.models import AgentRun, RunEvent
 from django_agentruns.registry import is_queue_name
+from django_agentruns.validation import unstorable_text
 
 AGENT = "tests.noop"
 DOCUMENTED = (InvalidInputError, UnknownAgentError)

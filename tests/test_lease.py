@@ -13,10 +13,12 @@ from django.conf import settings
 from django.db import connection
 from django.test import override_settings
 
-from django_agentruns import CancelResult, cancel, enqueue, execution, reaper, transitions
-from django_agentruns.context import AttemptControl, RunContext, StopReason
+from django_agentruns import CancelResult, cancel, enqueue, reaper, recording, transitions
+from django_agentruns.context import RunContext
 from django_agentruns.exceptions import AttemptStopped
+from django_agentruns.executor import AttemptControl, make_context
 from django_agentruns.models import AgentRun, RunEvent, Status
+from django_agentruns.outcomes import Outcome, OutcomeKind, StopReason
 from django_agentruns.registry import get_agent
 from django_agentruns.transitions import AttemptRef, Renewal, ScopePolicy
 from django_agentruns.worker import Worker
@@ -140,7 +142,7 @@ def test_emit_and_checkpoint_renew_too() -> None:
 
 def _context(run: AgentRun, ref: AttemptRef) -> tuple[RunContext, AttemptControl]:
     control = AttemptControl(ref, None, run.checkpoint_count)
-    return execution.make_context(run, control), control
+    return make_context(run, control), control
 
 
 @pytest.mark.django_db
@@ -227,10 +229,10 @@ def test_lost_heartbeat_stops_the_attempt_and_it_does_not_settle() -> None:
     # Every later call raises at once, before touching storage.
     with pytest.raises(AttemptStopped):
         ctx.emit("late", {})
-    outcome = execution.Outcome("stopped", stop_reason=control.stop_reason)
+    outcome = Outcome(OutcomeKind.STOPPED, stop_reason=control.stop_reason)
     before = AgentRun.objects.values().get(pk=run.pk)
     events = list(RunEvent.objects.filter(run_id=run.pk).values_list("type", flat=True))
-    assert execution.record(get_agent("tests.noop"), ref, outcome) \
+    assert recording.record(get_agent("tests.noop"), ref, outcome) \
         is transitions.Settlement.LOST
     assert AgentRun.objects.values().get(pk=run.pk) == before
     assert list(RunEvent.objects.filter(run_id=run.pk).values_list("type", flat=True)) == events

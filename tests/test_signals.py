@@ -111,9 +111,10 @@ def test_a_lost_lease_is_announced_and_nothing_is_recorded(received: list[Any]) 
     # Another worker takes the lapsed run; the first one's settle is fenced off.
     transitions.claim("w2", ["default"], 1, scope_policy(), {}, 1.0,
                       at=at + timedelta(seconds=5))
-    from django_agentruns import execution
+    from django_agentruns import recording
+    from django_agentruns.outcomes import Outcome, OutcomeKind
 
-    settlement = execution.record(None, ref, execution.Outcome("succeeded", output={}))
+    settlement = recording.record(None, ref, Outcome(OutcomeKind.SUCCEEDED, output={}))
     assert settlement is transitions.Settlement.LOST
     assert "lease_lost" in names(received, run.pk)
     assert AgentRun.objects.get(pk=run.pk).status == Status.RUNNING

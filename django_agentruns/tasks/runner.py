@@ -94,8 +94,8 @@ class Attempt:
 
     def returned(self, value: Any) -> Any:
         """The return value as JSON (tuples become lists, as Django does), or a clear error."""
-        from ..context import ensure_json
         from ..exceptions import InvalidInputError
+        from ..validation import ensure_json
 
         try:
             normal = compat.normalize_json(value)
@@ -106,7 +106,7 @@ class Attempt:
 
     def finish(self, error: Exception | None, value: Any = None) -> None:
         """Keep how the task ended; `task_finished` goes once the worker has written it."""
-        from ..execution import describe
+        from ..recording import describe
 
         result = self.result
         if error is None:

@@ -14,6 +14,11 @@ One module per moment of a run: `enqueue` (new runs), `due` (what may be claimed
 reclaim), `operators` (cancel, retry, interactive runs); `batched` (an attempt's writes
 as values, many applied in one transaction); `events` appends the story;
 `rawsql` builds the hot path's statements once per shape.
+
+Import direction (docs/architecture.md, enforced by tests/test_layers.py): UI/commands ->
+api and queries -> transitions -> models; worker -> executor -> transitions. This package
+imports only what lies below it (models, queries, outcomes, policy, signals, db, conf),
+never the worker, the executor, the api, the admin or the UI.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from .. import signals
 from ..conf import app_settings
 from ..db import is_postgres, retry_on_lock
 from ..models import AgentRun, RunEvent, Status
-from ..outcomes import ScopePolicy
+from ..outcomes import DecisionAction, ScopePolicy
 from ..signals import send_after_commit
 from . import rawsql
 from .due import claim_row, compiled_due, lapsed, recheck_order
@@ -91,7 +91,7 @@ def _claim_lapsed(
     for run in locked:
         decision = abandon_locked(claim_row(run), Q(lease_expires__lt=at), at,
                                    why="lease lapsed", apply_backoff=False)
-        if decision is not None and decision.action == "retry":
+        if decision is not None and decision.action is DecisionAction.RETRY:
             ids.append(run.pk)
     return _start(worker_id, ids, {r.pk: r.agent for r in locked}, lease_ttls, default_ttl,
                   at, read_back=None)

@@ -15,7 +15,7 @@ from .. import policy, signals
 from ..conf import app_settings
 from ..db import is_postgres, retry_on_lock
 from ..models import AgentRun, Reason, RunEvent, Status
-from ..outcomes import AttemptRef, ErrorInfo, Settlement
+from ..outcomes import AttemptRef, DecisionAction, ErrorInfo, Settlement
 from ..signals import send_after_commit
 from . import rawsql
 from .due import CLAIM_FIELDS, lapsed
@@ -110,7 +110,7 @@ def settle_failed(
         if row is None:
             return Settlement.LOST
         if interactive:
-            decision = policy.Decision("dead_letter", reason=Reason.ERROR)
+            decision = policy.Decision(DecisionAction.DEAD_LETTER, reason=Reason.ERROR)
         else:
             decision = _decide(row, failure)
         return _apply(row, ref.guard(), decision, error, at, events=[])
@@ -124,7 +124,7 @@ def settle_cancelled(ref: AttemptRef, at: datetime | None = None) -> Settlement:
         row = locked_row(ref.guard())
         if row is None:
             return Settlement.LOST
-        return _apply(row, ref.guard(), policy.Decision("cancel"), None, at, events=[])
+        return _apply(row, ref.guard(), policy.Decision(DecisionAction.CANCEL), None, at, events=[])
 
 
 @retry_on_lock()
@@ -154,7 +154,8 @@ def interrupt(ref: AttemptRef, why: str, at: datetime | None = None) -> Settleme
         if row is None:
             return Settlement.LOST
         if row["cancel_requested_at"] is not None:
-            return _apply(row, ref.guard(), policy.Decision("cancel"), None, at, events=[])
+            return _apply(row, ref.guard(), policy.Decision(DecisionAction.CANCEL), None, at,
+                          events=[])
         if RunEvent.objects.filter(run_id=ref.run_id, type=INTERRUPTED).count() \
                 >= FREE_INTERRUPTIONS:
             decision = abandon_locked(row, ref.guard(), at, why=why, apply_backoff=True)
@@ -198,8 +199,8 @@ def abandon_locked(
     heartbeat or settle that landed since the row was read wins, and this does nothing.
     """
     decision = _decide(row, policy.Failure(retryable=True))
-    if decision.action == "retry" and not apply_backoff:
-        decision = policy.Decision("retry", delay=0.0)
+    if decision.action is DecisionAction.RETRY and not apply_backoff:
+        decision = policy.Decision(DecisionAction.RETRY, delay=0.0)
     error = ErrorInfo("AbandonedAttempt", f"the attempt was abandoned: {why}", "")
     events = [lifecycle(row["id"], ABANDONED, row["attempt"], why=why,
                          worker=row["claimed_by"])]
@@ -218,7 +219,7 @@ def _apply(
         "error_traceback": error.traceback}
     described = {} if error is None else {"error_type": error.type,
                                             "message": error.message[:2000]}
-    if decision.action == "retry":
+    if decision.action is DecisionAction.RETRY:
         fields: dict[str, Any] = {
             "status": Status.QUEUED, "requeue_count": F("requeue_count") + 1,
             "available_at": at + timedelta(seconds=decision.delay),
@@ -226,7 +227,7 @@ def _apply(
         events.append(lifecycle(run_id, RETRYING, attempt, delay=round(decision.delay, 3),
                                  requeue=row["requeue_count"] + 1, **described))
         settlement = Settlement.REQUEUED
-    elif decision.action == "cancel":
+    elif decision.action is DecisionAction.CANCEL:
         fields = {"status": Status.CANCELLED, "reason": Reason.CANCELLED, "finished_at": at,
                   "lease_expires": None, **errors}
         events.append(lifecycle(run_id, CANCELLED, attempt, reason=row["cancel_reason"]))
@@ -256,8 +257,12 @@ def _apply(
 def _settlement(decision: policy.Decision | None) -> Settlement:
     if decision is None:
         return Settlement.LOST
-    return {"retry": Settlement.REQUEUED, "cancel": Settlement.CANCELLED,
-            "dead_letter": Settlement.DEAD_LETTERED}[decision.action]
+    return _SETTLEMENTS[decision.action]
+
+
+_SETTLEMENTS = {DecisionAction.RETRY: Settlement.REQUEUED,
+                DecisionAction.CANCEL: Settlement.CANCELLED,
+                DecisionAction.DEAD_LETTER: Settlement.DEAD_LETTERED}
 
 
 # --------------------------------------------------------------------------- reaper

@@ -1,0 +1,121 @@
+"""An attempt's outcome handed to storage: which transition, with what error, logged how.
+
+The executor decides what happened (an `Outcome`); this module picks the transition that
+writes it. Nothing here builds SQL.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from . import policy, signals, transitions
+from .conf import app_settings
+from .exceptions import AttemptTimeout
+from .outcomes import AttemptRef, ErrorInfo, Outcome, OutcomeKind, Settlement, StopReason
+from .registry import AgentSpec
+from .validation import storable_text
+
+logger = logging.getLogger("django_agentruns.worker")
+
+
+def record(
+    spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome, *, interactive: bool = False,
+    succeed: Callable[[AttemptRef, Any], Settlement] | None = None,
+) -> Settlement:
+    """Hand the outcome to storage; a stop for a lost lease writes nothing at all.
+
+    `succeed` writes a success (the worker passes its group commit).
+    """
+    settlement = _store(spec, ref, outcome, interactive, succeed)
+    if settlement is Settlement.LOST:
+        signals.send_after_commit(signals.run_lease_lost, run_id=ref.run_id, agent=ref.agent,
+                                  attempt=ref.attempt, worker_id=ref.worker_id)
+    return settlement
+
+
+def _store(
+    spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome, interactive: bool,
+    succeed: Callable[[AttemptRef, Any], Settlement] | None,
+) -> Settlement:
+    if outcome.kind is OutcomeKind.SUCCEEDED:
+        return (succeed or transitions.settle_succeeded)(ref, outcome.output)
+    if outcome.kind is OutcomeKind.STOPPED:
+        if outcome.stop_reason is StopReason.LEASE_LOST:
+            return Settlement.LOST
+        if outcome.stop_reason is StopReason.CANCELLED:
+            return transitions.settle_cancelled(ref)
+        if outcome.stop_reason is StopReason.SHUTDOWN:
+            return transitions.abandon(ref, "the worker stopped")
+        if outcome.stop_reason is StopReason.INTERRUPTED:
+            return transitions.interrupt(ref, "the database was out of reach")
+        error: BaseException = AttemptTimeout(
+            f"attempt exceeded its timeout of {spec.timeout if spec else '?'}s")
+    else:
+        assert outcome.error is not None
+        error = outcome.error
+    failure = classify_for(spec, error)
+    return transitions.settle_failed(ref, failure, describe(error), interactive=interactive)
+
+
+def classify_for(spec: AgentSpec | None, error: BaseException) -> policy.Failure:
+    custom: Callable[[BaseException], bool | None] | None = None
+    if spec is not None and spec.classify is not None:
+        custom = spec.classify
+    else:
+        custom = app_settings.classifier()
+    unknown = bool(app_settings.UNKNOWN_ERRORS_RETRYABLE)
+    try:
+        return policy.classify(error, custom=custom, unknown_retryable=unknown)
+    except Exception:
+        # A classifier (or an attribute of the error) that raises must not leave the
+        # attempt unrecorded: treat the error as one nothing recognises.
+        logger.exception("classifying %s raised; treated as unrecognised", type(error))
+        return policy.Failure(retryable=unknown)
+
+
+def describe(error: BaseException) -> ErrorInfo:
+    cls = type(error)
+    name = cls.__qualname__ if cls.__module__ == "builtins" else \
+        f"{cls.__module__}.{cls.__qualname__}"
+    try:
+        trace = "".join(traceback.format_exception(error))
+    except Exception as exc:
+        trace = f"<traceback unavailable: {type(exc).__name__}>"
+    # storable_text: an agent's error may carry any text; a NUL or a lone surrogate in it
+    # must not make the outcome impossible to record (the run would stay running).
+    return ErrorInfo(
+        type=storable_text(name),
+        message=storable_text(error_text(error)[:10000]),
+        traceback=storable_text(trace[-20000:]),
+    )
+
+
+def error_text(error: BaseException) -> str:
+    """`str(error)`, or what it raised: an error whose `__str__` fails is still recorded."""
+    try:
+        return str(error)
+    except Exception as exc:
+        return f"<{type(error).__name__}: str() raised {type(exc).__name__}>"
+
+
+def log_settlement(ref: AttemptRef, agent: str, settlement: Settlement, outcome: Outcome) -> None:
+    extra = {"run_id": ref.run_id, "agent": agent, "attempt": ref.attempt,
+             "worker_id": ref.worker_id, "outcome": settlement.value}
+    if settlement is Settlement.LOST:
+        logger.warning("run %s %s attempt %s: lease lost (%s); nothing recorded",
+                       ref.run_id, agent, ref.attempt, outcome.stop_reason or outcome.kind,
+                       extra=extra)
+        return
+    detail = ""
+    level = logging.INFO
+    if outcome.error is not None:
+        detail = f": {type(outcome.error).__name__}: {error_text(outcome.error)}"
+        if not isinstance(outcome.error, Exception):
+            level = logging.WARNING  # SystemExit, KeyboardInterrupt: rarely meant
+    elif outcome.stop_reason:
+        detail = f" ({outcome.stop_reason})"
+    logger.log(level, "run %s %s attempt %s %s%s", ref.run_id, agent, ref.attempt,
+               settlement.value, detail, extra=extra)
