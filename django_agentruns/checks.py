@@ -24,6 +24,7 @@ W001_SQLITE_DEFERRED = "agentruns.W001"
 W002_SQLITE_NOT_WAL = "agentruns.W002"
 W003_SHORT_LEASE = "agentruns.W003"
 W004_RECONNECT_PER_RUN = "agentruns.W004"
+W005_CONNECTIONS = "agentruns.W005"
 
 SHORTEST_SENSIBLE_LEASE = 1.0
 
@@ -207,3 +208,36 @@ def reconnect_warning(db: dict[str, Any]) -> list[CheckMessage]:
         hint="For worker processes set DATABASES['default']['CONN_MAX_AGE'] = None (or 600), "
              "or OPTIONS = {'pool': True} (psycopg[pool]).",
         id=W004_RECONNECT_PER_RUN)]
+
+
+def check_worker_connections(concurrency: int, own: int, sync_agents: bool,
+                             max_connections: int | None) -> list[CheckMessage]:
+    """Run by `runworker` at start (it alone knows `--concurrency`): the worker holds `own`
+    connections whatever its concurrency, but each thread of a sync agent that runs its
+    own ORM queries opens one more. Warn when those could pass the server's
+    `max_connections` (None: not PostgreSQL, or not known)."""
+    if max_connections is None or not sync_agents or concurrency + own <= max_connections:
+        return []
+    return [Warning(
+        f"runworker --concurrency {concurrency} with sync agents: if each agent opens its "
+        f"own connection (its own ORM queries), this worker may hold {concurrency + own} "
+        f"connections ({own} of its own), past the server's max_connections "
+        f"({max_connections}).",
+        hint="The worker's own writes need no connection per attempt. For agents' queries "
+             "use Django's pool (OPTIONS = {'pool': {...}}, psycopg[pool]) or a pooler, or "
+             "lower --concurrency.",
+        id=W005_CONNECTIONS)]
+
+
+def server_max_connections() -> int | None:
+    """PostgreSQL's `max_connections`, or None (another engine, or it cannot be read)."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return None
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW max_connections")
+            return int(cursor.fetchone()[0])
+    except Exception:
+        return None

@@ -8,13 +8,8 @@ deadline, stop switch) is the executor's `AttemptControl`.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
-
-from asgiref.sync import sync_to_async
-from django.db import close_old_connections
 
 from . import transitions
 from .conf import app_settings
@@ -22,7 +17,7 @@ from .exceptions import InvalidInputError
 from .validation import capped_json, unstorable_text
 
 if TYPE_CHECKING:
-    from .executor import AttemptControl
+    from .control import AttemptControl
 
 T = TypeVar("T")
 
@@ -53,6 +48,31 @@ class RunContext:
 
     def emit(self, type: str, payload: dict[str, Any] | None = None) -> None:
         """Append an event to the run's stream (a step boundary)."""
+        self._control.apply(self._control.write(self._event(type, payload)))
+
+    def checkpoint(self, state: Any) -> None:
+        """Save the state the next attempt resumes from (a step boundary)."""
+        self._control.apply(self._control.write(self._checkpoint(state)))
+        self._saved(state)
+
+    def heartbeat(self) -> None:
+        """Renew the lease and take any stop request (a step boundary with no event)."""
+        self._control.check()
+        self._control.apply(self._control.write(transitions.RenewWrite(self._control.ref)))
+
+    async def aemit(self, type: str, payload: dict[str, Any] | None = None) -> None:
+        self._control.apply(await self._control.awrite(self._event(type, payload)))
+
+    async def acheckpoint(self, state: Any) -> None:
+        self._control.apply(await self._control.awrite(self._checkpoint(state)))
+        self._saved(state)
+
+    async def aheartbeat(self) -> None:
+        self._control.check()
+        self._control.apply(await self._control.awrite(transitions.RenewWrite(self._control.ref)))
+
+    def _event(self, type: str, payload: dict[str, Any] | None) -> transitions.EmitWrite:
+        """The write of one event, checked (the checks cost no database)."""
         control = self._control
         control.check()
         if not isinstance(type, str) or not type or len(type) > 100 or unstorable_text(type):
@@ -62,62 +82,26 @@ class RunContext:
         capped_json(payload, f"Payload of event {type!r}", "MAX_EVENT_BYTES")
         event_id = transitions.emitted_event_id(self.run_id, control.checkpoints, control.position)
         control.position += 1
-        renewal = control.call(functools.partial(
-            transitions.emit, max_events=int(app_settings.MAX_EVENTS_PER_RUN)),
-            control.ref, event_id, type, payload)
-        control.apply(renewal)
+        return transitions.EmitWrite(control.ref, event_id, type, payload,
+                                     max_events=int(app_settings.MAX_EVENTS_PER_RUN))
 
-    def checkpoint(self, state: Any) -> None:
-        """Save the state the next attempt resumes from (a step boundary)."""
+    def _checkpoint(self, state: Any) -> transitions.CheckpointWrite:
         control = self._control
         control.check()
         capped_json(state, "Checkpoint state", "MAX_STATE_BYTES")
-        renewal = control.call(functools.partial(
-            transitions.checkpoint, max_events=int(app_settings.MAX_EVENTS_PER_RUN)),
-            control.ref, state, control.checkpoints + 1)
-        control.apply(renewal)
-        control.checkpoints += 1
-        control.position = 0
+        return transitions.CheckpointWrite(control.ref, state, control.checkpoints + 1,
+                                           max_events=int(app_settings.MAX_EVENTS_PER_RUN))
+
+    def _saved(self, state: Any) -> None:
+        self._control.checkpoints += 1
+        self._control.position = 0
         self.state = state
-
-    def heartbeat(self) -> None:
-        """Renew the lease and take any stop request (a step boundary with no event)."""
-        control = self._control
-        control.check()
-        renewal = control.call(transitions.renew, control.ref)
-        control.apply(renewal)
-
-    async def aemit(self, type: str, payload: dict[str, Any] | None = None) -> None:
-        await _in_thread(self._control, self.emit, type, payload)
-
-    async def acheckpoint(self, state: Any) -> None:
-        await _in_thread(self._control, self.checkpoint, state)
-
-    async def aheartbeat(self) -> None:
-        await _in_thread(self._control, self.heartbeat)
 
 
 async def storage_call(ctx: RunContext, func: Callable[..., T], *args: Any) -> T:
     """Run a synchronous call that uses the database off the event loop, as `aemit` and
     the other async context calls do (for code built on an async agent, like the tasks
     runner)."""
-    return await _in_thread(ctx._control, func, *args)
+    from .control import in_thread
 
-
-async def _in_thread(control: AttemptControl, func: Callable[..., T], *args: Any) -> T:
-    """Run a storage call off the event loop: the ORM is synchronous."""
-    if control.ref.lease_ttl is None:
-        # `run_now` (no lease): back in the caller's thread, which waits in async_to_sync,
-        # so the write uses the caller's connection and joins any transaction it is in.
-        return await sync_to_async(func, thread_sensitive=True)(*args)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, functools.partial(_storage_call, func, *args))
-
-
-def _storage_call(func: Callable[..., T], *args: Any) -> T:
-    """One call on an executor thread, whose connection obeys CONN_MAX_AGE like any other."""
-    close_old_connections()
-    try:
-        return func(*args)
-    finally:
-        close_old_connections()
+    return await in_thread(ctx._control, func, *args)

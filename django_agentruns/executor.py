@@ -1,9 +1,12 @@
 """One attempt, start to end: its control, the agent's call, and its recorded outcome.
 
-The worker runs each claimed attempt through an `Executor` (in a pool thread); `run_now`
-runs its interactive one through the same call (`Executor.interactive`). The executor
-decides what happened (succeeded, failed, stopped and why); `recording` picks the
-transition that writes it. The agent is called outside any transaction: agent code may
+The worker runs each claimed attempt through an `Executor`: a sync agent in a pool
+thread (`run`), an async one as a coroutine on the executor's event loop (`arun`: no
+thread per attempt, no executor hop per context call). `run_now` runs its interactive one
+through the same call (`Executor.interactive`). The executor decides what happened
+(succeeded, failed, stopped and why); `recording` picks the write that records it. Every
+write of a worker's attempt goes through its attempt store (`store`), so attempts hold
+no database connection. The agent is called outside any transaction: agent code may
 take minutes, and a transaction held that long would pin locks (on SQLite, the file).
 """
 
@@ -14,16 +17,15 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager, suppress
-from typing import Any
+from collections.abc import Callable, Collection
+from typing import Any, TypeVar
 
-from asgiref.sync import async_to_sync
+from asgiref.sync import async_to_sync, sync_to_async
 from django.db import DatabaseError, close_old_connections, connection
 
 from . import metrics, recording, tracing
 from .context import RunContext
-from .db import storage_unreachable
+from .control import AttemptControl
 from .exceptions import (
     AttemptStopped,
     AttemptTimeout,
@@ -31,118 +33,42 @@ from .exceptions import (
     UnknownAgentError,
 )
 from .models import AgentRun
-from .outcomes import AttemptRef, Outcome, OutcomeKind, Renewal, Settlement, StopReason
+from .outcomes import AttemptRef, Outcome, OutcomeKind, Settlement, StopReason
 from .registry import AgentSpec
+from .store import AttemptStore
 from .validation import capped_json
 
 logger = logging.getLogger("django_agentruns.worker")
 
-Succeed = Callable[[AttemptRef, Any], Settlement]
-
-
-class AttemptControl:
-    """The worker's handle on one attempt: its fence, its deadline, and a stop switch."""
-
-    def __init__(self, ref: AttemptRef, timeout: float | None, checkpoints: int) -> None:
-        self.ref = ref
-        self.deadline = None if not timeout else time.monotonic() + timeout
-        self.checkpoints = checkpoints
-        self.position = 0
-        self.stop_reason: StopReason | None = None
-        self.future: Any = None  # an async attempt's concurrent future, cancelled to stop it
-        self.done = threading.Event()
-        self.in_storage = 0
-        self._lock = threading.Lock()
-
-    def request_stop(self, reason: StopReason) -> None:
-        """Ask the attempt to stop; the first reason wins."""
-        with self._lock:
-            if self.stop_reason is None:
-                self.stop_reason = reason
-            future = self.future
-        if future is not None:
-            future.cancel()
-
-    def timed_out(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
-    def check(self) -> None:
-        if self.stop_reason is None and self.timed_out():
-            self.request_stop(StopReason.TIMEOUT)
-        if self.stop_reason is not None:
-            raise AttemptStopped(self.stop_reason)
-
-    def apply(self, renewal: Renewal) -> None:
-        if renewal is Renewal.LOST:
-            self.request_stop(StopReason.LEASE_LOST)
-        elif renewal is Renewal.CANCEL_REQUESTED:
-            self.request_stop(StopReason.CANCELLED)
-        self.check()
-
-    def call(self, write: Callable[..., Renewal], *args: Any) -> Renewal:
-        """One storage call of the attempt, retried on a fresh connection while the
-        database is out of reach (a restart, a killed session, lock contention).
-
-        The engine's storage failures are not the agent's: past half the lease the attempt
-        stops as interrupted, and is requeued without spending its budget. Each write is
-        one guarded, idempotent transaction, so a retry after a lost commit adds nothing.
-        Interactive runs (no lease, maybe in the caller's transaction) are not retried.
-        """
-        deadline = time.monotonic() + (self.ref.lease_ttl or 0.0) / 2
-        wait = 0.05
-        while True:
-            raw = connection.connection
-            try:
-                with self.storage():
-                    return write(*args)
-            except DatabaseError as exc:
-                if self.ref.lease_ttl is None or connection.in_atomic_block \
-                        or not storage_unreachable(exc, raw):
-                    raise
-                with suppress(Exception):
-                    connection.close()  # broken: the next try opens a fresh one
-                if self.stop_reason is not None:
-                    raise AttemptStopped(self.stop_reason) from exc
-                if time.monotonic() + wait > deadline:
-                    self.request_stop(StopReason.INTERRUPTED)
-                    raise AttemptStopped(StopReason.INTERRUPTED) from exc
-                logger.warning("run %s: storage call failed (%s); retrying in %.2fs",
-                               self.ref.run_id, exc, wait)
-                time.sleep(wait)
-                wait = min(1.0, wait * 2)
-
-    @contextmanager
-    def storage(self) -> Iterator[None]:
-        """Count storage calls in flight, so a stop never lands inside one."""
-        with self._lock:
-            self.in_storage += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.in_storage -= 1
+T = TypeVar("T")
 
 
 class Executor:
     """Runs attempts for one worker (or for `run_now`): call the agent, record the outcome.
 
-    `succeed` writes a success (the worker passes its group commit); `known` names the
-    agents the worker has, for the error of a run whose agent it lacks. Async agents run
-    on one event loop the executor starts on first need (`run_now` uses none: its async
-    agent runs in `async_to_sync`, so its writes come back to the caller's thread).
+    `store` is the worker's attempt store, through which every write of its attempts goes
+    (None: each write runs alone on the calling thread); `known` names the agents the
+    worker has, for the error of a run whose agent it lacks. Async agents run on one event
+    loop the executor starts on first need (`run_now` uses none: its async agent runs in
+    `async_to_sync`, so its writes come back to the caller's thread and transaction).
     """
 
-    def __init__(self, worker_id: str, *, succeed: Succeed | None = None,
+    def __init__(self, worker_id: str, *, store: AttemptStore | None = None,
                  known: Collection[str] = ()) -> None:
         self.worker_id = worker_id
-        self.succeed = succeed
+        self.store = store
         self.known = list(known)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
 
+    def control(self, ref: AttemptRef, timeout: float | None, checkpoints: int,
+                ) -> AttemptControl:
+        return AttemptControl(ref, timeout, checkpoints, self.store)
+
     def run(self, run: AgentRun, spec: AgentSpec | None,
             control: AttemptControl) -> Settlement | None:
-        """One claimed attempt, in a worker thread: None if its outcome could not be written.
+        """One claimed attempt of a sync agent (or of an agent the worker lacks), in a
+        worker thread: None if its outcome could not be written.
 
         Never raises: storage failing while settling leaves the run running until its
         lease lapses, then the reaper (or a claim) takes it back. Nothing is lost.
@@ -158,12 +84,27 @@ class Executor:
                 close_old_connections()
                 settlement = self.record(spec, control.ref, outcome)
                 span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
-            recording.log_settlement(control.ref, run.agent, settlement, outcome)
-            metrics.observe_settlement(run.agent, settlement.value, metrics.queue_wait(run),
-                                       time.monotonic() - began)
+            self._settled(run, control, settlement, outcome, began)
             return settlement
         except BaseException:
             # BaseException: in a pool thread nothing else would ever read it.
+            logger.exception("run %s: could not record the attempt's outcome", run.pk,
+                             extra=extra(control.ref, run.agent))
+            return None
+
+    async def arun(self, run: AgentRun, spec: AgentSpec,
+                   control: AttemptControl) -> Settlement | None:
+        """One claimed attempt of an async agent, as a coroutine on the executor's loop:
+        `run`'s contract, with every write awaited through the store."""
+        began = time.monotonic()
+        try:
+            with tracing.attempt_span(run, self.worker_id) as span:
+                outcome = await acall_agent(spec, make_context(run, control), control)
+                settlement = await self.arecord(spec, control.ref, outcome)
+                span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
+            self._settled(run, control, settlement, outcome, began)
+            return settlement
+        except Exception:
             logger.exception("run %s: could not record the attempt's outcome", run.pk,
                              extra=extra(control.ref, run.agent))
             return None
@@ -172,8 +113,7 @@ class Executor:
                 control: AttemptControl) -> Outcome:
         if spec is None:
             return Outcome(OutcomeKind.FAILED, error=UnknownAgentError(run.agent, self.known))
-        loop = self.ensure_loop() if spec.is_async else None
-        return call_agent(spec, make_context(run, control), control, loop)
+        return call_agent(spec, make_context(run, control), control)
 
     def record(self, spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome) -> Settlement:
         """Write the outcome, retrying a database error for up to half the lease.
@@ -182,25 +122,42 @@ class Executor:
         lost finds the guard unmatched and writes nothing twice. Past half the lease the
         run is left to lapse and be reclaimed, as if this worker had died.
         """
+        write = self.store.call if self.store is not None else None
+        return _retrying(ref, lambda: recording.record(spec, ref, outcome, write=write))
+
+    async def arecord(self, spec: AgentSpec, ref: AttemptRef, outcome: Outcome) -> Settlement:
+        """`record` on the event loop: the write awaited through the store."""
+        step = recording.transition(spec, ref, outcome)
+        if step is None:
+            # A lost lease writes nothing; its signal's receivers may use the ORM, which
+            # must not run on the event loop.
+            await sync_to_async(recording.announce_lost, thread_sensitive=False)(ref)
+            return Settlement.LOST
+        if self.store is None:
+            return await sync_to_async(self.record, thread_sensitive=False)(spec, ref, outcome)
         deadline = time.monotonic() + (ref.lease_ttl or 0.0) / 2
         wait = 0.05
         while True:
             try:
-                return recording.record(spec, ref, outcome, succeed=self.succeed)
+                return recording.settled(await self.store.acall(step))
             except DatabaseError as exc:
                 if time.monotonic() + wait > deadline:
                     raise
-                logger.warning("run %s: recording the outcome failed (%s); retrying in %.2fs",
-                               ref.run_id, exc, wait, extra=extra(ref, ref.agent))
-                connection.close()
-                time.sleep(wait)
-                wait = min(1.0, wait * 2)
+                _log_retry(ref, exc, wait)
+            await asyncio.sleep(wait)
+            wait = min(1.0, wait * 2)
 
     def interactive(self, spec: AgentSpec, run: AgentRun, control: AttemptControl) -> Outcome:
         """`run_now`'s attempt, in the caller's thread (and transaction, if one is open)."""
-        outcome = call_agent(spec, make_context(run, control), control, None)
+        outcome = call_agent(spec, make_context(run, control), control)
         recording.record(spec, control.ref, outcome, interactive=True)
         return outcome
+
+    def _settled(self, run: AgentRun, control: AttemptControl, settlement: Settlement,
+                 outcome: Outcome, began: float) -> None:
+        recording.log_settlement(control.ref, run.agent, settlement, outcome)
+        metrics.observe_settlement(run.agent, settlement.value, metrics.queue_wait(run),
+                                   time.monotonic() - began)
 
     def ensure_loop(self) -> asyncio.AbstractEventLoop:
         with self._loop_lock:
@@ -216,42 +173,85 @@ class Executor:
             self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+def _retrying(ref: AttemptRef, write: Callable[[], T]) -> T:
+    deadline = time.monotonic() + (ref.lease_ttl or 0.0) / 2
+    wait = 0.05
+    while True:
+        try:
+            return write()
+        except DatabaseError as exc:
+            if time.monotonic() + wait > deadline:
+                raise
+            _log_retry(ref, exc, wait)
+            connection.close()
+            time.sleep(wait)
+            wait = min(1.0, wait * 2)
+
+
+def _log_retry(ref: AttemptRef, exc: BaseException, wait: float) -> None:
+    logger.warning("run %s: recording the outcome failed (%s); retrying in %.2fs",
+                   ref.run_id, exc, wait, extra=extra(ref, ref.agent))
+
+
 def make_context(run: AgentRun, control: AttemptControl) -> RunContext:
     return RunContext(run_id=run.pk, agent=run.agent, input=run.input, attempt=run.attempt,
                       state=run.checkpoint_state, scope=run.scope, control=control)
 
 
-def call_agent(
-    spec: AgentSpec, ctx: RunContext, control: AttemptControl,
-    loop: asyncio.AbstractEventLoop | None,
-) -> Outcome:
-    """Run the agent's code and say how it ended. Never raises for the agent's errors."""
+def call_agent(spec: AgentSpec, ctx: RunContext, control: AttemptControl) -> Outcome:
+    """Run the agent's code in this thread and say how it ended. Never raises for the
+    agent's errors. An async agent here is `run_now`'s: its storage calls come back to
+    this thread (see context._in_thread), so they join the caller's transaction."""
     try:
         if spec.is_async:
-            if loop is None:
-                # `run_now`: the agent's storage calls come back to this thread (see
-                # context._in_thread), so they join the caller's transaction.
-                result = async_to_sync(_with_timeout)(spec, ctx, control)
-            else:
-                future = asyncio.run_coroutine_threadsafe(_with_timeout(spec, ctx, control), loop)
-                control.future = future
-                if control.stop_reason is not None:
-                    future.cancel()
-                result = future.result()
+            result = async_to_sync(_with_timeout)(spec, ctx, control)
         else:
             result = spec.func(ctx)
-    except (AttemptStopped, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
+    except BaseException as exc:
+        return _raised(control, exc)
+    return _returned(spec, control, result)
+
+
+async def acall_agent(spec: AgentSpec, ctx: RunContext, control: AttemptControl) -> Outcome:
+    """`call_agent` for an async agent on the running loop: a task the control can cancel
+    from any thread (the lease keeper's stops)."""
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(_with_timeout(spec, ctx, control))
+    control.future = _LoopTask(loop, task)
+    if control.stop_reason is not None:
+        task.cancel()
+    try:
+        result = await task
+    except BaseException as exc:
+        return _raised(control, exc)
+    return _returned(spec, control, result)
+
+
+class _LoopTask:
+    """A task's `cancel()`, safe from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+        self.loop, self.task = loop, task
+
+    def cancel(self) -> None:
+        self.loop.call_soon_threadsafe(self.task.cancel)
+
+
+def _raised(control: AttemptControl, exc: BaseException) -> Outcome:
+    if isinstance(exc, AttemptStopped | asyncio.CancelledError | concurrent.futures.CancelledError):
         if control.stop_reason is None and not isinstance(exc, AttemptStopped):
             return Outcome(OutcomeKind.FAILED, error=exc)  # the agent's own cancellation
         return Outcome(OutcomeKind.STOPPED, stop_reason=control.stop_reason or StopReason.SHUTDOWN)
-    except BaseException as exc:
-        # BaseException: an agent's SystemExit or KeyboardInterrupt is its failure too, and
-        # must be recorded like any other (the caller of `run_now` still gets it raised).
-        if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED,
-                                   StopReason.INTERRUPTED):
-            # The agent turned our stop into an error of its own: the stop is what happened.
-            return Outcome(OutcomeKind.STOPPED, stop_reason=control.stop_reason)
-        return Outcome(OutcomeKind.FAILED, error=exc.error if isinstance(exc, _Escaped) else exc)
+    # BaseException: an agent's SystemExit or KeyboardInterrupt is its failure too, and
+    # must be recorded like any other (the caller of `run_now` still gets it raised).
+    if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED,
+                               StopReason.INTERRUPTED):
+        # The agent turned our stop into an error of its own: the stop is what happened.
+        return Outcome(OutcomeKind.STOPPED, stop_reason=control.stop_reason)
+    return Outcome(OutcomeKind.FAILED, error=exc.error if isinstance(exc, _Escaped) else exc)
+
+
+def _returned(spec: AgentSpec, control: AttemptControl, result: Any) -> Outcome:
     if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED):
         # A cancel the attempt was told of wins even if the agent then returned without
         # reaching another step boundary: the operator asked for it to stop.

@@ -6,16 +6,17 @@ writes it. Nothing here builds SQL.
 
 from __future__ import annotations
 
+import functools
 import logging
 import traceback
 from collections.abc import Callable
-from typing import Any
 
 from . import policy, signals, transitions
 from .conf import app_settings
 from .exceptions import AttemptTimeout
 from .outcomes import AttemptRef, ErrorInfo, Outcome, OutcomeKind, Settlement, StopReason
 from .registry import AgentSpec
+from .transitions import Result, SettleWrite, SucceedWrite, Write
 from .validation import storable_text
 
 logger = logging.getLogger("django_agentruns.worker")
@@ -23,41 +24,59 @@ logger = logging.getLogger("django_agentruns.worker")
 
 def record(
     spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome, *, interactive: bool = False,
-    succeed: Callable[[AttemptRef, Any], Settlement] | None = None,
+    write: Callable[[Write], Result] | None = None,
 ) -> Settlement:
     """Hand the outcome to storage; a stop for a lost lease writes nothing at all.
 
-    `succeed` writes a success (the worker passes its group commit).
+    `write` applies the write (the worker passes its attempt store); by default it runs
+    alone on this thread's connection, in any transaction the caller has open.
     """
-    settlement = _store(spec, ref, outcome, interactive, succeed)
+    step = transition(spec, ref, outcome, interactive=interactive)
+    settlement = Settlement.LOST if step is None else \
+        settled((write or transitions.apply_alone)(step))
     if settlement is Settlement.LOST:
-        signals.send_after_commit(signals.run_lease_lost, run_id=ref.run_id, agent=ref.agent,
-                                  attempt=ref.attempt, worker_id=ref.worker_id)
+        announce_lost(ref)
     return settlement
 
 
-def _store(
-    spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome, interactive: bool,
-    succeed: Callable[[AttemptRef, Any], Settlement] | None,
-) -> Settlement:
+def settled(result: Result) -> Settlement:
+    assert isinstance(result, Settlement), result
+    return result
+
+
+def announce_lost(ref: AttemptRef) -> None:
+    signals.send_after_commit(signals.run_lease_lost, run_id=ref.run_id, agent=ref.agent,
+                              attempt=ref.attempt, worker_id=ref.worker_id)
+
+
+def transition(
+    spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome, *, interactive: bool = False,
+) -> Write | None:
+    """The write that records `outcome`: None for a lost lease (nothing is written).
+
+    The error is classified and described here, in the attempt's thread (a classifier is
+    the application's code), so the write carries only what storage needs."""
     if outcome.kind is OutcomeKind.SUCCEEDED:
-        return (succeed or transitions.settle_succeeded)(ref, outcome.output)
+        return SucceedWrite(ref, outcome.output)
     if outcome.kind is OutcomeKind.STOPPED:
         if outcome.stop_reason is StopReason.LEASE_LOST:
-            return Settlement.LOST
+            return None
         if outcome.stop_reason is StopReason.CANCELLED:
-            return transitions.settle_cancelled(ref)
+            return SettleWrite(ref, functools.partial(transitions.settle_cancelled, ref))
         if outcome.stop_reason is StopReason.SHUTDOWN:
-            return transitions.abandon(ref, "the worker stopped")
+            return SettleWrite(ref, functools.partial(transitions.abandon, ref,
+                                                      "the worker stopped"))
         if outcome.stop_reason is StopReason.INTERRUPTED:
-            return transitions.interrupt(ref, "the database was out of reach")
+            return SettleWrite(ref, functools.partial(transitions.interrupt, ref,
+                                                      "the database was out of reach"))
         error: BaseException = AttemptTimeout(
             f"attempt exceeded its timeout of {spec.timeout if spec else '?'}s")
     else:
         assert outcome.error is not None
         error = outcome.error
     failure = classify_for(spec, error)
-    return transitions.settle_failed(ref, failure, describe(error), interactive=interactive)
+    return SettleWrite(ref, functools.partial(transitions.settle_failed, ref, failure,
+                                              describe(error), interactive=interactive))
 
 
 def classify_for(spec: AgentSpec | None, error: BaseException) -> policy.Failure:

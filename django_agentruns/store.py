@@ -21,15 +21,30 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from django.db import DatabaseError, connection, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    OperationalError,
+    connection,
+    connections,
+    transaction,
+)
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from .conf import app_settings
-from .db import is_transient_lock_error
-from .transitions.batched import Result, Write, apply_writes
+from .db import connection_answers, is_transient_lock_error
+from .transitions import batched
+from .transitions.batched import Result, Write
 
 logger = logging.getLogger("django_agentruns.store")
 
 Apply = Callable[[Sequence[Write]], list[Result]]
+
+
+class StoreUnreachable(OperationalError):
+    """The database stayed out of reach for this write: its writer's connection broke past
+    its reconnects, or the write met locks past its retries. Not the write's fault: the
+    attempt may submit it again (it is fenced and idempotent), or stop as interrupted."""
 
 
 @dataclass
@@ -61,18 +76,19 @@ class AttemptStore:
     """
 
     def __init__(self, writers: int | None = None, *, max_batch: int = 256,
-                 apply: Apply = apply_writes, lock_retries: int = 8,
+                 apply: Apply | None = None, lock_retries: int = 8,
                  reconnects: int = 5) -> None:
         self.writers = int(app_settings.WRITER_CONNECTIONS) if writers is None else writers
         if self.writers < 1:
             raise ValueError("an attempt store needs at least one writer")
         self._max_batch = max_batch
-        self._apply = apply
+        self._apply = apply or _apply_writes
         self._lock_retries = lock_retries
         self._reconnects = reconnects
         self._cond = threading.Condition()
         self._queue: list[_Queued] = []
         self._busy: set[int] = set()  # runs with a write in a writer's hands
+        self.wrappers: list[BaseDatabaseWrapper] = []  # each writer's connection (tests)
         self._closed = False
         self.batches = 0  # transactions committed, for tests and the benchmark
         self.writes = 0  # writes committed (a LOST result counts: it was answered)
@@ -129,6 +145,8 @@ class AttemptStore:
     # ------------------------------------------------------------------ writer threads
 
     def _write_loop(self) -> None:
+        with self._cond:
+            self.wrappers.append(connections[DEFAULT_DB_ALIAS])
         try:
             while True:
                 with self._cond:
@@ -194,15 +212,18 @@ class AttemptStore:
                     locks += 1
                     time.sleep(min(0.5, 0.005 * 2**locks) * (0.5 + random.random()))
                     continue
-                if self._broken(opened) and reconnects < self._reconnects:
+                broken = self._broken(opened)
+                if broken and reconnects < self._reconnects:
                     reconnects += 1
                     logger.warning("an attempt store writer lost its connection (%s); "
                                    "reconnecting (%d)", exc, reconnects)
                     connection.close()
                     time.sleep(0.05 * 2**reconnects)
                     continue
-                if self._broken(opened):
+                if broken:
                     connection.close()  # the next batch opens a new one
+                if broken or is_transient_lock_error(exc):
+                    raise StoreUnreachable(str(exc)) from exc
                 raise
             with self._cond:
                 self.batches += 1
@@ -216,7 +237,12 @@ class AttemptStore:
         fails `SELECT 1`."""
         current = connection.connection
         return current is None or (opened is not None and current is not opened) or \
-            not connection.is_usable()
+            not connection_answers()
+
+
+def _apply_writes(writes: Sequence[Write]) -> list[Result]:
+    """`batched.apply_writes`, looked up per batch (a test may wrap it to fail on cue)."""
+    return batched.apply_writes(writes)
 
 
 def _deliver(outcomes: list[Outcome]) -> None:

@@ -1,15 +1,17 @@
 """The worker process: the claim loop, burst and contention handling, the stop sequence.
 
-The roles it starts have their own modules: each claimed attempt runs in a pool thread
-through the `executor` (an async agent's coroutine on one shared event loop, its pool
-thread waiting on it); one settle thread writes the successes (`group_commit`); the
-`lease_keeper` renews every live lease in one statement per TTL/3 and turns cancel
-requests, lost leases and timeouts into stops; the `live` set is what they share; on
-PostgreSQL one thread LISTENs (`notify`).
+The roles it starts have their own modules: each claimed attempt runs through the
+`executor`, a sync agent in a pool thread, an async one as a coroutine on one shared
+event loop; every write of every attempt goes through the attempt `store`, whose
+`WRITER_CONNECTIONS` writers commit them together; the `lease_keeper` renews every live
+lease in one statement per TTL/3 and turns cancel requests, lost leases and timeouts into
+stops; the `live` set is what they share; on PostgreSQL one thread LISTENs (`notify`).
+So a worker's connections are bounded whatever its concurrency (`connections()`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -30,14 +32,14 @@ from . import reaper, transitions, visibility
 from .conf import app_settings
 from .db import close_all_connections
 from .exceptions import AgentRunsError
-from .executor import AttemptControl, Executor, extra
-from .group_commit import GroupCommit
+from .executor import Executor, extra
 from .lease_keeper import LeaseKeeper
 from .live import Live, LiveAttempts
 from .models import AgentRun
 from .notify import Listener
-from .outcomes import AttemptRef, StopReason
-from .registry import all_agents, check_worker_names, find_agent, scope_policy
+from .outcomes import AttemptRef, Settlement, StopReason
+from .registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
+from .store import AttemptStore
 
 logger = logging.getLogger("django_agentruns.worker")
 
@@ -106,12 +108,18 @@ class Worker:
         self._known = frozenset(self._agents)
         self._scopes = scope_policy(self._agents)
         self._ttls = {name: s.effective_lease_ttl() for name, s in self._agents.items()}
-        # Successes that finish together are written in one transaction, on one connection.
-        self.successes = GroupCommit(
-            lambda items: transitions.settle_succeeded_many(self.worker_id, items),
-            on_error=close_all_connections)
-        self.executor = Executor(self.worker_id, succeed=self.successes.settle,
-                                 known=self._agents)
+        # Every write of every attempt, committed together on WRITER_CONNECTIONS
+        # connections: started with the worker (`run`), closed when it stops.
+        self.store: AttemptStore | None = None
+        self.executor = Executor(self.worker_id, known=self._agents)
+
+    @staticmethod
+    def connections() -> int:
+        """The most connections this worker opens, whatever its concurrency: the store's
+        writers, the claim loop, the lease keeper, and the listener (PostgreSQL).
+
+        Agent code's own ORM queries are the agent's, on top (see the README)."""
+        return int(app_settings.WRITER_CONNECTIONS) + 2 + (1 if Listener.available() else 0)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -123,6 +131,7 @@ class Worker:
         logger.info("worker %s serving queues %s with concurrency %s%s", self.worker_id,
                     ",".join(self.queues), self.concurrency, " (burst)" if self.burst else "",
                     extra={"worker_id": self.worker_id})
+        self.store = self.executor.store = AttemptStore()
         self.keeper.start()
         if Listener.available():
             self._listener = Listener(self.queues, self._wake, self._listener_stop)
@@ -241,25 +250,45 @@ class Worker:
         spec = self._agents.get(run.agent) or find_agent(run.agent)
         ttl = spec.effective_lease_ttl() if spec else float(app_settings.LEASE_TTL)
         ref = AttemptRef(run.pk, run.attempt, self.worker_id, ttl, agent=run.agent)
-        control = AttemptControl(ref, spec.timeout if spec else None, run.checkpoint_count)
+        control = self.executor.control(ref, spec.timeout if spec else None,
+                                        run.checkpoint_count)
         live = Live(run, spec, control, time.monotonic())
         self.live.add(live)
         logger.info("run %s %s attempt %s started", run.pk, run.agent, run.attempt,
                     extra=extra(ref, run.agent))
-        future = self._pool.submit(self._attempt, live)
+        future: Future[None]
+        if spec is not None and spec.is_async:
+            # A coroutine on the executor's loop: no thread, no connection of its own.
+            future = asyncio.run_coroutine_threadsafe(self._aattempt(live, spec),
+                                                      self.executor.ensure_loop())
+        else:
+            future = self._pool.submit(self._attempt, live)
         future.add_done_callback(functools.partial(self._attempt_done, live))
 
     def _attempt(self, live: Live) -> None:
         try:
-            settlement = self.executor.run(live.run, live.spec, live.control)
-            if settlement is not None:
-                settled = self.stats.settled
-                settled[settlement.value] = settled.get(settlement.value, 0) + 1
+            self._count(self.executor.run(live.run, live.spec, live.control))
         finally:
-            live.control.done.set()
-            self.live.discard(live)
-            close_old_connections()
-            self._wake.set()
+            # The agent's own queries may have opened this thread's connection: it is not
+            # kept to the next attempt (a pooled one goes back to Django's pool).
+            close_all_connections()
+            self._ended(live)
+
+    async def _aattempt(self, live: Live, spec: AgentSpec) -> None:
+        try:
+            self._count(await self.executor.arun(live.run, spec, live.control))
+        finally:
+            self._ended(live)
+
+    def _count(self, settlement: Settlement | None) -> None:
+        if settlement is not None:
+            settled = self.stats.settled
+            settled[settlement.value] = settled.get(settlement.value, 0) + 1
+
+    def _ended(self, live: Live) -> None:
+        live.control.done.set()
+        self.live.discard(live)
+        self._wake.set()
 
     def _attempt_done(self, live: Live, future: Future[None]) -> None:
         """Log what escaped `_attempt` (nothing should): a pool future is never read."""
@@ -294,7 +323,8 @@ class Worker:
                 except Exception:
                     logger.exception("could not abandon run %s", lv.run.pk)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.successes.close()
+        if self.store is not None:
+            self.store.close()
         self._listener_stop.set()
         # Their connections must be closed when run() returns (a test database cannot be
         # dropped while a session is open on it).

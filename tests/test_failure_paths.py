@@ -5,6 +5,7 @@ out of reach during a context call is the engine's failure, never charged to the
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -12,7 +13,15 @@ from django.db import OperationalError
 
 from django_agentruns import cancel, enqueue, retry, run_now, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
-from django_agentruns.transitions import AttemptRef, ScopePolicy, Settlement
+from django_agentruns.transitions import (
+    AttemptRef,
+    CheckpointWrite,
+    Result,
+    ScopePolicy,
+    Settlement,
+    Write,
+    batched,
+)
 from django_agentruns.transitions.settling import FREE_INTERRUPTIONS
 from django_agentruns.worker import Worker
 from tests import helpers
@@ -109,8 +118,9 @@ def test_worker_records_base_exceptions_and_unprintable_errors(
 def test_a_context_call_on_a_dead_connection_is_retried_and_charges_nothing(
     worker_env: dict[str, str],
 ) -> None:
-    """The agent's connection is closed under Django between two steps (a restart would do
-    the same): its next context calls reconnect, and the run succeeds on attempt 1."""
+    """The connections the agent's writes go through (the worker's attempt store writers')
+    are closed under Django between two steps (a restart would do the same): the writers
+    reconnect, and the run succeeds on attempt 1."""
     run_id = enqueue("tests.drops_connection").pk
     with helpers.start_manage(["runworker"], worker_env) as worker:
         helpers.wait_until(lambda: finished(run_id), timeout=30, message="the run to finish")
@@ -119,9 +129,20 @@ def test_a_context_call_on_a_dead_connection_is_retried_and_charges_nothing(
     row = AgentRun.objects.get(pk=run_id)
     assert (row.status, row.attempt, row.requeue_count, row.output) == (
         Status.SUCCEEDED, 1, 0, {"attempt": 1}), log
-    assert "storage call failed" in log, log
+    assert "writer lost its connection" in log, log
     assert events(run_id) == ["run.started", "run.checkpoint", "after", "run.checkpoint",
                               "run.succeeded"]
+
+
+def checkpoints_locked_on_attempt_1(writes: Sequence[Write]) -> list[Result]:
+    """The worker's attempt store writes: a first attempt's checkpoint meets a lock that
+    never goes (the database out of reach for it), everything else goes through."""
+    if any(isinstance(w, CheckpointWrite) and w.ref.attempt == 1 for w in writes):
+        raise OperationalError("database is locked")
+    return real_apply_writes(writes)
+
+
+real_apply_writes = batched.apply_writes
 
 
 @pytest.mark.django_db(transaction=True)
@@ -129,14 +150,7 @@ def test_a_database_out_of_reach_past_half_the_lease_interrupts_without_charge(
     monkeypatch: pytest.MonkeyPatch, settings: Any, caplog: pytest.LogCaptureFixture,
 ) -> None:
     settings.AGENTRUNS = {**settings.AGENTRUNS, "LEASE_TTL": 0.6}
-    real = transitions.checkpoint
-
-    def unreachable_on_attempt_1(ref: AttemptRef, *args: Any, **kwargs: Any) -> Any:
-        if ref.attempt == 1:
-            raise OperationalError("database is locked")
-        return real(ref, *args, **kwargs)
-
-    monkeypatch.setattr(transitions, "checkpoint", unreachable_on_attempt_1)
+    monkeypatch.setattr(batched, "apply_writes", checkpoints_locked_on_attempt_1)
     run_id = enqueue("tests.healthy", {"steps": 2, "sleep": 0}).pk
     with caplog.at_level(logging.INFO, logger="django_agentruns.worker"):
         Worker(burst=True, reap_interval=0).run(install_signals=False)
@@ -152,14 +166,7 @@ def test_an_interruption_the_agent_wraps_in_its_own_error_is_still_an_interrupti
     monkeypatch: pytest.MonkeyPatch, settings: Any,
 ) -> None:
     settings.AGENTRUNS = {**settings.AGENTRUNS, "LEASE_TTL": 0.4}
-    real = transitions.checkpoint
-
-    def unreachable_on_attempt_1(ref: AttemptRef, *args: Any, **kwargs: Any) -> Any:
-        if ref.attempt == 1:
-            raise OperationalError("database is locked")
-        return real(ref, *args, **kwargs)
-
-    monkeypatch.setattr(transitions, "checkpoint", unreachable_on_attempt_1)
+    monkeypatch.setattr(batched, "apply_writes", checkpoints_locked_on_attempt_1)
     run_id = enqueue("tests.converts_stop").pk  # max_requeues=0: a charge dead-letters it
     Worker(burst=True, reap_interval=0).run(install_signals=False)
     row = AgentRun.objects.get(pk=run_id)

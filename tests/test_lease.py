@@ -15,8 +15,9 @@ from django.test import override_settings
 
 from django_agentruns import CancelResult, cancel, enqueue, reaper, recording, transitions
 from django_agentruns.context import RunContext
+from django_agentruns.control import AttemptControl
 from django_agentruns.exceptions import AttemptStopped
-from django_agentruns.executor import AttemptControl, make_context
+from django_agentruns.executor import make_context
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.outcomes import Outcome, OutcomeKind, StopReason
 from django_agentruns.registry import get_agent

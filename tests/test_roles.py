@@ -6,19 +6,22 @@ database where it writes.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from typing import Any
 
 import pytest
+from django.db import connection
 
 from django_agentruns import cancel, transitions
-from django_agentruns.executor import AttemptControl, Executor
+from django_agentruns.control import AttemptControl
+from django_agentruns.executor import Executor
 from django_agentruns.lease_keeper import LeaseKeeper
 from django_agentruns.live import Live, LiveAttempts
-from django_agentruns.models import AgentRun, Status
+from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.outcomes import AttemptRef, OutcomeKind, Settlement, StopReason
 from django_agentruns.registry import get_agent
+from django_agentruns.store import AttemptStore
 from tests.test_lease import claim_one, lease, steal
 
 
@@ -154,18 +157,39 @@ def test_executor_runs_one_attempt_and_records_it(agent: str) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_executor_uses_the_success_writer_it_is_given() -> None:
-    run, ref = claim_one("tests.noop", at=transitions.now())
-    written: list[tuple[AttemptRef, Any]] = []
+@pytest.mark.parametrize("agent", ["tests.steps", "tests.async_steps"])
+def test_executor_writes_every_write_of_an_attempt_through_its_store(agent: str) -> None:
+    """Events, checkpoints and the settle all go through the store: the attempt's own
+    thread (or coroutine) opens no connection."""
+    run, ref = claim_one(agent, at=transitions.now())
+    store = AttemptStore(1)
+    executor = Executor("w1", store=store)
+    opened: list[bool] = []
 
-    def succeed(r: AttemptRef, output: Any) -> Settlement:
-        written.append((r, output))
-        return transitions.settle_succeeded(r, output)
+    def attempt() -> None:
+        control = executor.control(ref, None, 0)
+        if get_agent(agent).is_async:
+            loop = executor.ensure_loop()
+            asyncio.run_coroutine_threadsafe(
+                executor.arun(run, get_agent(agent), control), loop).result(30)
+        else:
+            executor.run(run, get_agent(agent), control)
+        opened.append(connection.connection is not None)
 
-    settlement = Executor("w1", succeed=succeed).run(run, get_agent("tests.noop"),
-                                                    AttemptControl(ref, None, 0))
-    assert settlement is Settlement.SUCCEEDED
-    assert [r for r, _ in written] == [ref]
+    try:
+        thread = threading.Thread(target=attempt)
+        thread.start()
+        thread.join(30)
+    finally:
+        executor.close()
+        store.close()
+    assert opened == [False]
+    # Each step's emit and checkpoint, then the success.
+    written = RunEvent.objects.filter(run_id=run.pk).exclude(
+        type__in=[transitions.STARTED, transitions.SUCCEEDED]).count()
+    assert written >= 2
+    assert store.writes == written + 1
+    assert AgentRun.objects.get(pk=run.pk).status == Status.SUCCEEDED
 
 
 @pytest.mark.django_db(transaction=True)
@@ -188,13 +212,11 @@ def test_executor_records_a_stop_requested_before_the_call() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_executor_returns_none_when_the_outcome_cannot_be_written(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_executor_returns_none_when_the_outcome_cannot_be_written() -> None:
     run, ref = claim_one("tests.noop", at=transitions.now())
+    store = AttemptStore(1)
+    store.close()  # refuses every write
 
-    def broken(r: AttemptRef, output: Any) -> Settlement:
-        raise RuntimeError("storage is gone")
-
-    assert Executor("w1", succeed=broken).run(
-        run, get_agent("tests.noop"), AttemptControl(ref, None, 0)) is None
+    assert Executor("w1", store=store).run(
+        run, get_agent("tests.noop"), AttemptControl(ref, None, 0, store)) is None
     assert AgentRun.objects.get(pk=run.pk).status == Status.RUNNING  # left to lapse

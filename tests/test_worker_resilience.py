@@ -4,6 +4,7 @@ worker keeps serving, and no run is lost (at worst an attempt is retried)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from django.db import OperationalError, connection
 
 from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, Status
+from django_agentruns.transitions import Result, SucceedWrite, Write, batched
 from django_agentruns.worker import Worker
 from tests import helpers
 
@@ -112,16 +114,18 @@ def test_an_outcome_that_fails_to_record_is_retried_within_the_lease(
 ) -> None:
     """A settle that meets a database error (e.g. 'too many clients') is tried again, so the
     run is not left running for the reaper to take back."""
-    real_settle = transitions.settle_succeeded_many
+    real_apply = batched.apply_writes
     calls: list[int] = []
 
-    def settle_failing_twice(*args: Any, **kwargs: Any) -> dict[Any, transitions.Settlement]:
-        calls.append(1)
-        if len(calls) <= 2:
-            raise OperationalError("FATAL:  sorry, too many clients already")
-        return real_settle(*args, **kwargs)
+    def settle_failing_twice(writes: Sequence[Write]) -> list[Result]:
+        # The worker's attempt store writes the success: it fails twice, then goes.
+        if any(isinstance(w, SucceedWrite) for w in writes):
+            calls.append(1)
+            if len(calls) <= 2:
+                raise OperationalError("FATAL:  sorry, too many clients already")
+        return real_apply(writes)
 
-    monkeypatch.setattr(transitions, "settle_succeeded_many", settle_failing_twice)
+    monkeypatch.setattr(batched, "apply_writes", settle_failing_twice)
     queued = enqueue("tests.noop", {"n": 2})
     with caplog.at_level(logging.WARNING, logger="django_agentruns.worker"):
         stats = Worker(burst=True, reap_interval=0).run(install_signals=False)

@@ -31,8 +31,10 @@ from .batched import (
     EmitWrite,
     RenewWrite,
     Result,
+    SettleWrite,
     SucceedWrite,
     Write,
+    apply_alone,
     apply_writes,
 )
 from .claiming import claim
@@ -69,7 +71,8 @@ __all__ = [
     "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "INTERRUPTED",
     "RETRIED", "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult",
     "CheckpointWrite", "EmitWrite", "ErrorInfo", "NewRun", "RenewWrite", "Renewal", "Result",
-    "ScopePolicy", "Settlement", "SucceedWrite", "Write", "abandon", "apply_writes", "awaited",
+    "ScopePolicy", "SettleWrite", "Settlement", "SucceedWrite", "Write", "abandon",
+    "apply_alone", "apply_writes", "awaited",
     "cancel", "checkpoint", "claim", "due_elsewhere", "due_queued", "emit", "emitted_event_id",
     "find_stale", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "now",
     "operator_retry", "policy", "reap_one", "renew", "renew_many", "settle_cancelled",

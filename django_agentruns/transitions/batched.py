@@ -6,7 +6,11 @@ cost a SAVEPOINT and a RELEASE round trip per write) and by kind, not one by one
 renewal and emit of a batch share one fenced UPDATE, every checkpoint one, every success
 one more, and all their events one INSERT. Each write keeps its own fence: one whose
 attempt lost the run comes back `Renewal.LOST` / `Settlement.LOST`, never an exception,
-and the rest go on.
+and the rest go on. The single-write guarantees hold here too: an emit past its run's
+`max_events` raises `LimitExceeded` (the store then writes the batch's others without
+it), a checkpoint's marker is left out past the cap, and a replayed checkpoint (its
+number stored already) only renews. Any other end of an attempt (`SettleWrite`: failed,
+cancelled, abandoned, interrupted) runs its own transition in the same transaction.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from typing import Any
 
 from django.db import connection
 
-from ..models import AgentRun, Reason, Status
+from ..conf import SETTING_NAME
+from ..exceptions import LimitExceeded
+from ..models import AgentRun, Reason, RunEvent, Status
 from ..outcomes import AttemptRef, Renewal, Settlement
 from . import rawsql
+from .attempts import checkpoint, emit, renew
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
-from .settling import _announce_succeeded
+from .settling import _announce_succeeded, settle_succeeded
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class EmitWrite:
     event_id: uuid.UUID
     type: str
     payload: dict[str, Any]
+    max_events: int | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class CheckpointWrite:
     ref: AttemptRef
     state: Any
     count: int
+    max_events: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,17 @@ class SucceedWrite:
     output: Any
 
 
-Write = RenewWrite | EmitWrite | CheckpointWrite | SucceedWrite
+@dataclass(frozen=True)
+class SettleWrite:
+    """Any other end of the attempt: `settle` is its transition (`settle_failed`,
+    `settle_cancelled`, `abandon`, `interrupt` with their arguments bound), run in the
+    batch's transaction. Rare next to the others, so each runs on its own."""
+
+    ref: AttemptRef
+    settle: Callable[[], Settlement]
+
+
+Write = RenewWrite | EmitWrite | CheckpointWrite | SucceedWrite | SettleWrite
 Result = Renewal | Settlement
 Event = tuple[int, str, dict[str, Any], int, uuid.UUID]
 
@@ -98,6 +117,8 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
     if not positions:
         return
     events: list[Event] = []
+    caps: list[int | None] = []
+    emits: dict[int, EmitWrite] = {}
     renewing = [i for i in positions if isinstance(writes[i], RenewWrite | EmitWrite)]
     for i in _fenced(writes, renewing, results, [(LEASE, TIMESTAMP)],
                      lambda w: (w.ref.lease_until(at),)):
@@ -105,17 +126,48 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
         if isinstance(write, EmitWrite):
             events.append((write.ref.run_id, write.type, write.payload, write.ref.attempt,
                            write.event_id))
+            caps.append(write.max_events)
+            emits[write.ref.run_id] = write
     pointing = [i for i in positions if isinstance(writes[i], CheckpointWrite)]
-    for i in _fenced(writes, pointing, results, CHECKPOINT_FIELDS,
-                     lambda w: (w.ref.lease_until(at), *_state(w))):
-        ref, count = writes[i].ref, _state(writes[i])[1]
-        events.append(lifecycle(ref.run_id, CHECKPOINT, ref.attempt, count=count))
+    saved = _fenced(writes, pointing, results, CHECKPOINT_FIELDS,
+                    lambda w: (w.ref.lease_until(at), *_state(w)), below="checkpoint_count")
+    for i in saved:
+        write = writes[i]
+        assert isinstance(write, CheckpointWrite)
+        events.append(lifecycle(write.ref.run_id, CHECKPOINT, write.ref.attempt,
+                                count=write.count))
+        caps.append(write.max_events)
+    # A checkpoint not saved may be a replay (its number stored already): it only renews.
+    replays = [i for i in pointing if i not in saved and results[i] is Renewal.OK]
+    _fenced(writes, replays, results, [(LEASE, TIMESTAMP)], lambda w: (w.ref.lease_until(at),))
     succeeding = [i for i in positions if isinstance(writes[i], SucceedWrite)]
     ended = _succeed(writes, succeeding, results, at)
     if events or ended:
-        sql, params = rawsql.insert_new_events(events + ended, at)
+        sql, params = rawsql.insert_new_events(events + ended, at,
+                                               caps + [None] * len(ended))
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
+            added = {row[0] for row in cursor.fetchall()}
+        _refuse_over_cap([w for run_id, w in emits.items() if run_id not in added])
+    for i in positions:
+        write = writes[i]
+        if isinstance(write, SettleWrite):
+            results[i] = write.settle()
+
+
+def _refuse_over_cap(missing: list[EmitWrite]) -> None:
+    """Emits the INSERT left out: a replay (its id stored already) is fine; one refused by
+    its run's cap fails, as `transitions.emit` does (the store retries the others alone)."""
+    if not missing:
+        return
+    stored = set(RunEvent.objects.filter(event_id__in=[w.event_id for w in missing])
+                 .values_list("event_id", flat=True))
+    for write in missing:
+        if write.event_id not in stored and write.max_events is not None:
+            raise LimitExceeded(
+                f"run {write.ref.run_id} holds {write.max_events} events, the most "
+                f"{SETTING_NAME}['MAX_EVENTS_PER_RUN'] allows; the event {write.type!r} "
+                f"was not recorded")
 
 
 def _state(write: Write) -> tuple[Any, int]:
@@ -130,26 +182,35 @@ CHECKPOINT_FIELDS = [(LEASE, TIMESTAMP), ("checkpoint_state", "jsonb"),
 
 def _fenced(writes: Sequence[Write], positions: list[int], results: list[Result | None],
             fields: list[tuple[str, str]], values: Callable[[Write], tuple[Any, ...]],
-            ) -> list[int]:
-    """One fenced UPDATE for the writes at `positions`, setting `fields` to `values(write)`;
-    records each one's Renewal and returns the positions whose fence held."""
+            below: str | None = None) -> list[int]:
+    """One fenced UPDATE for the writes at `positions`, setting `fields` to `values(write)`
+    (with `below`, only where that field's stored value is less); records each one's
+    Renewal (OK for a fence that holds with `below` unmet) and returns the positions
+    it updated."""
     if not positions:
         return []
     refs = {i: writes[i].ref for i in positions}
     sql, params = rawsql.fenced_update(
         [(r.run_id, r.attempt, r.worker_id, *values(writes[i])) for i, r in refs.items()],
-        Status.RUNNING, fields)
+        Status.RUNNING, fields, below=below)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         done = {row[0] for row in cursor.fetchall()}
     missed = [r for r in refs.values() if r.run_id not in done]
-    # Rare: a cancel request (the fence holds) or a lost lease (it does not).
-    fenced = set(AgentRun.objects.filter(
+    # Rare: a cancel request (the fence holds) or a lost lease (it does not); with
+    # `below`, a value not below the stored one (the fence holds, no cancel request).
+    fenced = {row[0]: row[1] for row in AgentRun.objects.filter(
         functools.reduce(operator.or_, [r.guard() for r in missed])).values_list(
-            "pk", flat=True)) if missed else set()
+            "pk", "cancel_requested_at")} if missed else {}
     for i, ref in refs.items():
-        results[i] = Renewal.OK if ref.run_id in done else \
-            Renewal.CANCEL_REQUESTED if ref.run_id in fenced else Renewal.LOST
+        if ref.run_id in done:
+            results[i] = Renewal.OK
+        elif ref.run_id not in fenced:
+            results[i] = Renewal.LOST
+        elif fenced[ref.run_id] is not None:
+            results[i] = Renewal.CANCEL_REQUESTED
+        else:
+            results[i] = Renewal.OK  # only with `below`: the UPDATE was not needed
     return [i for i in positions if refs[i].run_id in done]
 
 
@@ -178,3 +239,18 @@ def _succeed(writes: Sequence[Write], positions: list[int], results: list[Result
         for i, (ref, _) in zip(group, items, strict=True):
             results[i] = Settlement.SUCCEEDED if ref.run_id in done else Settlement.LOST
     return ended
+
+
+def apply_alone(write: Write) -> Result:
+    """One write in its own transaction, by the single-write transition it stands for: the
+    path of an attempt with no attempt store (`run_now`, a context built in a test)."""
+    if isinstance(write, RenewWrite):
+        return renew(write.ref)
+    if isinstance(write, EmitWrite):
+        return emit(write.ref, write.event_id, write.type, write.payload,
+                    max_events=write.max_events)
+    if isinstance(write, CheckpointWrite):
+        return checkpoint(write.ref, write.state, write.count, max_events=write.max_events)
+    if isinstance(write, SucceedWrite):
+        return settle_succeeded(write.ref, write.output)
+    return write.settle()

@@ -138,38 +138,50 @@ _FENCE = (("run_id", "bigint"), ("run_attempt", "integer"), ("run_worker", "varc
 
 def fenced_update(
     items: Sequence[tuple[Any, ...]], running: str, fields: Sequence[tuple[str, str]],
+    *, below: str | None = None,
 ) -> tuple[str, list[Any]]:
     """Set `fields` ((name, PostgreSQL type) of AgentRun) from (run_id, attempt, worker,
     *values) rows whose fence holds and whose run has no cancel request; returns the ids
-    it updated (a renewal: `lease_expires` alone; a checkpoint: its state too)."""
+    it updated (a renewal: `lease_expires` alone; a checkpoint: its state too). With
+    `below` (one of `fields`), only rows whose stored value is less than the new one."""
     table = qn(AgentRun._meta.db_table)
     columns = [*_FENCE, *((f"f{i}", t) for i, (_, t) in enumerate(fields))]
     sets = ", ".join(f"{qn(_column(name))} = v.f{i}" for i, (name, _) in enumerate(fields))
+    guard = ""
+    if below is not None:
+        at = [name for name, _ in fields].index(below)
+        guard = f"AND {table}.{qn(_column(below))} < v.f{at} "
     sql = (f"WITH v AS {json_rows(columns)} UPDATE {table} SET {sets} FROM v "
            f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
            f"AND {table}.status = %s AND {table}.claimed_by = v.run_worker "
-           f"AND {table}.cancel_requested_at IS NULL RETURNING {table}.id")
+           f"AND {table}.cancel_requested_at IS NULL {guard}RETURNING {table}.id")
     return sql, [json_values(items, [t for _, t in columns]), running]
 
 
 _NEW_EVENT = (("run_id", "bigint"), ("event_id", "uuid"), ("type", "varchar"),
-              ("payload", "jsonb"), ("attempt", "integer"))
+              ("payload", "jsonb"), ("attempt", "integer"), ("cap", "integer"))
 
 
 def insert_new_events(
     events: Sequence[tuple[int, str, dict[str, Any], int, Any]], at: datetime,
+    caps: Sequence[int | None] | None = None,
 ) -> tuple[str, list[Any]]:
     """One INSERT for at most one event per run, each one past its run's highest seq,
-    leaving out any whose id is stored already (a retry re-emitting)."""
+    leaving out any whose id is stored already (a retry re-emitting) and any that would
+    take its run's stream past its cap (`caps`, one per event; None: no cap). Returns the
+    run ids it added an event to."""
     table = qn(RunEvent._meta.db_table)
-    rows = [(run_id, event_id, type_, payload, attempt)
-            for run_id, type_, payload, attempt, event_id in events]
+    caps = caps or [None] * len(events)
+    rows = [(run_id, event_id, type_, payload, attempt, cap)
+            for (run_id, type_, payload, attempt, event_id), cap in zip(events, caps,
+                                                                        strict=True)]
     assert len({r[0] for r in rows}) == len(rows), "one event per run"
+    last = f"COALESCE((SELECT MAX(e.seq) FROM {table} e WHERE e.run_id = v.run_id), 0)"
     sql = (f"WITH v AS {json_rows(_NEW_EVENT)} "
            f"INSERT INTO {table} (run_id, seq, event_id, type, payload, attempt, created_at) "
-           f"SELECT v.run_id, COALESCE((SELECT MAX(e.seq) FROM {table} e "
-           f"WHERE e.run_id = v.run_id), 0) + 1, v.event_id, v.type, v.payload, v.attempt, %s "
-           f"FROM v WHERE NOT EXISTS (SELECT 1 FROM {table} x WHERE x.event_id = v.event_id)")
+           f"SELECT v.run_id, {last} + 1, v.event_id, v.type, v.payload, v.attempt, %s "
+           f"FROM v WHERE NOT EXISTS (SELECT 1 FROM {table} x WHERE x.event_id = v.event_id) "
+           f"AND (v.cap IS NULL OR {last} < v.cap) RETURNING run_id")
     return sql, [json_values(rows, [t for _, t in _NEW_EVENT]),
                  prep(RunEvent, "created_at", at)]
 

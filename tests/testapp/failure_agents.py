@@ -65,13 +65,17 @@ def healthy(ctx: RunContext) -> dict[str, Any]:
 
 @agent("tests.drops_connection", max_requeues=0)
 def drops_connection(ctx: RunContext) -> dict[str, Any]:
-    """Its first attempt closes the database connection under Django (as a server restart
-    would) between two steps; nothing else fails, so it must succeed on attempt 1."""
+    """Its first attempt closes the connections its writes go through under Django (as a
+    server restart would) between two steps: the worker's attempt store writers' (or, with
+    no store, this thread's). Nothing else fails, so it must succeed on attempt 1."""
     ctx.checkpoint({"step": 1})
     if ctx.attempt == 1:
-        raw = connection.connection
-        assert raw is not None  # the checkpoint just used this thread's connection
-        raw.close()
+        store = ctx._control.store
+        wrappers = store.wrappers if store is not None else [connection]
+        raws = [w.connection for w in wrappers if w.connection is not None]
+        assert raws  # the checkpoint just used one
+        for raw in raws:
+            raw.close()
     ctx.emit("after")
     ctx.heartbeat()
     ctx.checkpoint({"step": 2})

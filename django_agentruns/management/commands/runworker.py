@@ -9,6 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from django_agentruns import metrics
+from django_agentruns.checks import check_worker_connections, server_max_connections
 from django_agentruns.management.arguments import (
     non_negative_float,
     port_number,
@@ -16,6 +17,7 @@ from django_agentruns.management.arguments import (
     queue_list,
     worker_id,
 )
+from django_agentruns.registry import all_agents
 from django_agentruns.worker import Worker
 
 
@@ -67,6 +69,15 @@ class Command(BaseCommand):
                 raise CommandError(f"--metrics-port: cannot serve on "
                                    f"{options['metrics_addr']}:{options['metrics_port']}: "
                                    f"{exc}") from exc
+        own = worker.connections()
+        if options["verbosity"] > 0:
+            self.stdout.write(f"worker {worker.worker_id}: concurrency {worker.concurrency}, "
+                              f"{own} database connections (writers, claim, lease keeper, "
+                              f"listener), however many attempts run")
+        sync_agents = any(not spec.is_async for spec in all_agents().values())
+        for warning in check_worker_connections(worker.concurrency, own, sync_agents,
+                                                server_max_connections()):
+            self.stderr.write(str(warning))
         stats = worker.run()
         if options["verbosity"] > 0:
             self.stdout.write(f"claimed {stats.claimed} runs; settled {stats.settled or {}}")
