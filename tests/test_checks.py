@@ -159,7 +159,8 @@ def test_every_check_id_is_exercised() -> None:
     """A check added to checks.py without a bad case here fails this test."""
     exercised = {c[2] for c in BAD_SETTINGS} | {checks.W001_SQLITE_DEFERRED,
                                                  checks.W002_SQLITE_NOT_WAL,
-                                                 checks.W004_RECONNECT_PER_RUN}
+                                                 checks.W004_RECONNECT_PER_RUN,
+                                                 checks.W005_CONNECTIONS}
     assert exercised == CHECK_IDS
     assert len(CHECK_IDS) >= 7
 
@@ -235,3 +236,35 @@ def test_the_live_sqlite_test_database_runs_wal() -> None:
 def test_postgresql_reconnecting_per_run_warns(db: dict[str, Any], warns: bool) -> None:
     ids = [m.id for m in checks.reconnect_warning(db)]
     assert ids == ([checks.W004_RECONNECT_PER_RUN] if warns else [])
+
+
+# --------------------------------------------------------------------------- runworker's check
+
+
+@pytest.mark.parametrize(("concurrency", "sync_agents", "max_connections", "warns"), [
+    (300, True, 100, True),  # 300 agents' connections + the worker's 5 > 100
+    (95, True, 100, False),  # 95 + 5 fits
+    (96, True, 100, True),
+    (300, False, 100, False),  # async agents only: no thread, no connection each
+    (300, True, None, False),  # not PostgreSQL (or unknown): nothing to compare with
+])
+def test_runworker_warns_when_sync_agents_could_pass_max_connections(
+        concurrency: int, sync_agents: bool, max_connections: int | None, warns: bool) -> None:
+    messages = checks.check_worker_connections(concurrency, 5, sync_agents, max_connections)
+    assert [m.id for m in messages] == ([checks.W005_CONNECTIONS] if warns else [])
+    if warns:
+        assert f"may hold {concurrency + 5} connections" in messages[0].msg
+
+
+@pytest.mark.slow
+def test_runworker_prints_its_connections_and_the_warning(
+        worker_env: dict[str, str]) -> None:
+    from tests import helpers
+
+    env = {**worker_env, "AGENTRUNS_TEST_SETTINGS": '{"WRITER_CONNECTIONS": 3}'}
+    done = helpers.run_manage(["runworker", "--burst", "--concurrency", "100000"], env)
+    assert done.returncode == 0, done.stderr
+    postgres = worker_env["DATABASE_URL"].startswith("postgres")
+    own = 3 + 2 + (1 if postgres else 0)
+    assert f"concurrency 100000, {own} database connections" in done.stdout, done.stdout
+    assert (checks.W005_CONNECTIONS in done.stderr) is postgres, done.stderr

@@ -42,7 +42,7 @@ from django_agentruns.models import TERMINAL, AgentRun, RunEvent, Status
 from django_agentruns.registry import get_agent
 from tests import helpers
 from tests.chaos.invariants import Checker, PlannedRun, check_all
-from tests.testapp.chaos_agents import CHAOS, CHAOS_ORDERED, CHAOS_SLOW
+from tests.testapp.chaos_agents import CHAOS, CHAOS_ASYNC, CHAOS_ORDERED, CHAOS_SLOW
 
 T = TypeVar("T")
 
@@ -149,6 +149,8 @@ def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
             spec |= {"steps": 3, "sleep": 0.02, "slow_at": rng.choice([1, 3]), "slow": 10,
                      "finish": 0.5}
             priority = 10  # taken over at once by whichever worker has a free slot
+        if kind != "slow" and rng.random() < 0.3:
+            agent = CHAOS_ASYNC  # the same run as a coroutine, writing through the store
         plan.append(PlannedRun(kind, agent, spec, priority=priority))
     return plan
 
@@ -219,7 +221,7 @@ class Chaos:
 
     def _lease_ttls(self) -> dict[str, float]:
         return {name: float(get_agent(name).lease_ttl or self.config.lease_ttl)
-                for name in (CHAOS, CHAOS_ORDERED, CHAOS_SLOW)}
+                for name in (CHAOS, CHAOS_ORDERED, CHAOS_SLOW, CHAOS_ASYNC)}
 
     def _enqueue(self, runs: list[PlannedRun]) -> None:
         created = enqueue_many([RunRequest(p.agent, p.input, scope=p.scope, priority=p.priority,

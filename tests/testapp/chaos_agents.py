@@ -1,6 +1,7 @@
 """Agents of the chaos suite (tests/chaos): multi-step runs whose side effects are fenced.
 
-One body serves three agents, steered by the run's input:
+One body serves three agents, steered by the run's input (and an async twin, a fourth,
+whose attempts are coroutines on the worker's loop writing through its attempt store):
 
 - ``steps``: how many steps; each emits a ``step`` event, sleeps ``sleep`` seconds (the
   "model call"), then records its side effect and checkpoints, in ONE transaction;
@@ -22,10 +23,12 @@ own writes as safe as the library's: a stale attempt can leave no trace.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.db import transaction
 
 from django_agentruns import NotRetryable, Retryable, RunContext, agent
@@ -36,6 +39,7 @@ from .models import SideEffect
 CHAOS = "tests.chaos"
 CHAOS_ORDERED = "tests.chaos_ordered"
 CHAOS_SLOW = "tests.chaos_slow"
+CHAOS_ASYNC = "tests.chaos_async"
 CHAOS_MAX_REQUEUES = 8
 # The slow agent: its attempt times out after SLOW_TIMEOUT; the worker's lease keeper stops
 # renewing SLOW_LEASE_TTL/3 later, so the lease lapses within SLOW_LEASE_TTL after that.
@@ -89,6 +93,26 @@ def slow_down(ctx: RunContext, step: int) -> None:
 @agent(CHAOS, max_requeues=CHAOS_MAX_REQUEUES)
 def chaos(ctx: RunContext) -> dict[str, Any]:
     return run_steps(ctx)
+
+
+@agent(CHAOS_ASYNC, max_requeues=CHAOS_MAX_REQUEUES)
+async def chaos_async(ctx: RunContext) -> dict[str, Any]:
+    """`run_steps` as a coroutine (no slow mode): emits awaited through the worker's
+    attempt store; the fenced side effect and its checkpoint in a thread, one transaction."""
+    spec = ctx.input
+    steps = int(spec.get("steps", 3))
+    state = ctx.state or {"step": 0}
+    for step in range(int(state["step"]), steps):
+        await ctx.aemit("step", {"n": step})
+        await asyncio.sleep(float(spec.get("sleep", 0)))
+        if step == spec.get("fail_at"):
+            if spec.get("fail") == "fatal":
+                raise NotRetryable(f"fatal failure at step {step}")
+            if spec.get("fail") == "transient" and ctx.attempt <= int(spec.get("fail_attempts",
+                                                                               1)):
+                raise Retryable(f"transient failure at step {step}, attempt {ctx.attempt}")
+        await sync_to_async(record_step, thread_sensitive=False)(ctx, step)
+    return {"steps": steps}
 
 
 @agent(CHAOS_ORDERED, ordered=True, max_requeues=CHAOS_MAX_REQUEUES)
