@@ -284,7 +284,7 @@ def summarize_wall(raw: str) -> str:
 # django_agentruns frame inwards), and the library its innermost frame is in.
 PHASES = [
     ("claim (transitions.claim)", "claim (django_agentruns/transitions/claiming.py"),
-    ("settle (transitions.settle_succeeded_many)", "settle_succeeded_many (django_agentruns/"),
+    ("attempt writes (store: transitions.apply_writes)", "apply_writes (django_agentruns/"),
     ("start an attempt (Worker._start: log, submit)", "Worker._start (django_agentruns/"),
     ("burst check (Worker._work_pending)", "Worker._work_pending (django_agentruns/"),
     ("reaper (reaper.reap)", "reap (django_agentruns/reaper.py"),

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "django_agentruns"
 # Modules (or packages) the layer on the left must never import.
 HIGHER = ["admin", "api", "worker", "executor", "lease_keeper", "live", "management",
           "tasks", "views", "urls", "stream", "fanout", "reaper", "recording", "store",
-          "group_commit", "context"]
+          "context"]
 FORBIDDEN: dict[str, list[str]] = {
     "transitions": HIGHER,
     "models.py": ["transitions", *HIGHER],  # queries sits with models (the manager)

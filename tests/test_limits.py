@@ -19,7 +19,7 @@ from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.worker import Worker
 from tests import helpers
 from tests.settings import AGENTRUNS as TEST_SETTINGS
-from tests.test_group_commit import drop_refusal, refuse_output
+from tests.test_settle_many import drop_refusal, refuse_output
 from tests.testapp.models import SideEffect
 
 MIB = 1_048_576
