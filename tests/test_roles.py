@@ -220,3 +220,25 @@ def test_executor_returns_none_when_the_outcome_cannot_be_written() -> None:
     assert Executor("w1", store=store).run(
         run, get_agent("tests.noop"), AttemptControl(ref, None, 0, store)) is None
     assert AgentRun.objects.get(pk=run.pk).status == Status.RUNNING  # left to lapse
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_closes_the_connection_an_agent_opened_when_its_attempt_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent's own query opens its thread's connection: the worker does not keep it to
+    the thread's next attempt, even with persistent connections (with Django's pool,
+    closing returns it to the pool)."""
+    from django.db import connections
+
+    from django_agentruns import enqueue
+    from django_agentruns.worker import Worker
+    from tests.testapp.writer_agents import QUERIED_ON
+
+    monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", None)
+    QUERIED_ON.clear()
+    for _ in range(3):
+        enqueue("tests.queries")
+    Worker(concurrency=1, burst=True, reap_interval=0).run(install_signals=False)
+    assert len(QUERIED_ON) == 3
+    assert all(wrapper.connection is None for wrapper in QUERIED_ON)
+    assert AgentRun.objects.filter(status=Status.SUCCEEDED).count() == 3

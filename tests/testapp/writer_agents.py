@@ -31,3 +31,20 @@ async def async_writer(ctx: RunContext) -> dict[str, Any]:
         await ctx.aemit("step", {"i": i})
         await ctx.acheckpoint({"i": i + 1})
     return {"steps": ctx.input.get("steps", 3)}
+
+
+# The connection wrappers tests.queries ran its query on, for the test to look at later.
+QUERIED_ON: list[Any] = []
+
+
+@agent("tests.queries")
+def queries(ctx: RunContext) -> dict[str, Any]:
+    """Runs a query of its own (the agent's connection, not the worker's) and notes which
+    connection it used."""
+    from django.db import connections
+
+    from .models import SideEffect
+
+    count = SideEffect.objects.count()
+    QUERIED_ON.append(connections["default"])
+    return {"count": count}
