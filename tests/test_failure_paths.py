@@ -122,7 +122,9 @@ def test_a_context_call_on_a_dead_connection_is_retried_and_charges_nothing(
     are closed under Django between two steps (a restart would do the same): the writers
     reconnect, and the run succeeds on attempt 1."""
     run_id = enqueue("tests.drops_connection").pk
-    with helpers.start_manage(["runworker"], worker_env) as worker:
+    # One writer: the one whose connection the agent closes writes the next step too.
+    env = {**worker_env, "AGENTRUNS_TEST_SETTINGS": '{"WRITER_CONNECTIONS": 1}'}
+    with helpers.start_manage(["runworker"], env) as worker:
         helpers.wait_until(lambda: finished(run_id), timeout=30, message="the run to finish")
         log = worker.stderr
         assert worker.stop() == 0, worker.output()
