@@ -14,7 +14,14 @@ from django.db import DatabaseError, close_old_connections, connection
 from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.store import AttemptStore
-from django_agentruns.transitions import AttemptRef, ScopePolicy, Settlement, SucceedWrite, due
+from django_agentruns.transitions import (
+    AttemptRef,
+    Result,
+    ScopePolicy,
+    Settlement,
+    SucceedWrite,
+    due,
+)
 from tests import helpers
 
 WORKER = "group-commit:1:abcd"
@@ -156,7 +163,7 @@ def test_a_member_the_database_refuses_leaves_the_batch_to_succeed(
             ref(r.pk, r.attempt),
             {"n": r.pk, "tag": refusing_database if r.pk == bad.pk else ""}))
             for r in runs}
-        results: dict[int, Settlement | BaseException] = {}
+        results: dict[int, Result | BaseException] = {}
         for pk, future in futures.items():
             try:
                 results[pk] = future.result(20)
