@@ -28,7 +28,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
-from django.db.models import Count, Min, Q
+from django.db.models import Count, Min, Q, Value
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
@@ -120,11 +120,13 @@ class Backlog:
     """One reading of the backlog, per queue, and of the dead letters, per reason."""
 
     due: dict[str, int] = field(default_factory=dict)
-    """Queued runs due now: what the workers have yet to take."""
+    """Queued runs due now that may start: what the workers have yet to take."""
+    blocked: dict[str, int] = field(default_factory=dict)
+    """Queued runs due now but held back, on purpose, by an earlier run of their scope."""
     scheduled: dict[str, int] = field(default_factory=dict)
     """Queued runs not due yet (backing off after a failure, or enqueued with run_after)."""
     oldest_due: dict[str, float] = field(default_factory=dict)
-    """Seconds the longest-waiting due run has been due."""
+    """Seconds the longest-waiting due run that may start has been due."""
     running: dict[str, int] = field(default_factory=dict)
     dead_letters: dict[str, int] = field(default_factory=dict)
 
@@ -134,18 +136,28 @@ def read_backlog(at: datetime | None = None) -> Backlog:
 
     The queued runs come from the partial due index (status='queued'), the running ones
     from the partial running index, the dead letters from the status+reason index: the
-    size of the history (succeeded runs) costs nothing here.
+    size of the history (succeeded runs) costs nothing here. A due run of an ordered agent
+    is also looked up in the scope-head index, to count it as blocked or not.
     """
     from .models import AgentRun
+    from .registry import scope_policy
 
     at = at or timezone.now()
     backlog = Backlog()
+    due = Q(available_at__lte=at)
+    # Runs held back by an earlier run of their scope wait on purpose: counted apart, so a
+    # long ordered backlog does not read as workers falling behind.
+    held = AgentRun.objects.held(scope_policy())
+    startable = due if held is None else due & ~held
     queued = (AgentRun.objects.filter(status=Status.QUEUED).order_by().values("queue")
-              .annotate(due=Count("id", filter=Q(available_at__lte=at)),
+              .annotate(due=Count("id", filter=startable),
+                        blocked=Count("id", filter=due & held) if held is not None
+                        else Value(0),
                         later=Count("id", filter=Q(available_at__gt=at)),
-                        oldest=Min("available_at", filter=Q(available_at__lte=at))))
+                        oldest=Min("available_at", filter=startable)))
     for row in queued:
         backlog.due[row["queue"]] = row["due"]
+        backlog.blocked[row["queue"]] = row["blocked"]
         backlog.scheduled[row["queue"]] = row["later"]
         if row["oldest"] is not None:
             backlog.oldest_due[row["queue"]] = max(0.0, (at - row["oldest"]).total_seconds())
@@ -186,7 +198,8 @@ class BacklogCollector:
         backlog = self.reading()
         if backlog is None:
             return []
-        queues = self._queues | set(backlog.due) | set(backlog.scheduled) | set(backlog.running)
+        queues = (self._queues | set(backlog.due) | set(backlog.blocked) | set(backlog.scheduled)
+                  | set(backlog.running))
         self._queues = queues
         return list(self._families(backlog, queues | _agent_queues()))
 
@@ -212,11 +225,14 @@ class BacklogCollector:
     @staticmethod
     def _families(backlog: Backlog, queues: set[str]) -> Iterator[Metric]:
         gauges = (
-            ("agentruns_queue_depth", "Queued runs due now, by queue.", backlog.due),
+            ("agentruns_queue_depth", "Queued runs due now that may start, by queue.",
+             backlog.due),
+            ("agentruns_queue_blocked", "Queued runs due now but held back by an earlier run "
+             "of their scope (ordered agents), by queue.", backlog.blocked),
             ("agentruns_queue_scheduled", "Queued runs not due yet (backoff or run_after), "
              "by queue.", backlog.scheduled),
             ("agentruns_queue_oldest_due_seconds", "Seconds the longest-waiting due run of "
-             "the queue has been due (0 when none is).", backlog.oldest_due),
+             "the queue that may start has been due (0 when none is).", backlog.oldest_due),
             ("agentruns_running", "Runs with an attempt in progress, by queue.",
              backlog.running),
         )

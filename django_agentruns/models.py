@@ -12,7 +12,8 @@ from django.utils import timezone
 from .queries import RunQuerySet
 from .states import DEAD_LETTER_REASONS, TERMINAL, Reason, Status
 
-__all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "AgentRun", "Reason", "RunEvent", "Status"]
+__all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "AgentRun", "Reason", "RunEvent", "Status",
+           "WorkerRecord"]
 
 
 class AgentRun(models.Model):
@@ -77,6 +78,8 @@ class AgentRun(models.Model):
             ),
             models.Index(fields=("status", "reason"), name="agentruns_status_reason"),
             models.Index(fields=("created_at",), name="agentruns_created"),
+            # The overview's throughput chart and per-agent window: runs finished lately.
+            models.Index(fields=("finished_at",), name="agentruns_finished"),
         )
 
     def __str__(self) -> str:
@@ -105,3 +108,30 @@ class RunEvent(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.run_id}.{self.seq} {self.type}"
+
+
+class WorkerRecord(models.Model):
+    """A `runworker` process, as it last said it was: written by `django_agentruns.workers`.
+
+    Not a lease and never consulted by a claim: it only tells an operator (and `why`) which
+    workers are alive and what they serve. A record whose `last_seen_at` is older than the
+    lease TTL belongs to a worker that died or lost its database.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    worker_id = models.CharField(max_length=255, unique=True)
+    host = models.CharField(max_length=255)
+    pid = models.PositiveIntegerField()
+    queues = models.JSONField(default=list)
+    concurrency = models.PositiveIntegerField(default=1)
+    agents = models.JSONField(default=list, help_text="Agent names registered in the worker.")
+    version = models.CharField(max_length=50, blank=True, default="")
+    started_at = models.DateTimeField(default=timezone.now)
+    last_seen_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ("-last_seen_at",)
+        indexes = (models.Index(fields=("last_seen_at",), name="agentruns_worker_seen"),)
+
+    def __str__(self) -> str:
+        return self.worker_id

@@ -94,15 +94,21 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
                 qs = qs.filter(~Q(agent__in=agents) | ~Exists(holder))
         return qs
 
-    def blocked(self, scopes: ScopePolicy) -> Self:
-        """Queued behind an earlier run of its scope: `startable`'s firing-order rule, inverted
-        (whatever the run's due time)."""
-        held = Q(pk__in=[])
+    def held(self, scopes: ScopePolicy) -> Q | None:
+        """The condition "an earlier run of its scope holds it back" (ordered agents only),
+        for a caller that counts with it (the metrics); None when no agent is ordered."""
+        held: Q | None = None
         for agents, blocking in _scope_groups(scopes):
             if agents:
                 holder = self._fresh().ahead_in_scope().holding(blocking)
-                held |= Q(agent__in=agents) & Q(Exists(holder))
-        return self.filter(held, status=Status.QUEUED)
+                group = Q(agent__in=agents) & Q(Exists(holder))
+                held = group if held is None else held | group
+        return held
+
+    def blocked(self, scopes: ScopePolicy) -> Self:
+        """Queued behind an earlier run of its scope: `startable`'s firing-order rule, inverted
+        (whatever the run's due time)."""
+        return self.filter(self.held(scopes) or Q(pk__in=[]), status=Status.QUEUED)
 
     def awaited(self, queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> Self:
         """Queued runs due by time that a worker will get to without outside help.

@@ -36,6 +36,7 @@ from .models import AgentRun
 from .notify import Listener
 from .registry import AgentSpec, all_agents, find_agent, scope_policy
 from .transitions import AttemptRef, Renewal
+from .workers import Presence
 
 logger = logging.getLogger("django_agentruns.worker")
 
@@ -116,6 +117,7 @@ class Worker:
         self.successes = GroupCommit(
             lambda items: transitions.settle_succeeded_many(self.worker_id, items),
             on_error=_close_connections)
+        self.presence = Presence(self)  # the worker's record, for operators (workers.py)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -127,6 +129,7 @@ class Worker:
         logger.info("worker %s serving queues %s with concurrency %s%s", self.worker_id,
                     ",".join(self.queues), self.concurrency, " (burst)" if self.burst else "",
                     extra={"worker_id": self.worker_id})
+        self.presence.start()
         self._keeper = threading.Thread(target=self._keep_leases, name="agentruns-keeper",
                                          daemon=True)
         self._keeper.start()
@@ -153,6 +156,10 @@ class Worker:
         logger.info("signal %s: stopping (grace %.1fs)", signal.Signals(signum).name,
                     self.grace, extra={"worker_id": self.worker_id})
         self.stop()
+
+    @property
+    def agent_names(self) -> list[str]:
+        return list(self._agents)
 
     @property
     def busy(self) -> int:
@@ -327,6 +334,7 @@ class Worker:
                 logger.exception("lease keeper failed; retrying",
                                  extra={"worker_id": self.worker_id})
                 _close_connections()
+            self.presence.tick()
             ttls = [lv.control.ref.lease_ttl for lv in lives if lv.control.ref.lease_ttl]
             # Wake often enough to renew at a third of the shortest TTL, and to notice
             # timeouts promptly.
@@ -395,6 +403,7 @@ class Worker:
         for thread in threads:
             if thread is not None:
                 thread.join(timeout=5)
+        self.presence.stop()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
         logger.info("worker %s stopped", self.worker_id, extra={"worker_id": self.worker_id})
