@@ -119,7 +119,8 @@ def test_stuck_lists_lapsed_runs_not_yet_taken_back() -> None:
                                      attempt=1, claimed_by="gone:1:x",
                                      lease_expires=now - timedelta(seconds=30))
     AgentRun.objects.create(agent="tests.noop", queue="default", status=Status.RUNNING,
-                            attempt=1, claimed_by="alive", lease_expires=now + timedelta(seconds=60))
+                            attempt=1, claimed_by="alive",
+                            lease_expires=now + timedelta(seconds=60))
     runs, total = triage.stuck(now)
     assert ([r.pk for r in runs], total) == ([lapsed.pk], 1)
 
@@ -152,7 +153,8 @@ def test_throughput_counts_per_minute_with_empty_minutes_as_zero() -> None:
     series = triage.throughput(now - timedelta(minutes=10), now)
     assert series.bucket == timedelta(minutes=1)
     assert len(series.finished) == 11
-    assert series.finished[-1] == 2 and series.dead[-1] == 1
+    assert series.finished[-1] == 2
+    assert series.dead[-1] == 1
     assert series.finished[-3] == 1
     assert sum(series.finished) == 3
     hourly = triage.throughput(now - timedelta(hours=24), now)

@@ -48,7 +48,9 @@ def test_register_beat_and_unregister() -> None:
     t0 = timezone.now() - timedelta(minutes=5)
     record = workers.register(FakeWorker(), at=t0)
     assert (record.queues, record.concurrency, record.agents) == (["default"], 4, ["tests.noop"])
-    assert record.version and record.pid and record.host
+    assert record.version
+    assert record.pid
+    assert record.host
     assert list(workers.live(t0)) == [record]
     assert list(workers.live(t0 + timedelta(seconds=2.1))) == []  # LEASE_TTL 2 s in tests
     assert workers.beat("host:1:abc", at=t0 + timedelta(seconds=2))
