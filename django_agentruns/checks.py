@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from django.conf import settings
@@ -10,6 +11,7 @@ from django.core.checks import CheckMessage, Error, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import SETTING_NAME, AppSettings, Defaults
+from .sqlite import SQLITE_OPTIONS
 
 E001_NOT_A_DICT = "agentruns.E001"
 E002_UNKNOWN_SETTING = "agentruns.E002"
@@ -25,6 +27,10 @@ W003_SHORT_LEASE = "agentruns.W003"
 W004_RECONNECT_PER_RUN = "agentruns.W004"
 
 SHORTEST_SENSIBLE_LEASE = 1.0
+# Both SQLite warnings give the one fix, with the values the README and SQLITE_OPTIONS use.
+SQLITE_HINT = ("from django_agentruns.sqlite import SQLITE_OPTIONS, then "
+               "DATABASES['default']['OPTIONS'] = {**SQLITE_OPTIONS}, that is "
+               f"{SQLITE_OPTIONS!r} (journal_mode=WAL: readers run while a worker writes)")
 
 # Upper bounds: a longer duration overflows the datetime arithmetic (a lease of 1e12 s ends
 # after the year 9999) or a thread's wait (POLL_INTERVAL); a larger requeue budget does not
@@ -133,7 +139,9 @@ def _number_problem(key: str, value: Any) -> str | None:
     return None
 
 
-@register("database")
+# Neither SQLite check opens a connection, so both run in `manage.py check` as in `migrate`
+# (a "database"-tagged check runs only in the latter, and a new user saw them differ).
+@register()
 def check_sqlite(app_configs: Any = None, databases: Any = None,
                  **kwargs: Any) -> list[CheckMessage]:
     db = settings.DATABASES.get("default", {})
@@ -144,20 +152,38 @@ def check_sqlite(app_configs: Any = None, databases: Any = None,
         return [Warning(
             "SQLite runs transactions DEFERRED: concurrent workers meet 'database is locked' "
             "and retry far more often.",
-            hint="DATABASES['default']['OPTIONS'] = {'transaction_mode': 'IMMEDIATE', "
-                 "'timeout': 20, 'init_command': 'PRAGMA journal_mode=WAL;'}",
+            hint=SQLITE_HINT,
             id=W001_SQLITE_DEFERRED)]
     return []
 
 
-@register("database")
+@register()
 def check_sqlite_journal(app_configs: Any = None, databases: Any = None,
                          **kwargs: Any) -> list[CheckMessage]:
-    """Reads the live database's journal mode (WAL is a property of the file)."""
+    """WAL from the settings' init_command, else from the database file's header (WAL is a
+    property of the file); no connection is opened."""
     db = settings.DATABASES.get("default", {})
-    if "sqlite" not in db.get("ENGINE", "") or not databases or "default" not in databases:
+    if "sqlite" not in db.get("ENGINE", ""):
         return []
-    return journal_warning(_journal_mode())
+    init = str(db.get("OPTIONS", {}).get("init_command", ""))
+    if re.search(r"journal_mode\s*=\s*['\"]?wal", init, flags=re.IGNORECASE):
+        return []
+    return journal_warning(file_journal_mode(str(db.get("NAME", ""))))
+
+
+def file_journal_mode(name: str) -> str:
+    """"wal" if the SQLite file's header says WAL (bytes 18 and 19 are 2), "delete" if it
+    says otherwise, "memory" for an in-memory database, "" if there is no file yet."""
+    if name == ":memory:" or "mode=memory" in name:
+        return "memory"
+    try:
+        with open(name, "rb") as file:
+            header = file.read(20)
+    except OSError:
+        return ""
+    if len(header) < 20 or not header.startswith(b"SQLite format 3\x00"):
+        return ""
+    return "wal" if header[18] == header[19] == 2 else "delete"
 
 
 @register()
@@ -180,9 +206,9 @@ def journal_warning(mode: str) -> list[CheckMessage]:
     if mode.lower() in ("wal", "memory"):
         return []
     return [Warning(
-        f"SQLite's journal_mode is {mode or 'unknown'}, not WAL: readers block the writer, so "
-        "several workers (and the admin) wait on each other and time out.",
-        hint="Add 'init_command': 'PRAGMA journal_mode=WAL;' to the database OPTIONS.",
+        f"SQLite's journal_mode is {mode or 'not set'}, not WAL: readers block the writer, "
+        "so several workers (and the admin) wait on each other and time out.",
+        hint=SQLITE_HINT,
         id=W002_SQLITE_NOT_WAL)]
 
 

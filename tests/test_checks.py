@@ -235,3 +235,40 @@ def test_the_live_sqlite_test_database_runs_wal() -> None:
 def test_postgresql_reconnecting_per_run_warns(db: dict[str, Any], warns: bool) -> None:
     ids = [m.id for m in checks.reconnect_warning(db)]
     assert ids == ([checks.W004_RECONNECT_PER_RUN] if warns else [])
+
+
+# --------------------------------------------------------------------------- a fresh project
+
+
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+def test_a_fresh_sqlite_project_hears_both_warnings_from_check_as_from_migrate(
+        tmp_path: Any) -> None:
+    fresh = {"default": {"ENGINE": "django.db.backends.sqlite3",
+                         "NAME": str(tmp_path / "db.sqlite3")}}
+    with override_settings(DATABASES=fresh):
+        plain = [m for m in run_checks() if m.id.startswith("agentruns.")]  # manage.py check
+        with_db = [m for m in run_checks(databases=["default"])  # migrate
+                   if m.id.startswith("agentruns.")]
+    assert sorted(m.id for m in plain) == sorted(m.id for m in with_db) == [
+        checks.W001_SQLITE_DEFERRED, checks.W002_SQLITE_NOT_WAL]
+    for message in plain:  # one fix, with the values SQLITE_OPTIONS and the README use
+        assert "'timeout': 30" in (message.hint or "")
+        assert "SQLITE_OPTIONS" in (message.hint or "")
+    assert not (tmp_path / "db.sqlite3").exists()  # nothing was opened
+
+
+def test_the_journal_mode_is_read_from_the_file_header(tmp_path: Any) -> None:
+    import sqlite3
+
+    path = tmp_path / "db.sqlite3"
+    assert checks.file_journal_mode(str(path)) == ""
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE t (x)")
+    assert checks.file_journal_mode(str(path)) == "delete"
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA journal_mode=WAL")
+    assert checks.file_journal_mode(str(path)) == "wal"
+    assert checks.file_journal_mode(":memory:") == "memory"
+    with override_settings(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3",
+                                                  "NAME": str(path)}}):
+        assert checks.check_sqlite_journal() == []
