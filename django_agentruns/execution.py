@@ -164,6 +164,11 @@ def log_settlement(ref: AttemptRef, agent: str, settlement: Settlement, outcome:
         detail = f": {type(outcome.error).__name__}: {outcome.error}"
     elif outcome.stop_reason:
         detail = f" ({outcome.stop_reason})"
+    if settlement is Settlement.DEAD_LETTERED:
+        # Why it will not be retried, as written (one read; dead letters are rare).
+        extra["reason"] = AgentRun.objects.filter(pk=ref.run_id).values_list(
+            "reason", flat=True).first() or ""
+        detail = f" ({extra['reason']}){detail}"
     logger.info("run %s %s attempt %s %s%s", ref.run_id, agent, ref.attempt,
                 settlement.value, detail, extra=extra)
 
