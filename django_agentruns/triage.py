@@ -146,6 +146,29 @@ def queue_stats(coverage: Coverage, at: datetime | None = None,
             for q in sorted(names)]
 
 
+@dataclass(frozen=True)
+class Uncovered:
+    queue: str
+    agent: str
+    due: int
+    why: str
+
+
+def uncovered(coverage: Coverage, at: datetime | None = None,
+              limit: int = GROUPS) -> list[Uncovered]:
+    """Due runs, by queue and agent, that no live worker will take: none serves the queue,
+    or none serving it has the agent (added after the workers started, say)."""
+    rows = (AgentRun.objects.filter(status=Status.QUEUED, available_at__lte=at or timezone.now())
+            .order_by().values("queue", "agent").annotate(n=Count("id"))
+            .order_by("-n", "queue", "agent")[:limit])
+    found = []
+    for row in rows:
+        gap = coverage.gap(AgentRun(queue=row["queue"], agent=row["agent"]))
+        if gap:
+            found.append(Uncovered(row["queue"], row["agent"], row["n"], gap))
+    return found
+
+
 def stuck(at: datetime | None = None, limit: int = STUCK) -> tuple[list[AgentRun], int]:
     """Running runs whose lease lapsed and that nobody has taken back yet (newest first)."""
     runs = AgentRun.objects.lapsed(at or timezone.now()).order_by("lease_expires")

@@ -180,6 +180,14 @@ def test_the_overview_triages(operator: Client) -> None:
     assert "Stuck: lease lapsed, not yet taken back: 1" in html
     assert 'data-queue="reports" class="agentruns-alert"' in html  # due, and no worker
     assert 'id="agentruns-agents"' in html
+    uncovered = [(u.queue, u.agent, u.due) for u in response.context["uncovered"]]
+    assert uncovered == [("reports", "tests.noop", 1)]
+    workers.register(_Worker(["reports"]))  # serves the queue, with tests.noop only
+    assert operator.get(reverse(OVERVIEW)).context["uncovered"] == []
+    make_run(Status.QUEUED, agent="tests.steps", queue="reports")  # an agent it lacks
+    [gap] = operator.get(reverse(OVERVIEW)).context["uncovered"]
+    assert (gap.queue, gap.agent) == ("reports", "tests.steps")
+    assert "has agent 'tests.steps'" in gap.why
     assert operator.get(reverse(OVERVIEW) + "?window=bogus").context["window"] == "3h"
 
 

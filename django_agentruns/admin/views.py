@@ -91,6 +91,7 @@ def overview(model_admin: Any) -> Any:
             "sample_size": triage.SAMPLE,
             "queues": triage.queue_stats(coverage, at),
             "live_workers": coverage.workers,
+            "uncovered": triage.uncovered(coverage, at),
             "stuck": [(run, show.short_duration((at - run.lease_expires).total_seconds()))
                       for run in stuck if run.lease_expires is not None],
             "stuck_total": stuck_total,
