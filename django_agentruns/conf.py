@@ -56,6 +56,10 @@ class Defaults:
     WRITER_CONNECTIONS: int = 2
     """Connections (and threads) of a worker's attempt store, which commits every write its
     attempts make (events, checkpoints, renewals, successes) in group commits."""
+    LISTEN_DATABASE: str | None = None
+    """Alias of the `DATABASES` entry the worker's LISTEN connection uses, one that reaches
+    PostgreSQL directly, not through a transaction pooler (PgBouncer in transaction mode
+    loses notifications); None: the worker's own (`default`). Only the listener uses it."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

@@ -87,6 +87,11 @@ if prometheus_client is not None:
         "agentruns_attempt_duration_seconds",
         "Seconds an attempt took, from its start to its settlement, by agent and outcome.",
         ("agent", "outcome"), buckets=DURATION_BUCKETS)
+    WAKEUPS_DEGRADED = prometheus_client.Gauge(
+        "agentruns_wakeups_degraded",
+        "1 while this worker's LISTEN connection is down or failed its self-check (a "
+        "transaction pooler in the way: set LISTEN_DATABASE), so new runs wait for the next "
+        "poll; 0 while NOTIFY wakes it.")
 
 
 def observe_settlement(
@@ -103,6 +108,12 @@ def observe_settlement(
         QUEUE_WAIT.labels(agent).observe(max(0.0, queue_wait_s))
     if duration_s is not None:
         DURATION.labels(agent, outcome).observe(max(0.0, duration_s))
+
+
+def set_wakeups_degraded(degraded: bool) -> None:
+    """Record whether this worker is woken by NOTIFY (0) or left to polling (1)."""
+    if prometheus_client is not None:
+        WAKEUPS_DEGRADED.set(1 if degraded else 0)
 
 
 def queue_wait(run: AgentRun) -> float | None:

@@ -17,7 +17,7 @@ from django.test.utils import CaptureQueriesContext
 
 from django_agentruns import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
 from django_agentruns.models import AgentRun, Status
-from django_agentruns.notify import CHANNEL, Listener
+from django_agentruns.notify import CHANNEL, Listener, probe_channel
 from tests import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -195,3 +195,22 @@ def test_without_the_trigger_nothing_notifies(listener: Any) -> None:
         call_command("migrate", "django_agentruns", verbosity=0)
     enqueue("tests.noop", queue="q-triggered")
     assert sent_before_sentinel(listener, "reapplied") == ["q-triggered"]
+
+
+@pytest.mark.postgres_only
+def test_a_listener_checks_itself_on_a_channel_of_its_own() -> None:
+    from django_agentruns import metrics
+
+    assert probe_channel("host:1:aa") != probe_channel("host:1:ab")
+    wake, stopping = threading.Event(), threading.Event()
+    listening = Listener(["q"], wake, stopping, worker_id="host:1:aa")
+    assert listening.channel == probe_channel("host:1:aa")
+    listening.start()
+    try:
+        assert listening.connected.wait(10), "the self-check did not pass"
+        assert not listening.degraded.is_set()
+        if metrics.AVAILABLE:
+            assert metrics.WAKEUPS_DEGRADED._value.get() == 0
+    finally:
+        stopping.set()
+        listening.thread.join(10)
