@@ -137,6 +137,9 @@ class Backlog:
     oldest_due: dict[str, float] = field(default_factory=dict)
     """Seconds the longest-waiting due run has been due."""
     running: dict[str, int] = field(default_factory=dict)
+    lapsed: dict[str, int] = field(default_factory=dict)
+    """Running runs whose lease has lapsed: their worker died or stalled, and the reaper
+    (or a claim) has not taken them back yet. Non-zero for long: no reaper is running."""
     dead_letters: dict[str, int] = field(default_factory=dict)
 
 
@@ -161,8 +164,10 @@ def read_backlog(at: datetime | None = None) -> Backlog:
         if row["oldest"] is not None:
             backlog.oldest_due[row["queue"]] = max(0.0, (at - row["oldest"]).total_seconds())
     running = (AgentRun.objects.filter(status=Status.RUNNING).order_by().values("queue")
-               .annotate(n=Count("id")))
-    backlog.running.update((row["queue"], row["n"]) for row in running)
+               .annotate(n=Count("id"), lapsed=Count("id", filter=Q(lease_expires__lt=at))))
+    for row in running:
+        backlog.running[row["queue"]] = row["n"]
+        backlog.lapsed[row["queue"]] = row["lapsed"]
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
@@ -230,6 +235,8 @@ class BacklogCollector:
              "the queue has been due (0 when none is).", backlog.oldest_due),
             ("agentruns_running", "Runs with an attempt in progress, by queue.",
              backlog.running),
+            ("agentruns_leases_lapsed", "Running runs whose lease lapsed and that nobody "
+             "has taken back yet, by queue.", backlog.lapsed),
         )
         for name, doc, values in gauges:
             family = GaugeMetricFamily(name, doc, labels=["queue"])
