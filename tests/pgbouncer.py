@@ -82,8 +82,11 @@ pidfile = {self.dir / "pgbouncer.pid"}
         (self.dir / "userlist.txt").write_text('"postgres" ""\n')
         self._user: list[str] = []
         if os.geteuid() == 0:  # pgbouncer refuses to run as root
-            user = "postgres"
-            pw = pwd.getpwnam(user)
+            try:
+                pw = pwd.getpwnam("postgres")
+            except KeyError:
+                pw = pwd.getpwnam("nobody")
+            user = pw.pw_name
             for path in (self.dir, *self.dir.iterdir()):
                 os.chown(path, pw.pw_uid, pw.pw_gid)
             self._user = ["-u", user]
