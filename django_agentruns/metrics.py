@@ -88,6 +88,11 @@ if prometheus_client is not None:
         "agentruns_attempt_duration_seconds",
         "Seconds an attempt took, from its start to its settlement, by agent and outcome.",
         ("agent", "outcome"), buckets=DURATION_BUCKETS)
+    WAKEUPS_DEGRADED = prometheus_client.Gauge(
+        "agentruns_wakeups_degraded",
+        "1 while this worker's LISTEN connection is down or failed its self-check (a "
+        "transaction pooler in the way: set LISTEN_DATABASE), so new runs wait for the next "
+        "poll; 0 while NOTIFY wakes it.")
 
 
 def observe_settlement(
@@ -104,6 +109,12 @@ def observe_settlement(
         QUEUE_WAIT.labels(agent).observe(max(0.0, queue_wait_s))
     if duration_s is not None:
         DURATION.labels(agent, outcome).observe(max(0.0, duration_s))
+
+
+def set_wakeups_degraded(degraded: bool) -> None:
+    """Record whether this worker is woken by NOTIFY (0) or left to polling (1)."""
+    if prometheus_client is not None:
+        WAKEUPS_DEGRADED.set(1 if degraded else 0)
 
 
 def queue_wait(run: AgentRun) -> float | None:
@@ -127,6 +138,9 @@ class Backlog:
     oldest_due: dict[str, float] = field(default_factory=dict)
     """Seconds the longest-waiting due run has been due."""
     running: dict[str, int] = field(default_factory=dict)
+    lapsed: dict[str, int] = field(default_factory=dict)
+    """Running runs whose lease has lapsed: their worker died or stalled, and the reaper
+    (or a claim) has not taken them back yet. Non-zero for long: no reaper is running."""
     dead_letters: dict[str, int] = field(default_factory=dict)
     unknown_agents: dict[tuple[str, str], int] = field(default_factory=dict)
     """Due runs of agents not registered in this process, by (queue, agent): a worker
@@ -157,8 +171,10 @@ def read_backlog(at: datetime | None = None) -> Backlog:
         if row["oldest"] is not None:
             backlog.oldest_due[row["queue"]] = max(0.0, (at - row["oldest"]).total_seconds())
     running = (AgentRun.objects.filter(status=Status.RUNNING).order_by().values("queue")
-               .annotate(n=Count("id")))
-    backlog.running.update((row["queue"], row["n"]) for row in running)
+               .annotate(n=Count("id"), lapsed=Count("id", filter=Q(lease_expires__lt=at))))
+    for held in running:
+        backlog.running[held["queue"]] = held["n"]
+        backlog.lapsed[held["queue"]] = held["lapsed"]
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
@@ -227,6 +243,8 @@ class BacklogCollector:
              "the queue has been due (0 when none is).", backlog.oldest_due),
             ("agentruns_running", "Runs with an attempt in progress, by queue.",
              backlog.running),
+            ("agentruns_leases_lapsed", "Running runs whose lease lapsed and that nobody "
+             "has taken back yet, by queue.", backlog.lapsed),
         )
         for name, doc, values in gauges:
             family = GaugeMetricFamily(name, doc, labels=["queue"])

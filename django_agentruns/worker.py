@@ -136,7 +136,9 @@ class Worker:
                                          daemon=True)
         self._keeper.start()
         if Listener.available():
-            self._listener = Listener(self.queues, self._wake, self._listener_stop)
+            self._listener = Listener(self.queues, self._wake, self._listener_stop,
+                                      worker_id=self.worker_id,
+                                      poll_interval=self.poll_interval)
             self._listener.start()
         try:
             self._serve()

@@ -207,6 +207,21 @@ def test_due_runs_of_agents_this_process_lacks_are_counted_by_queue_and_agent(
         ("agentruns_unknown_agent_runs", "mail", "tests.also_new"): 1}
 
 
+def test_the_backlog_counts_lapsed_leases_in_the_running_count(
+        db: None, django_assert_num_queries: Any) -> None:
+    now = timezone.now()
+    for queue, expires in [("default", now - timedelta(seconds=5)), ("default", now +
+                           timedelta(seconds=30)), ("mail", now + timedelta(seconds=30))]:
+        AgentRun.objects.create(agent="tests.noop", queue=queue, status=Status.RUNNING,
+                                lease_expires=expires)
+    with django_assert_num_queries(4):
+        backlog = metrics.read_backlog()
+    assert backlog.running == {"default": 2, "mail": 1}
+    assert backlog.lapsed == {"default": 1, "mail": 0}
+    collector = metrics.BacklogCollector(read=lambda: backlog)
+    assert gauges(collector)[("agentruns_leases_lapsed", "default")] == 1
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 1000.0
