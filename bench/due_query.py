@@ -2,7 +2,8 @@
 
 Builds, in a throwaway database, one scope of an ordered agent holding 20,000 succeeded
 runs and 200 waiting ones, beside 50 other scopes with a few queued runs each. Then times
-the due query (`transitions.due_queued(...)[:limit]`) two ways, the median of --reps runs:
+the due query as a worker asks it (`transitions.due_queued(..., agents)[:limit]`, its
+agents baked in) two ways, the median of --reps runs:
 
 * SQL: the compiled statement executed on a cursor, rows fetched (the database's cost);
 * ORM: the queryset built, compiled and evaluated into model instances.
@@ -131,13 +132,14 @@ def measure(reps: int, limit: int, explain: bool) -> dict[str, Any]:
     from django.utils import timezone
 
     from django_agentruns import transitions
-    from django_agentruns.registry import scope_policy
+    from django_agentruns.registry import all_agents, scope_policy
 
     policy = scope_policy()
+    agents = frozenset(all_agents())  # a worker claims only runs of its own agents
     at = timezone.now()
 
     def queryset() -> Any:
-        return transitions.due_queued([QUEUE], at, policy)[:limit]
+        return transitions.due_queued([QUEUE], at, policy, agents)[:limit]
 
     sql, params = queryset().query.sql_with_params()
 

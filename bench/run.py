@@ -300,7 +300,7 @@ def latency(target: Target, engine: Engine, rate: float, seconds: float, warmup:
     """Open-loop producer at `rate`/s against one idle worker; each agent writes its start
     time, the producer its enqueue time, so both ends are measured the same way."""
     starts = logs / f"latency-{engine.key}-{time.monotonic_ns()}.txt"
-    env = django_env(target.url, BENCH_LATENCY_FILE=str(starts))
+    env = django_env(target.url, BENCH_LATENCY_FILE=str(starts), **dict(engine.env))
     workers = start_workers(engine, 1, 1, False, env, logs / f"{engine.key}-latency.log")
     try:
         time.sleep(warmup)
@@ -349,6 +349,10 @@ ROWS: list[tuple[str, str, str, str]] = [
     ("lat_p50", "enqueue→start latency p50, idle worker, {rate:g}/s (ms)", LOWER, "ms"),
     ("lat_p95", "enqueue→start latency p95 (ms)", LOWER, "ms"),
     ("lat_p99", "enqueue→start latency p99 (ms)", LOWER, "ms"),
+    ("lat_pgb_p50", "enqueue→start latency p50 through PgBouncer (transaction mode), "
+     "LISTEN_DATABASE direct, ours only (ms)", LOWER, "ms"),
+    ("lat_pgb_p99", "enqueue→start latency p99 through PgBouncer, LISTEN_DATABASE direct "
+     "(ms)", LOWER, "ms"),
     ("io_sleep_sync", "I/O-bound 100 ms sync agent, 1 process, best concurrency (runs/s)",
      HIGHER, "rate"),
     ("io_sleep_async", "I/O-bound 100 ms async agent, 1 process, best concurrency (runs/s)",
@@ -597,6 +601,16 @@ def run_rep(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
             results.add(f"lat_{p}", engine, lat[p])
         note("latency", engine, f"p50 {lat['p50']:.1f}  p95 {lat['p95']:.1f}  "
              f"p99 {lat['p99']:.1f} ms  ({lat['n']} samples, {lat['missing']} missing)")
+    from bench import pooler  # imports this module
+
+    if pooler.available():  # skipped, with a note, without pgbouncer
+        lat = run_trial(admin, "latency ours via PgBouncer", pooler.pooled_latency, plan, logs)
+        results.add("lat_pgb_p50", OURS, lat["p50"])
+        results.add("lat_pgb_p99", OURS, lat["p99"])
+        note("latency", pooler.OURS_PGBOUNCER, f"p50 {lat['p50']:.1f}  p99 {lat['p99']:.1f} "
+             f"ms through PgBouncer ({lat['n']} samples, {lat['missing']} missing)")
+    elif rep == 0:
+        log("bench: pgbouncer is not installed: no latency row through PgBouncer")
     for kind in ("sleep_sync", "sleep_async"):
         for engine in order:
             if not engine.concurrent:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .exceptions import (
     AgentRunsError,
     InvalidInputError,
+    LimitExceeded,
     NotRetryable,
     Retryable,
     RunCancelledError,
@@ -30,6 +31,7 @@ __all__ = [
     "AgentRunsError",
     "CancelResult",
     "InvalidInputError",
+    "LimitExceeded",
     "NotRetryable",
     "Retryable",
     "RunCancelledError",

@@ -14,15 +14,18 @@ from typing import Any
 from django.utils import timezone
 
 from . import execution, signals, transitions
-from .context import AttemptControl, json_text, storable_text, unstorable_text
+from .context import AttemptControl, capped_json, storable_text, unstorable_text
 from .exceptions import InvalidInputError, RunNotFoundError
 from .models import AgentRun
-from .registry import AgentSpec, get_agent
+from .registry import QUEUE_RULE, AgentSpec, get_agent, is_queue_name
 from .transitions import AttemptRef, CancelResult, NewRun
 
 SCOPE_MAX = 255
 QUEUE_MAX = 100
 PRIORITY_RANGE = (-32768, 32767)
+# The latest due time accepted: a year short of the largest datetime, so that showing it in
+# any time zone, or adding a lease or a backoff to it, cannot overflow.
+LATEST_RUN_AFTER = datetime(9999, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -113,10 +116,11 @@ def _build(request: RunRequest, at: datetime, agents: dict[str, _AgentPolicy]) -
     """Check one request; `agents` keeps agent policies for the rest of the call."""
     agent = _policy(request.agent, agents)
     payload = {} if request.input is None else request.input
-    text = json_text(payload, f"Input of agent {request.agent!r}")
+    text = capped_json(payload, f"Input of agent {request.agent!r}", "MAX_INPUT_BYTES")
     scope = _check_str(request.scope, "scope", SCOPE_MAX, allow_empty=True)
-    queue = _check_str(request.queue if request.queue is not None else agent.queue,
-                       "queue", QUEUE_MAX, allow_empty=False)
+    queue = request.queue if request.queue is not None else agent.queue
+    if not is_queue_name(queue):
+        raise InvalidInputError(f"queue must be {QUEUE_RULE}, not {queue!r:.120}")
     priority = agent.priority if request.priority is None else request.priority
     if isinstance(priority, bool) or not isinstance(priority, int) or \
             not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
@@ -144,6 +148,14 @@ def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:
 def _due_time(run_after: datetime | timedelta | float | None, at: datetime) -> datetime:
     if run_after is None:
         return at
+    due = _due_time_unbounded(run_after, at)
+    if due >= LATEST_RUN_AFTER:
+        raise InvalidInputError(f"run_after must be before {LATEST_RUN_AFTER.isoformat()}, "
+                                f"not {run_after!r}")
+    return due
+
+
+def _due_time_unbounded(run_after: datetime | timedelta | float, at: datetime) -> datetime:
     try:
         if isinstance(run_after, datetime):
             if timezone.is_naive(run_after):

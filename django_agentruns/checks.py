@@ -11,6 +11,7 @@ from django.core.checks import CheckMessage, Error, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import SETTING_NAME, AppSettings, Defaults
+from .registry import QUEUE_RULE, is_queue_name
 from .sqlite import SQLITE_OPTIONS
 
 E001_NOT_A_DICT = "agentruns.E001"
@@ -37,12 +38,17 @@ SQLITE_HINT = ("from django_agentruns.sqlite import SQLITE_OPTIONS, then "
 # fit AgentRun.max_requeues, an integer column.
 LONGEST_DURATION = 365 * 24 * 3600
 LARGEST_COUNT = 2**31 - 1
+# The size caps stay well under PostgreSQL's 255 MB for one jsonb value (whose binary form
+# may be larger than its text), with room for the batches that carry several values.
+LARGEST_SIZE = 64 * 1024 * 1024
 
 _POSITIVE = ("LEASE_TTL", "POLL_INTERVAL")
 _NON_NEGATIVE = ("BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL", "GRACE")
 _INTEGERS = ("MAX_REQUEUES", "CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS",
              "WRITER_CONNECTIONS")
 _AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS")
+_SIZES = ("MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES")
+_CAPS = (*_SIZES, "MAX_EVENTS_PER_RUN")
 _FLAGS = ("UNKNOWN_ERRORS_RETRYABLE", "PREPARED_STATEMENTS")
 
 
@@ -59,7 +65,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         errors.append(Error(f"{SETTING_NAME}[{key!r}] is not a setting of django-agentruns.",
                             hint=f"Known settings: {', '.join(sorted(AppSettings.known()))}.",
                             id=E002_UNKNOWN_SETTING))
-    for key in _POSITIVE + _NON_NEGATIVE + _INTEGERS + ("BACKOFF_JITTER",):
+    for key in _POSITIVE + _NON_NEGATIVE + _INTEGERS + _CAPS + ("BACKOFF_JITTER",):
         if key in raw:
             problem = _number_problem(key, raw[key])
             if problem:
@@ -85,9 +91,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                                 hint="A dotted path to f(exc) -> True | False | None.",
                                 id=E004_BAD_CLASSIFIER))
     queue = raw.get("DEFAULT_QUEUE", Defaults.DEFAULT_QUEUE)
-    if not isinstance(queue, str) or not queue or len(queue) > 100:
-        errors.append(Error(f"{SETTING_NAME}['DEFAULT_QUEUE'] must be a non-empty string of "
-                            f"at most 100 characters, not {queue!r}.",
+    if not is_queue_name(queue):
+        errors.append(Error(f"{SETTING_NAME}['DEFAULT_QUEUE'] must be {QUEUE_RULE}, not "
+                            f"{queue!r}.",
                             hint=f"The default is {Defaults.DEFAULT_QUEUE!r}.", id=E005_BAD_QUEUE))
     ttl = raw.get("LEASE_TTL", Defaults.LEASE_TTL)
     if _number_problem("LEASE_TTL", ttl) is None and ttl < SHORTEST_SENSIBLE_LEASE:
@@ -126,6 +132,11 @@ def _number_problem(key: str, value: Any) -> str | None:
     least = 1 if key in _AT_LEAST_ONE else 0
     if key in _INTEGERS and (not isinstance(value, int) or value < least):
         return f"must be a whole number >= {least}"
+    if key in _CAPS:
+        most = LARGEST_SIZE if key in _SIZES else LARGEST_COUNT
+        if not isinstance(value, int) or not 1 <= value <= most:
+            return f"must be a whole number from 1 to {most}"
+        return None
     if key in _POSITIVE and not value > 0:
         return "must be > 0"
     if key in _NON_NEGATIVE and value < 0:

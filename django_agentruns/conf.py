@@ -56,24 +56,43 @@ class Defaults:
     WRITER_CONNECTIONS: int = 2
     """Connections (and threads) of a worker's attempt store, which commits every write its
     attempts make (events, checkpoints, renewals, successes) in group commits."""
+    MAX_INPUT_BYTES: int = 1_048_576
+    """Largest run input, as JSON text (1 MiB); `enqueue` refuses a larger one."""
+    MAX_OUTPUT_BYTES: int = 1_048_576
+    """Largest output an agent may return, as JSON text; past it the run is dead-lettered
+    `not_retryable`, before anything is written."""
+    MAX_STATE_BYTES: int = 1_048_576
+    """Largest checkpoint state, as JSON text; `ctx.checkpoint` refuses a larger one."""
+    MAX_EVENT_BYTES: int = 262_144
+    """Largest event payload, as JSON text (256 KiB); `ctx.emit` refuses a larger one."""
+    MAX_EVENTS_PER_RUN: int = 10_000
+    """Events an attempt may add to its run's stream (emits and checkpoint markers); past
+    it `ctx.emit` raises. The run's own transitions are always recorded."""
+    LISTEN_DATABASE: str | None = None
+    """Alias of the `DATABASES` entry the worker's LISTEN connection uses, one that reaches
+    PostgreSQL directly, not through a transaction pooler (PgBouncer in transaction mode
+    loses notifications); None: the worker's own (`default`). Only the listener uses it."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""
+
+
+# Read on every setting lookup, some of them per run: built once.
+_NAMES = frozenset(f.name for f in fields(Defaults))
 
 
 class AppSettings:
     """Attribute access to `settings.AGENTRUNS` with the defaults above filled in."""
 
     def __getattr__(self, name: str) -> Any:
-        names = {f.name for f in fields(Defaults)}
-        if name not in names:
+        if name not in _NAMES:
             raise AttributeError(f"Unknown django-agentruns setting {name!r}")
         user: dict[str, Any] = getattr(settings, SETTING_NAME, {}) or {}
         return user.get(name, getattr(Defaults, name))
 
     @staticmethod
     def known() -> set[str]:
-        return {f.name for f in fields(Defaults)}
+        return set(_NAMES)
 
     def classifier(self) -> Callable[[BaseException], bool | None] | None:
         path = self.CLASSIFIER

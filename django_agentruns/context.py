@@ -10,21 +10,26 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections
+from django.db import DatabaseError, close_old_connections, connection
 
 from . import transitions
-from .exceptions import AttemptStopped, InvalidInputError
+from .conf import SETTING_NAME, app_settings
+from .db import storage_unreachable
+from .exceptions import AttemptStopped, InvalidInputError, LimitExceeded
 from .outcomes import AttemptRef, Renewal
 
 T = TypeVar("T")
+
+logger = logging.getLogger("django_agentruns.worker")
 
 
 class StopReason:
@@ -32,6 +37,7 @@ class StopReason:
     LEASE_LOST = "lease_lost"
     TIMEOUT = "timeout"
     SHUTDOWN = "shutdown"
+    INTERRUPTED = "interrupted"  # the database stayed out of reach: requeued, not charged
 
 
 class AttemptControl:
@@ -72,6 +78,38 @@ class AttemptControl:
         elif renewal is Renewal.CANCEL_REQUESTED:
             self.request_stop(StopReason.CANCELLED)
         self.check()
+
+    def call(self, write: Callable[..., Renewal], *args: Any) -> Renewal:
+        """One storage call of the attempt, retried on a fresh connection while the
+        database is out of reach (a restart, a killed session, lock contention).
+
+        The engine's storage failures are not the agent's: past half the lease the attempt
+        stops as interrupted, and is requeued without spending its budget. Each write is
+        one guarded, idempotent transaction, so a retry after a lost commit adds nothing.
+        Interactive runs (no lease, maybe in the caller's transaction) are not retried.
+        """
+        deadline = time.monotonic() + (self.ref.lease_ttl or 0.0) / 2
+        wait = 0.05
+        while True:
+            raw = connection.connection
+            try:
+                with self.storage():
+                    return write(*args)
+            except DatabaseError as exc:
+                if self.ref.lease_ttl is None or connection.in_atomic_block \
+                        or not storage_unreachable(exc, raw):
+                    raise
+                with suppress(Exception):
+                    connection.close()  # broken: the next try opens a fresh one
+                if self.stop_reason is not None:
+                    raise AttemptStopped(self.stop_reason) from exc
+                if time.monotonic() + wait > deadline:
+                    self.request_stop(StopReason.INTERRUPTED)
+                    raise AttemptStopped(StopReason.INTERRUPTED) from exc
+                logger.warning("run %s: storage call failed (%s); retrying in %.2fs",
+                               self.ref.run_id, exc, wait)
+                time.sleep(wait)
+                wait = min(1.0, wait * 2)
 
     @contextmanager
     def storage(self) -> Iterator[None]:
@@ -133,9 +171,39 @@ def json_text(value: Any, what: str) -> str:
     suspect = "\\u0000" in text or "\\ud" in text \
         or text.count("[") + text.count("{") > MAX_JSON_DEPTH
     problem = _unstorable(value) if suspect else None
+    if problem is None and "{" in text:  # no brace in the text, no dict in the value
+        problem = _odd_key(value)
     if problem:
         raise InvalidInputError(f"{what} cannot be stored: {problem}")
     return text
+
+
+def capped_json(value: Any, what: str, setting: str) -> str:
+    """`json_text`, refused with `LimitExceeded` if longer than the size cap `setting`."""
+    text = json_text(value, what)
+    limit = int(getattr(app_settings, setting))
+    # The encoder escapes every non-ASCII character, so the text's length is its size.
+    if len(text) > limit:
+        raise LimitExceeded(f"{what} is {len(text)} bytes as JSON, over the limit of {limit} "
+                            f"bytes ({SETTING_NAME}['{setting}'])")
+    return text
+
+
+def _odd_key(value: Any) -> str | None:
+    """A dict key that is not a string, if any: JSON would turn 1 into "1" (and merge it
+    with a "1" beside it), so the value would not come back as it was given."""
+    stack = [value]
+    containers = (dict, list, tuple)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key in item:
+                if not isinstance(key, str):
+                    return f"the key {key!r} is not a string (JSON keys are strings)"
+            stack.extend(v for v in item.values() if isinstance(v, containers))
+        else:
+            stack.extend(v for v in item if isinstance(v, containers))
+    return None
 
 
 def _unstorable(value: Any) -> str | None:
@@ -185,23 +253,26 @@ class RunContext:
         """Append an event to the run's stream (a step boundary)."""
         control = self._control
         control.check()
-        if not isinstance(type, str) or not type or len(type) > 100:
-            raise InvalidInputError(f"Event type must be a non-empty string of at most 100 "
-                                    f"characters, not {type!r}")
-        payload = ensure_json({} if payload is None else payload, f"Payload of event {type!r}")
+        if not isinstance(type, str) or not type or len(type) > 100 or unstorable_text(type):
+            raise InvalidInputError(f"Event type must be a string of 1-100 characters with no "
+                                    f"NUL or surrogate, not {type!r:.120}")
+        payload = {} if payload is None else payload
+        capped_json(payload, f"Payload of event {type!r}", "MAX_EVENT_BYTES")
         event_id = transitions.emitted_event_id(self.run_id, control.checkpoints, control.position)
         control.position += 1
-        with control.storage():
-            renewal = transitions.emit(control.ref, event_id, type, payload)
+        renewal = control.call(functools.partial(
+            transitions.emit, max_events=int(app_settings.MAX_EVENTS_PER_RUN)),
+            control.ref, event_id, type, payload)
         control.apply(renewal)
 
     def checkpoint(self, state: Any) -> None:
         """Save the state the next attempt resumes from (a step boundary)."""
         control = self._control
         control.check()
-        state = ensure_json(state, "Checkpoint state")
-        with control.storage():
-            renewal = transitions.checkpoint(control.ref, state, control.checkpoints + 1)
+        capped_json(state, "Checkpoint state", "MAX_STATE_BYTES")
+        renewal = control.call(functools.partial(
+            transitions.checkpoint, max_events=int(app_settings.MAX_EVENTS_PER_RUN)),
+            control.ref, state, control.checkpoints + 1)
         control.apply(renewal)
         control.checkpoints += 1
         control.position = 0
@@ -211,8 +282,7 @@ class RunContext:
         """Renew the lease and take any stop request (a step boundary with no event)."""
         control = self._control
         control.check()
-        with control.storage():
-            renewal = transitions.renew(control.ref)
+        renewal = control.call(transitions.renew, control.ref)
         control.apply(renewal)
 
     async def aemit(self, type: str, payload: dict[str, Any] | None = None) -> None:

@@ -35,6 +35,48 @@ def is_transient_lock_error(exc: BaseException) -> bool:
     )
 
 
+# SQLSTATEs of a lost connection: class 08, and the server shutting down or starting up.
+_LOST_CONNECTION_STATES = ("08", "57P01", "57P02", "57P03")
+
+
+def storage_unreachable(exc: BaseException, raw_before: Any = None) -> bool:
+    """Whether a database error is the database out of reach, not the statement's fault:
+    lock contention, or a lost connection (a restart, a killed session, a refused connect).
+
+    Errors on a working connection (bad data, a statement timeout) are not: retrying them
+    would loop. `raw_before` is the DB-API connection the call began on: one Django has
+    replaced since (it drops a connection whose rollback failed, and may reconnect at
+    once) was lost.
+    """
+    if not isinstance(exc, DatabaseError):
+        return False
+    if is_transient_lock_error(exc):
+        return True
+    state = getattr(exc.__cause__, "sqlstate", None) or ""
+    if state.startswith(_LOST_CONNECTION_STATES):
+        return True
+    raw = connection.connection
+    if raw is None or (raw_before is not None and raw is not raw_before):
+        return True
+    return not connection_answers()
+
+
+def connection_answers() -> bool:
+    """Ping this thread's connection on its own DB-API handle (no Django wrapping)."""
+    raw = connection.connection
+    if raw is None:
+        return False
+    try:
+        cursor = raw.cursor()
+        try:
+            cursor.execute("SELECT 1")
+        finally:
+            cursor.close()
+    except Exception:
+        return False
+    return True
+
+
 def retry_on_lock(attempts: int = 8) -> Callable[[Callable[P, T]], Callable[P, T]]:
     """Retry a whole transaction that met lock contention, with short jittered waits.
 
@@ -90,3 +132,33 @@ class RowBefore(Lookup):
         lhs, lhs_params = compiler.compile(self.lhs)
         rhs, rhs_params = compiler.compile(self.rhs)
         return f"{lhs} < {rhs}", (*lhs_params, *rhs_params)
+
+
+class AmongUnindexed(Lookup):
+    """`column IN (values)` that no index on the column can answer: a filter on the rows
+    another index finds, in that index's order.
+
+    For the claim's agent filter. The due index gives the claim order; an index that starts
+    with `agent` (`agentruns_scope_head`) could answer a plain `agent IN (...)`, and where
+    the planner's statistics predate the backlog (taken when the worker's agents had few
+    runs, before a burst of enqueues) it takes that one and sorts the whole backlog on
+    every claim (tests/test_unknown_agents.py shows it). PostgreSQL gets
+    `array_position(%s::text[], column) IS NOT NULL`: one array parameter, no index can
+    serve it, and it is estimated almost always true, as it is. SQLite gets
+    `+column IN (...)`, its documented way to rule an index out.
+    """
+
+    lookup_name = "among_unindexed"
+    prepare_rhs = False
+
+    def __init__(self, column: Any, values: list[str]) -> None:
+        super().__init__(column, list(values))
+
+    def as_sql(self, compiler: Any, connection: Any) -> tuple[str, tuple[Any, ...]]:
+        column, params = compiler.compile(self.lhs)
+        if not self.rhs:
+            return "1 = 0", ()
+        if connection.vendor == "postgresql":
+            return f"array_position(%s::text[], {column}) IS NOT NULL", (self.rhs, *params)
+        marks = ", ".join(["%s"] * len(self.rhs))
+        return f"+{column} IN ({marks})", (*params, *self.rhs)

@@ -25,6 +25,13 @@ class InvalidInputError(AgentRunsError, ValueError):
     """An argument to the API is not what it must be (non-JSON input, a bad queue name...)."""
 
 
+class LimitExceeded(InvalidInputError):
+    """A value or count is past one of the caps (the message names the setting).
+
+    Not retryable: the same input, output, state or event would be refused again.
+    """
+
+
 class RunNotFoundError(AgentRunsError, LookupError):
     """No run has that id."""
 

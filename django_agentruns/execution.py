@@ -18,8 +18,8 @@ from asgiref.sync import async_to_sync
 
 from . import policy, signals, transitions
 from .conf import app_settings
-from .context import AttemptControl, RunContext, StopReason, ensure_json, storable_text
-from .exceptions import AttemptStopped, AttemptTimeout, InvalidInputError, RunCancelledError
+from .context import AttemptControl, RunContext, StopReason, capped_json, storable_text
+from .exceptions import AttemptStopped, AttemptTimeout, RunCancelledError
 from .models import AgentRun
 from .registry import AgentSpec
 from .transitions import AttemptRef, ErrorInfo, Settlement
@@ -63,29 +63,53 @@ def call_agent(
                 result = future.result()
         else:
             result = spec.func(ctx)
-    except (AttemptStopped, asyncio.CancelledError, concurrent.futures.CancelledError):
+    except (AttemptStopped, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
+        if control.stop_reason is None and not isinstance(exc, AttemptStopped):
+            return Outcome("failed", error=exc)  # the agent's own cancellation, not a stop
         reason = control.stop_reason or StopReason.SHUTDOWN
         return Outcome("stopped", stop_reason=reason)
-    except Exception as exc:
-        if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED):
+    except BaseException as exc:
+        # BaseException: an agent's SystemExit or KeyboardInterrupt is its failure too, and
+        # must be recorded like any other (the caller of `run_now` still gets it raised).
+        if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED,
+                                   StopReason.INTERRUPTED):
+            # The agent turned our stop into an error of its own: the stop is what happened.
             return Outcome("stopped", stop_reason=control.stop_reason)
-        return Outcome("failed", error=exc)
+        return Outcome("failed", error=exc.error if isinstance(exc, _Escaped) else exc)
     if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED):
         # A cancel the attempt was told of wins even if the agent then returned without
         # reaching another step boundary: the operator asked for it to stop.
         return Outcome("stopped", stop_reason=control.stop_reason)
     try:
-        ensure_json(result, f"Output of agent {spec.name!r}")
-    except InvalidInputError as exc:
+        # Capped before anything is written: one oversized output must not reach (and
+        # fail) the statement that settles the worker's other successes with it.
+        capped_json(result, f"Output of agent {spec.name!r}", "MAX_OUTPUT_BYTES")
+    except Exception as exc:  # an output object may raise anything while being encoded
         return Outcome("failed", error=exc)
     return Outcome("succeeded", output=result)
 
 
+class _Escaped(Exception):
+    """Carries an async agent's SystemExit or KeyboardInterrupt out of its task: raised
+    as they are, asyncio would re-raise them in the event loop and stop it."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(type(error).__name__)
+        self.error = error
+
+
+async def _contained(spec: AgentSpec, ctx: RunContext) -> Any:
+    try:
+        return await spec.func(ctx)
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise _Escaped(exc) from None
+
+
 async def _with_timeout(spec: AgentSpec, ctx: RunContext, control: AttemptControl) -> Any:
     if control.deadline is None:
-        return await spec.func(ctx)
+        return await _contained(spec, ctx)
     try:
-        return await asyncio.wait_for(spec.func(ctx), timeout=spec.timeout)
+        return await asyncio.wait_for(_contained(spec, ctx), timeout=spec.timeout)
     except TimeoutError:
         control.request_stop(StopReason.TIMEOUT)
         raise AttemptStopped(StopReason.TIMEOUT) from None
@@ -119,6 +143,8 @@ def _store(
             return transitions.settle_cancelled(ref)
         if outcome.stop_reason == StopReason.SHUTDOWN:
             return transitions.abandon(ref, "the worker stopped")
+        if outcome.stop_reason == StopReason.INTERRUPTED:
+            return transitions.interrupt(ref, "the database was out of reach")
         error: BaseException = AttemptTimeout(
             f"attempt exceeded its timeout of {spec.timeout if spec else '?'}s")
     else:
@@ -134,21 +160,39 @@ def classify_for(spec: AgentSpec | None, error: BaseException) -> policy.Failure
         custom = spec.classify
     else:
         custom = app_settings.classifier()
-    return policy.classify(error, custom=custom,
-                           unknown_retryable=bool(app_settings.UNKNOWN_ERRORS_RETRYABLE))
+    unknown = bool(app_settings.UNKNOWN_ERRORS_RETRYABLE)
+    try:
+        return policy.classify(error, custom=custom, unknown_retryable=unknown)
+    except Exception:
+        # A classifier (or an attribute of the error) that raises must not leave the
+        # attempt unrecorded: treat the error as one nothing recognises.
+        logger.exception("classifying %s raised; treated as unrecognised", type(error))
+        return policy.Failure(retryable=unknown)
 
 
 def describe(error: BaseException) -> ErrorInfo:
     cls = type(error)
     name = cls.__qualname__ if cls.__module__ == "builtins" else \
         f"{cls.__module__}.{cls.__qualname__}"
+    try:
+        trace = "".join(traceback.format_exception(error))
+    except Exception as exc:
+        trace = f"<traceback unavailable: {type(exc).__name__}>"
     # storable_text: an agent's error may carry any text; a NUL or a lone surrogate in it
     # must not make the outcome impossible to record (the run would stay running).
     return ErrorInfo(
         type=storable_text(name),
-        message=storable_text(str(error)[:10000]),
-        traceback=storable_text("".join(traceback.format_exception(error))[-20000:]),
+        message=storable_text(error_text(error)[:10000]),
+        traceback=storable_text(trace[-20000:]),
     )
+
+
+def error_text(error: BaseException) -> str:
+    """`str(error)`, or what it raised: an error whose `__str__` fails is still recorded."""
+    try:
+        return str(error)
+    except Exception as exc:
+        return f"<{type(error).__name__}: str() raised {type(exc).__name__}>"
 
 
 def log_settlement(ref: AttemptRef, agent: str, settlement: Settlement, outcome: Outcome) -> None:
@@ -160,8 +204,11 @@ def log_settlement(ref: AttemptRef, agent: str, settlement: Settlement, outcome:
                        extra=extra)
         return
     detail = ""
+    level = logging.INFO
     if outcome.error is not None:
-        detail = f": {type(outcome.error).__name__}: {outcome.error}"
+        detail = f": {type(outcome.error).__name__}: {error_text(outcome.error)}"
+        if not isinstance(outcome.error, Exception):
+            level = logging.WARNING  # SystemExit, KeyboardInterrupt: rarely meant
     elif outcome.stop_reason:
         detail = f" ({outcome.stop_reason})"
     if settlement is Settlement.DEAD_LETTERED:
@@ -169,8 +216,8 @@ def log_settlement(ref: AttemptRef, agent: str, settlement: Settlement, outcome:
         extra["reason"] = AgentRun.objects.filter(pk=ref.run_id).values_list(
             "reason", flat=True).first() or ""
         detail = f" ({extra['reason']}){detail}"
-    logger.info("run %s %s attempt %s %s%s", ref.run_id, agent, ref.attempt,
-                settlement.value, detail, extra=extra)
+    logger.log(level, "run %s %s attempt %s %s%s", ref.run_id, agent, ref.attempt,
+               settlement.value, detail, extra=extra)
 
 
 def stopped_error(spec: AgentSpec, outcome: Outcome) -> BaseException:

@@ -54,8 +54,9 @@ class GroupCommit:
     def settle(self, ref: AttemptRef, output: Any) -> Settlement:
         """Record `ref` succeeded with `output`; returns once it is committed (or lost).
 
-        A database error reaches every attempt of the failed batch, each of which retries
-        on its own (the writes are fenced, so a retry never writes twice).
+        A batch that fails is written again one success at a time, so a database error
+        reaches only the attempts whose own write fails; each of those retries on its own
+        (the writes are fenced, so a retry never writes twice).
         """
         me = _Waiter(ref, output)
         with self._cond:
@@ -98,17 +99,33 @@ class GroupCommit:
 
     def _write(self, batch: list[_Waiter]) -> None:
         try:
-            results = self._write_many([(w.ref, w.output) for w in batch])
+            self._write_batch(batch)
         except BaseException as exc:
-            for w in batch:
-                w.error = exc
             if self._on_error is not None:
                 self._on_error()
-        else:
-            self.batches += 1
-            self.settled += len(batch)
-            for w in batch:
-                w.result = results[w.ref]
+            if len(batch) == 1:
+                batch[0].error = exc
+            else:
+                # One member's write (a value the database refuses) must not take the
+                # others down with it: each is written again on its own, and only a
+                # write that fails alone reports its error. Fenced, so none is written twice.
+                for w in batch:
+                    self._write_alone(w)
         finally:
             for w in batch:
                 w.done.set()
+
+    def _write_batch(self, batch: list[_Waiter]) -> None:
+        results = self._write_many([(w.ref, w.output) for w in batch])
+        self.batches += 1
+        self.settled += len(batch)
+        for w in batch:
+            w.result = results[w.ref]
+
+    def _write_alone(self, w: _Waiter) -> None:
+        try:
+            self._write_batch([w])
+        except BaseException as exc:
+            w.error = exc
+            if self._on_error is not None:
+                self._on_error()

@@ -8,7 +8,8 @@ Two kinds:
 * read from the database when scraped: the backlog per queue and the dead letters
   (`BacklogCollector`), at most once per `BACKLOG_TTL` seconds whoever scrapes, with
   grouped COUNTs the partial due index, the running index and the status+reason index
-  answer, never a count of the whole table.
+  answer, never a count of the whole table; and the due runs of agents this process does
+  not have (the runs its workers leave queued), one grouped COUNT over the queued runs.
 
 Served by `runworker --metrics-port` (`serve`) and, for the web process, by `metrics_view`
 (`django_agentruns.urls`). Without prometheus_client everything here imports, the observe
@@ -87,6 +88,11 @@ if prometheus_client is not None:
         "agentruns_attempt_duration_seconds",
         "Seconds an attempt took, from its start to its settlement, by agent and outcome.",
         ("agent", "outcome"), buckets=DURATION_BUCKETS)
+    WAKEUPS_DEGRADED = prometheus_client.Gauge(
+        "agentruns_wakeups_degraded",
+        "1 while this worker's LISTEN connection is down or failed its self-check (a "
+        "transaction pooler in the way: set LISTEN_DATABASE), so new runs wait for the next "
+        "poll; 0 while NOTIFY wakes it.")
 
 
 def observe_settlement(
@@ -103,6 +109,12 @@ def observe_settlement(
         QUEUE_WAIT.labels(agent).observe(max(0.0, queue_wait_s))
     if duration_s is not None:
         DURATION.labels(agent, outcome).observe(max(0.0, duration_s))
+
+
+def set_wakeups_degraded(degraded: bool) -> None:
+    """Record whether this worker is woken by NOTIFY (0) or left to polling (1)."""
+    if prometheus_client is not None:
+        WAKEUPS_DEGRADED.set(1 if degraded else 0)
 
 
 def queue_wait(run: AgentRun) -> float | None:
@@ -128,31 +140,39 @@ class Backlog:
     oldest_due: dict[str, float] = field(default_factory=dict)
     """Seconds the longest-waiting due run that may start has been due."""
     running: dict[str, int] = field(default_factory=dict)
+    lapsed: dict[str, int] = field(default_factory=dict)
+    """Running runs whose lease has lapsed: their worker died or stalled, and the reaper
+    (or a claim) has not taken them back yet. Non-zero for long: no reaper is running."""
     dead_letters: dict[str, int] = field(default_factory=dict)
+    unknown_agents: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Due runs of agents not registered in this process, by (queue, agent): a worker
+    claims only runs of agents it has, so its workers leave these to others."""
 
 
 def read_backlog(at: datetime | None = None) -> Backlog:
-    """Three grouped COUNTs, each answered from an index that holds only what it counts.
+    """Four grouped COUNTs, three answered from an index that holds only what it counts.
 
     The queued runs come from the partial due index (status='queued'), the running ones
     from the partial running index, the dead letters from the status+reason index: the
     size of the history (succeeded runs) costs nothing here. A due run of an ordered agent
-    is also looked up in the scope-head index, to count it as blocked or not.
+    is also looked up in the scope-head index, to count it as blocked or not. The fourth
+    reads the queued rows (the backlog, not the history) for their agent.
     """
     from .models import AgentRun
-    from .registry import scope_policy
+    from .registry import all_agents, scope_policy
+    from .visibility import due_elsewhere
 
     at = at or timezone.now()
     backlog = Backlog()
     due = Q(available_at__lte=at)
     # Runs held back by an earlier run of their scope wait on purpose: counted apart, so a
     # long ordered backlog does not read as workers falling behind.
-    held = AgentRun.objects.held(scope_policy())
-    startable = due if held is None else due & ~held
+    scope_held = AgentRun.objects.held(scope_policy())
+    startable = due if scope_held is None else due & ~scope_held
     queued = (AgentRun.objects.filter(status=Status.QUEUED).order_by().values("queue")
               .annotate(due=Count("id", filter=startable),
-                        blocked=Count("id", filter=due & held) if held is not None
-                        else Value(0),
+                        blocked=Count("id", filter=due & scope_held)
+                        if scope_held is not None else Value(0),
                         later=Count("id", filter=Q(available_at__gt=at)),
                         oldest=Min("available_at", filter=startable)))
     for row in queued:
@@ -162,11 +182,14 @@ def read_backlog(at: datetime | None = None) -> Backlog:
         if row["oldest"] is not None:
             backlog.oldest_due[row["queue"]] = max(0.0, (at - row["oldest"]).total_seconds())
     running = (AgentRun.objects.filter(status=Status.RUNNING).order_by().values("queue")
-               .annotate(n=Count("id")))
-    backlog.running.update((row["queue"], row["n"]) for row in running)
+               .annotate(n=Count("id"), lapsed=Count("id", filter=Q(lease_expires__lt=at))))
+    for held in running:
+        backlog.running[held["queue"]] = held["n"]
+        backlog.lapsed[held["queue"]] = held["lapsed"]
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
+    backlog.unknown_agents.update(due_elsewhere(None, frozenset(all_agents()), at))
     return backlog
 
 
@@ -235,6 +258,8 @@ class BacklogCollector:
              "the queue that may start has been due (0 when none is).", backlog.oldest_due),
             ("agentruns_running", "Runs with an attempt in progress, by queue.",
              backlog.running),
+            ("agentruns_leases_lapsed", "Running runs whose lease lapsed and that nobody "
+             "has taken back yet, by queue.", backlog.lapsed),
         )
         for name, doc, values in gauges:
             family = GaugeMetricFamily(name, doc, labels=["queue"])
@@ -247,6 +272,14 @@ class BacklogCollector:
         for reason in DEAD_LETTER_REASONS:
             dead.add_metric([str(reason)], backlog.dead_letters.get(reason, 0))
         yield dead
+        unknown = GaugeMetricFamily(
+            "agentruns_unknown_agent_runs",
+            "Due runs of agents not registered in this process, by queue and agent: its "
+            "workers leave them queued for a worker that has the agent (present while > 0).",
+            labels=["queue", "agent"])
+        for (queue, agent), count in sorted(backlog.unknown_agents.items()):
+            unknown.add_metric([queue, agent], count)
+        yield unknown
 
 
 def _agent_queues() -> set[str]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Self
 from django.db import models
 from django.db.models import Exists, F, OuterRef, Q
 
-from .db import RowBefore
+from .db import AmongUnindexed, RowBefore
 from .outcomes import ScopePolicy
 from .states import DEAD_LETTER_REASONS, TERMINAL, Status
 
@@ -69,6 +69,16 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
     def due(self, queues: Iterable[str], at: datetime) -> Self:
         """Queued runs of `queues` whose time has come, firing order per scope aside."""
         return self.filter(status=Status.QUEUED, queue__in=list(queues), available_at__lte=at)
+
+    def of_agents(self, agents: frozenset[str] | None) -> Self:
+        """Only runs of `agents` (None: of any agent).
+
+        A worker claims only runs of agents it has, so that in a rolling deploy an old worker
+        leaves a new agent's runs to a new worker instead of dead-lettering them. A filter on
+        the due (or running) index's scan that no index on `agent` can serve: the claim keeps
+        the due index's order whatever the planner's statistics say.
+        """
+        return self if agents is None else self.filter(AmongUnindexed(F("agent"), sorted(agents)))
 
     def ahead_in_scope(self) -> Self:
         """Runs of the outer run's agent and scope ahead of it in firing order (a subquery)."""

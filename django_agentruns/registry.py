@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,6 +20,30 @@ from .outcomes import ScopePolicy
 F = TypeVar("F", bound=Callable[..., Any])
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+# One rule for queue names, used by enqueue, @agent, DEFAULT_QUEUE and runworker --queues:
+# a name one of them accepts is one a worker can serve (no commas, no spaces to strip).
+QUEUE_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,100}")
+QUEUE_RULE = "1-100 characters of letters, digits and _ . : -"
+
+
+WORKER_ID_MAX = 255  # AgentRun.claimed_by
+_NUL_OR_SURROGATE = re.compile("[\x00\ud800-\udfff]")
+
+
+def is_queue_name(value: Any) -> bool:
+    return isinstance(value, str) and QUEUE_PATTERN.fullmatch(value) is not None
+
+
+def check_worker_names(queues: Sequence[str], worker_id: str) -> None:
+    """Refuse at a worker's start what would fail every claim it makes: a worker id
+    `claimed_by` cannot hold, a queue name no run can have."""
+    if not isinstance(worker_id, str) or not 1 <= len(worker_id) <= WORKER_ID_MAX \
+            or _NUL_OR_SURROGATE.search(worker_id):
+        raise InvalidInputError(f"a worker id is 1-{WORKER_ID_MAX} characters with no NUL, "
+                                f"not {worker_id!r:.60}")
+    for queue in queues:
+        if not is_queue_name(queue):
+            raise InvalidInputError(f"a queue name is {QUEUE_RULE}, not {queue!r:.120}")
 
 
 @dataclass(frozen=True)
@@ -104,9 +128,8 @@ def _check_options(
         return isinstance(value, int | float) and not isinstance(value, bool) \
             and math.isfinite(value)
 
-    if queue is not None and (not isinstance(queue, str) or not 1 <= len(queue) <= 100
-                              or "\x00" in queue):
-        raise bad("queue", "a string of 1-100 characters", queue)
+    if queue is not None and not is_queue_name(queue):
+        raise bad("queue", QUEUE_RULE, queue)
     if max_requeues is not None and (isinstance(max_requeues, bool)
                                      or not isinstance(max_requeues, int) or max_requeues < 0):
         raise bad("max_requeues", "a whole number >= 0", max_requeues)

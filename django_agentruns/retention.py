@@ -18,6 +18,8 @@ from .queries import dead_letter
 
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+# Longer ago than this reaches before the year 1 (nothing finished then anyway).
+LONGEST_DURATION = timedelta(days=365 * 1000)
 
 # Columns that can hold megabytes: never selected by a purge, whatever receivers want.
 RUN_PAYLOADS = ("input", "output", "checkpoint_state", "error_message", "error_traceback",
@@ -31,7 +33,11 @@ def parse_duration(text: str) -> timedelta:
     if not match:
         raise InvalidInputError(f"a duration is a number and a unit (s, m, h, d, w), e.g. 30d; "
                                 f"not {text!r}")
-    return timedelta(seconds=float(match[1]) * UNITS[match[2]])
+    seconds = float(match[1]) * UNITS[match[2]]
+    if seconds > LONGEST_DURATION.total_seconds():
+        raise InvalidInputError(f"a duration is at most {LONGEST_DURATION.days}d (1000 years), "
+                                f"not {text!r}")
+    return timedelta(seconds=seconds)
 
 
 @dataclass
@@ -51,7 +57,10 @@ def purgeable(
     if unknown:
         raise InvalidInputError(f"only finished runs can be purged ({', '.join(TERMINAL)}); "
                                 f"not {', '.join(sorted(unknown))}")
-    cutoff = (at or timezone.now()) - older_than
+    try:
+        cutoff = (at or timezone.now()) - older_than
+    except OverflowError:
+        raise InvalidInputError(f"older_than reaches before the year 1: {older_than!r}") from None
     where = Q(status__in=chosen, finished_at__lt=cutoff)
     if not include_dead_letters:
         where &= ~dead_letter()

@@ -53,8 +53,11 @@ class AttemptSpan:
             cls = type(error)
             kind = cls.__qualname__ if cls.__module__ == "builtins" else \
                 f"{cls.__module__}.{cls.__qualname__}"
-            self.span.record_exception(error)
-            description = f"{kind}: {error}"
+            try:
+                self.span.record_exception(error)
+                description = f"{kind}: {error}"
+            except Exception:  # an error whose __str__ raises is still a failed attempt
+                description = f"{kind}: <str() raised>"
         else:
             kind = error or "_OTHER"
             description = kind

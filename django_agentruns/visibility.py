@@ -7,11 +7,14 @@ to call from the admin, a shell or `manage.py why` on a live system.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
+from django.db.models import Count
 from django.utils import timezone
 
+from . import transitions
 from .models import AgentRun, Status
 from .registry import find_agent
 
@@ -50,8 +53,7 @@ def why_not_started(run: AgentRun | int, at: datetime | None = None) -> list[Hol
     holds = []
     spec = find_agent(run.agent)
     if spec is None:
-        holds.append(Hold(UNKNOWN_AGENT, f"agent {run.agent!r} is not registered here; a "
-                                         "worker that does not know it dead-letters the run"))
+        holds.append(Hold(UNKNOWN_AGENT, _unknown_agent(run, at)))
     if run.cancel_requested_at is not None:
         holds.append(Hold(CANCEL_REQUESTED, f"a cancel was requested at "
                                             f"{_when(run.cancel_requested_at)}"
@@ -66,6 +68,27 @@ def why_not_started(run: AgentRun | int, at: datetime | None = None) -> list[Hol
         if blocker is not None:
             holds.append(_blocked(run, blocker, at))
     return holds
+
+
+def due_elsewhere(
+    queues: Iterable[str] | None, agents: frozenset[str], at: datetime | None = None
+) -> dict[tuple[str, str], int]:
+    """Due runs a worker with only `agents` leaves queued, by (queue, agent): of any queue,
+    or of `queues`. One grouped COUNT over the queued runs."""
+    rows = (transitions.due_elsewhere(queues, at or timezone.now(), agents).order_by()
+            .values_list("queue", "agent").annotate(n=Count("id")))
+    return {(queue, agent): n for queue, agent, n in rows}
+
+
+def _unknown_agent(run: AgentRun, at: datetime) -> str:
+    # This process cannot see which agents the workers have: it says what it knows.
+    name = repr(run.agent)
+    text = f"its agent {name} is not registered in this process: a worker only claims runs " \
+           "of agents it has"
+    if run.available_at <= at:
+        text = f"run #{run.pk} is queued and due, but {text}, and no worker that knows " \
+               f"{name} has claimed it"
+    return f"{text}; check that a worker with {name} deployed serves queue {run.queue!r}"
 
 
 def _scope_holder(run: AgentRun, dead_letters_block: bool) -> AgentRun | None:

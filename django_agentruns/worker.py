@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -19,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -27,14 +28,14 @@ from typing import Any
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from . import execution, metrics, reaper, tracing, transitions
+from . import execution, metrics, reaper, tracing, transitions, visibility
 from .conf import app_settings
 from .context import AttemptControl, StopReason
 from .exceptions import AgentRunsError, UnknownAgentError
 from .group_commit import GroupCommit
 from .models import AgentRun
 from .notify import Listener
-from .registry import AgentSpec, all_agents, find_agent, scope_policy
+from .registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
 from .transitions import AttemptRef, Renewal
 from .workers import Presence
 
@@ -89,6 +90,7 @@ class Worker:
         self.concurrency = concurrency
         self.burst = burst
         self.worker_id = worker_id or make_worker_id()
+        check_worker_names(self.queues, self.worker_id)
         self.poll_interval = float(poll_interval if poll_interval is not None
                                    else app_settings.POLL_INTERVAL)
         self.grace = float(grace if grace is not None else app_settings.GRACE)
@@ -111,6 +113,9 @@ class Worker:
         self._last_reap = 0.0
         self._last_lapsed_scan = 0.0
         self._agents = all_agents()
+        # Claims take only runs of these: another worker's agent (a rolling deploy's new
+        # one) is left queued for a worker that has it, not dead-lettered here.
+        self._known = frozenset(self._agents)
         self._scopes = scope_policy(self._agents)
         self._ttls = {name: s.effective_lease_ttl() for name, s in self._agents.items()}
         # Successes that finish together are written in one transaction, on one connection.
@@ -134,7 +139,9 @@ class Worker:
                                          daemon=True)
         self._keeper.start()
         if Listener.available():
-            self._listener = Listener(self.queues, self._wake, self._listener_stop)
+            self._listener = Listener(self.queues, self._wake, self._listener_stop,
+                                      worker_id=self.worker_id,
+                                      poll_interval=self.poll_interval)
             self._listener.start()
         try:
             self._serve()
@@ -215,7 +222,8 @@ class Worker:
         include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
         runs = transitions.claim(
             self.worker_id, self.queues, min(free, int(app_settings.CLAIM_BATCH)), self._scopes,
-            self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed)
+            self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed,
+            agents=self._known)
         if include_lapsed:
             self._last_lapsed_scan = now
         for run in runs:
@@ -225,8 +233,18 @@ class Worker:
 
     def _work_pending(self) -> bool:
         # Not every queued, due run: one behind a dead letter or a backoff is not waiting
-        # on another worker, and waiting for it would end in ContentionTimeout.
-        return transitions.awaited(self.queues, timezone.now(), self._scopes).exists()
+        # on another worker, nor one of an agent this worker lacks (a worker that has it
+        # takes it); waiting for those would end in ContentionTimeout.
+        at = timezone.now()
+        if transitions.awaited(self.queues, at, self._scopes, self._known).exists():
+            return True
+        left = visibility.due_elsewhere(self.queues, self._known, at)
+        if left:
+            logger.warning("leaving %s due runs of agents this worker does not have (%s): "
+                           "a worker that has them will claim them", sum(left.values()),
+                           ", ".join(sorted({agent for _, agent in left})),
+                           extra={"worker_id": self.worker_id})
+        return False
 
     def _maybe_reap(self) -> None:
         if self.reap_interval <= 0:
@@ -252,7 +270,8 @@ class Worker:
                     extra=_extra(ref, run.agent))
         if spec is not None and spec.is_async:
             self._ensure_loop()
-        self._pool.submit(self._attempt, live)
+        future = self._pool.submit(self._attempt, live)
+        future.add_done_callback(functools.partial(self._attempt_done, live))
 
     def _attempt(self, live: _Live) -> None:
         run, control = live.run, live.control
@@ -271,9 +290,10 @@ class Worker:
             self.stats.settled[settlement.value] = self.stats.settled.get(settlement.value, 0) + 1
             metrics.observe_settlement(run.agent, settlement.value, metrics.queue_wait(run),
                                        time.monotonic() - began)
-        except Exception:
+        except BaseException:
             # Storage failed while settling: the run stays running until its lease lapses,
-            # then the reaper (or a claim) takes it back. Nothing is lost.
+            # then the reaper (or a claim) takes it back. Nothing is lost. BaseException:
+            # in a pool thread nothing else would ever read it.
             logger.exception("run %s: could not record the attempt's outcome", run.pk,
                              extra=_extra(control.ref, run.agent))
         finally:
@@ -283,6 +303,13 @@ class Worker:
                     del self._live[run.pk]
             close_old_connections()
             self._wake.set()
+
+    def _attempt_done(self, live: _Live, future: Future[None]) -> None:
+        """Log what escaped `_attempt` (nothing should): a pool future is never read."""
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            logger.error("run %s: attempt thread raised", live.run.pk, exc_info=error,
+                         extra=_extra(live.control.ref, live.run.agent))
 
     def _record(self, live: _Live, outcome: execution.Outcome) -> transitions.Settlement:
         """Write the outcome, retrying a database error for up to half the lease.

@@ -37,9 +37,11 @@ from django_agentruns import (
     run_now,
 )
 from django_agentruns import checks as agentruns_checks
+from django_agentruns.api import LATEST_RUN_AFTER
 from django_agentruns.conf import AppSettings, Defaults
 from django_agentruns.context import unstorable_text
 from django_agentruns.models import AgentRun, RunEvent
+from django_agentruns.registry import is_queue_name
 
 AGENT = "tests.noop"
 DOCUMENTED = (InvalidInputError, UnknownAgentError)
@@ -101,8 +103,18 @@ def run_count() -> int:
 
 
 def as_json(value: Any) -> Any:
-    """What storing `value` as JSON keeps of it: tuples become lists, keys strings."""
+    """What storing `value` as JSON keeps of it: tuples become lists."""
     return json.loads(json.dumps(value, allow_nan=False))
+
+
+def has_odd_key(value: Any) -> bool:
+    """A dict key that is not a string, anywhere in `value`: JSON would make it one (and
+    merge 1 with a "1" beside it), so such a value is refused, never stored altered."""
+    if isinstance(value, dict):
+        return any(not isinstance(k, str) or has_odd_key(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(has_odd_key(v) for v in value)
+    return False
 
 
 def same_json(stored: Any, expected: Any) -> bool:
@@ -150,6 +162,7 @@ def test_enqueue_input_is_stored_as_json_keeps_it_or_refused(value: Any) -> None
         assert str(error), "an error without a message"
         assert run_count() == before, "a refused enqueue left a row behind"
         return
+    assert not has_odd_key(value), "a non-string key was accepted"
     assert run_count() == before + 1
     stored = AgentRun.objects.get(pk=run.pk).input
     assert same_json(stored, as_json({} if value is None else value)), stored
@@ -159,7 +172,8 @@ def test_enqueue_input_is_stored_as_json_keeps_it_or_refused(value: Any) -> None
 @pytest.mark.parametrize("size", [1_000_000, 8_000_000])
 def test_a_huge_payload_is_stored_whole(size: int) -> None:
     value = {"blob": "x" * size, "items": list(range(size // 100))}
-    run = enqueue(AGENT, value)
+    with override_settings(AGENTRUNS={"MAX_INPUT_BYTES": 2 * size}):
+        run = enqueue(AGENT, value)
     assert AgentRun.objects.get(pk=run.pk).input == value
 
 
@@ -169,7 +183,8 @@ anything = payloads | st.integers(min_value=-(2**70), max_value=2**70) | \
 agent_names = st.sampled_from([AGENT, "tests.chaos", "tests.ordered", "no.such.agent", ""]) | \
     anything
 scopes = st.sampled_from(["", "ticket-42", "s" * 255, "s" * 256]) | anything
-queues = st.sampled_from([None, "default", "other", "", "q" * 100, "q" * 101]) | anything
+queues = st.sampled_from([None, "default", "other", "", "q" * 100, "q" * 101, "x,y", " q ",
+                          "é"]) | anything
 priorities = st.none() | st.integers(min_value=-40_000, max_value=40_000) | anything
 run_afters = st.none() | st.floats() | st.integers() | st.timedeltas() | \
     st.datetimes(timezones=st.none() | st.just(UTC) | st.just(timezone(timedelta(hours=-12)))) \
@@ -183,6 +198,8 @@ fired_seqs = st.integers(min_value=-(2**64), max_value=2**64) | anything
        run_after=run_afters, fired_seq=fired_seqs)
 @example(agent=AGENT, scope="\ud800", queue=None, priority=None, run_after=None, fired_seq=0)
 @example(agent=AGENT, scope="", queue="q\udfff", priority=None, run_after=None, fired_seq=0)
+@example(agent=AGENT, scope="", queue="x,y", priority=None, run_after=None, fired_seq=0)
+@example(agent=AGENT, scope="", queue=" q ", priority=None, run_after=None, fired_seq=0)
 @example(agent=AGENT, scope="", queue=None, priority=None, run_after=timedelta.max,
          fired_seq=0)
 @example(agent=AGENT, scope="", queue=None, priority=None, run_after=timedelta.min,
@@ -207,6 +224,8 @@ def test_every_argument_of_enqueue_is_checked(
     stored = AgentRun.objects.get(pk=run.pk)
     assert (stored.agent, stored.scope, stored.fired_seq) == (agent, scope, fired_seq)
     assert stored.queue == (queue if queue is not None else "default")
+    assert is_queue_name(stored.queue), "a queue no worker can serve"
+    assert stored.available_at < LATEST_RUN_AFTER
     if priority is not None:
         assert stored.priority == priority
     if isinstance(run_after, datetime):
@@ -242,6 +261,7 @@ def test_enqueue_many_writes_all_or_nothing(batch: list[dict[str, Any]],
     for run, request in zip(runs, batch, strict=True):
         stored = AgentRun.objects.get(pk=run.pk)
         value = request["input"]
+        assert not has_odd_key(value), "a non-string key was accepted"
         assert same_json(stored.input, as_json({} if value is None else value)), stored.input
 
 
@@ -283,10 +303,12 @@ def test_cancel_and_retry_take_any_reason_and_operator(reason: Any, by: Any) -> 
 
 # --------------------------------------------------------------------------- settings
 
+CAPS = {"MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES",
+        "MAX_EVENTS_PER_RUN"}
 NUMBERS = {"LEASE_TTL", "POLL_INTERVAL", "BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL",
            "GRACE", "MAX_REQUEUES", "CLAIM_BATCH", "BACKOFF_JITTER", "STREAMS_PER_USER",
-           "STREAMS_PER_PROCESS"}
-AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS")
+           "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS", *CAPS}
+AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS")
 odd_numbers = st.integers() | st.floats() | st.just(10**400) | st.just(-(10**400)) | \
     st.just(float("nan")) | st.just(float("inf")) | st.just(1e308) | st.booleans()
 setting_values = odd_numbers | st.none() | odd_text | st.lists(st.integers(), max_size=2) | \
@@ -353,6 +375,8 @@ def good_number(key: str) -> st.SearchStrategy[Any]:
     """Values each numeric setting accepts (the README's table): sensible magnitudes."""
     if key in AT_LEAST_ONE:
         return st.integers(min_value=1, max_value=1000)
+    if key in CAPS:
+        return st.integers(min_value=1, max_value=agentruns_checks.LARGEST_SIZE)
     if key == "MAX_REQUEUES":
         return st.integers(min_value=0, max_value=1000)
     if key == "BACKOFF_JITTER":
@@ -370,6 +394,9 @@ def bad_number(key: str) -> st.SearchStrategy[Any]:
     not_finite = st.sampled_from([float("nan"), float("inf"), float("-inf")])
     if key in AT_LEAST_ONE:
         out = st.integers(max_value=0) | st.floats(min_value=1.5, max_value=10, exclude_max=True)
+    elif key in CAPS:
+        most = agentruns_checks.LARGEST_SIZE if key.endswith("_BYTES") else 2**31 - 1
+        out = st.integers(max_value=0) | st.integers(min_value=most + 1) | st.just(1024.0)
     elif key == "MAX_REQUEUES":
         out = st.integers(max_value=-1) | st.just(2.5)
     elif key == "BACKOFF_JITTER":
@@ -416,18 +443,20 @@ def test_classifier_queue_and_token_are_reported_never_raised(classifier: Any, q
     messages = check_messages({"CLASSIFIER": classifier, "DEFAULT_QUEUE": queue,
                                "METRICS_TOKEN": token})
     assert_well_formed(messages)
-    good_queue = isinstance(queue, str) and 1 <= len(queue) <= 100
+    good_queue = is_queue_name(queue)
     assert (agentruns_checks.E005_BAD_QUEUE in {m.id for m in messages}) is not good_queue
     if isinstance(token, str) and len(token) >= 16:
         assert agentruns_checks.E007_BAD_METRICS_TOKEN not in {m.id for m in messages}
     if token is not None and isinstance(token, str):
-        assert all(token not in m.msg for m in messages if len(token) >= 4), \
+        # The token's own message; another setting's value may hold the same text.
+        assert all(token not in m.msg for m in messages
+                   if len(token) >= 4 and m.id == agentruns_checks.E007_BAD_METRICS_TOKEN), \
             "a secret leaked into a check message"
     if classifier is None or classifier == "django_agentruns.policy.http_status":
         assert agentruns_checks.E004_BAD_CLASSIFIER not in {m.id for m in messages}
 
 
-DURATIONS = NUMBERS - {"MAX_REQUEUES", "BACKOFF_JITTER", *AT_LEAST_ONE}
+DURATIONS = NUMBERS - {"MAX_REQUEUES", "BACKOFF_JITTER", *AT_LEAST_ONE, *CAPS}
 
 
 @PROPERTY
@@ -448,6 +477,10 @@ def test_a_number_the_check_accepts_is_one_the_library_can_use(key: str, value: 
         assert value <= threading.TIMEOUT_MAX
     elif key == "MAX_REQUEUES":
         assert value <= 2**31 - 1, "AgentRun.max_requeues is an integer column"
+    elif key == "MAX_EVENTS_PER_RUN":
+        assert value <= 2**31 - 1, "RunEvent.seq is an integer column"
+    elif key in CAPS:
+        assert value <= 64 * 1024 * 1024, "under PostgreSQL's 255 MB for one jsonb value"
 
 
 def test_property_strategies_reach_every_number_rule() -> None:

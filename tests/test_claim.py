@@ -11,7 +11,7 @@ from django.db import connection
 from django.utils import timezone
 
 from django_agentruns import RunRequest, enqueue, enqueue_many, transitions
-from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.registry import scope_policy
 from django_agentruns.transitions import AttemptRef, Settlement, claiming
 from tests import helpers
@@ -288,33 +288,3 @@ def test_claim_skips_a_locked_lapsed_run(second_connection: SecondConnection) ->
     second_connection.release()
     (taken,) = claim(limit=1, at=later)
     assert (taken.pk, taken.attempt) == (lapsed.pk, 2)
-
-
-# --------------------------------------------------------------------------- unknown agents
-
-
-@pytest.mark.slow
-def test_a_run_of_an_unknown_agent_is_dead_lettered_not_retryable(
-    worker_env: dict[str, str],
-) -> None:
-    # Written directly: enqueue refuses unknown names, but a run may outlive its agent
-    # (renamed or removed in a deploy).
-    orphan = AgentRun.objects.create(agent="tests.not_registered", queue="default",
-                                     input={}, max_requeues=3)
-    fine = enqueue("tests.once")
-
-    done = helpers.run_manage(["runworker", "--burst"], worker_env)
-    assert done.returncode == 0, done.stderr
-
-    orphan.refresh_from_db()
-    assert orphan.status == Status.FAILED
-    assert orphan.reason == Reason.NOT_RETRYABLE
-    assert orphan.attempt == 1
-    assert orphan.requeue_count == 0
-    assert orphan.error_type.endswith("UnknownAgentError")
-    assert "tests.not_registered" in orphan.error_message
-    assert "tests.once" in orphan.error_message  # the worker says what it does know
-    types = list(RunEvent.objects.filter(run_id=orphan.pk).values_list("type", flat=True))
-    assert types == ["run.started", "run.dead_lettered"]
-
-    assert AgentRun.objects.get(pk=fine.pk).status == Status.SUCCEEDED

@@ -4,12 +4,12 @@ still fenced on its own; a lone success is written at once."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg
 import pytest
-from django.db import close_old_connections, connection
+from django.db import DatabaseError, close_old_connections, connection
 
 from django_agentruns import enqueue, transitions
 from django_agentruns.group_commit import GroupCommit
@@ -119,18 +119,26 @@ def test_batches_are_capped() -> None:
     assert [len(b) for b in writer.batches] == [1, 2, 2]
 
 
-def test_a_failed_write_reaches_every_success_in_its_batch() -> None:
+def test_a_failed_batch_is_written_again_one_success_at_a_time() -> None:
+    """One member's bad write must not take the others down with it (issue 12, item 3)."""
+    errors: list[str] = []
+
     def write(items: Sequence[tuple[AttemptRef, Any]]) -> dict[AttemptRef, Settlement]:
-        if len(items) > 1:
-            raise psycopg.OperationalError("server closed the connection")
+        if len(items) > 1 or items[0][0].run_id == 3:
+            raise psycopg.DataError(f"refused a batch of {len(items)}")
         return {r: Settlement.SUCCEEDED for r, _ in items}
 
     writer = GatedWriter(write)
-    group = GroupCommit(writer)
-    results = settle_in_threads(group, [ref(i) for i in range(1, 5)], writer)
-    assert results[1] is Settlement.SUCCEEDED
-    assert all(isinstance(results[i], psycopg.OperationalError) for i in (2, 3, 4))
-
+    group = GroupCommit(writer, on_error=lambda: errors.append("closed"))
+    results = settle_in_threads(group, [ref(i) for i in range(1, 6)], writer)
+    assert results[1] is results[2] is results[4] is results[5] is Settlement.SUCCEEDED
+    assert isinstance(results[3], psycopg.DataError)
+    assert str(results[3]) == "refused a batch of 1", "its own write's error, not the batch's"
+    assert writer.batches[0] == [1]
+    assert sorted(writer.batches[1]) == [2, 3, 4, 5]
+    assert sorted(writer.batches[2:]) == [[2], [3], [4], [5]]
+    assert errors == ["closed", "closed"], "after the batch, and after run 3's own write"
+    assert (group.batches, group.settled) == (4, 4), "writes that succeeded, and successes"
 
 
 def claimed_runs(count: int) -> list[AgentRun]:
@@ -219,3 +227,80 @@ def test_an_event_appended_while_a_settle_waits_is_not_overwritten() -> None:
                   .values_list("seq", "type"))
     assert events == [(1, transitions.STARTED), (2, "run.cancel_requested"),
                       (3, transitions.SUCCEEDED)]
+
+
+def refuse_output(marker: str) -> None:
+    """A database-level rejection of one success: a trigger refusing any output holding
+    `marker`, as a value too large for the column would be refused."""
+    table = AgentRun._meta.db_table
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(f"""CREATE OR REPLACE FUNCTION agentruns_test_refuse() RETURNS trigger
+                AS $$ BEGIN IF NEW.output::text LIKE '%{marker}%' THEN
+                RAISE EXCEPTION 'output refused' USING ERRCODE = 'data_exception'; END IF;
+                RETURN NEW; END $$ LANGUAGE plpgsql""")
+            cursor.execute(f'CREATE TRIGGER agentruns_test_refuse BEFORE UPDATE ON "{table}" '
+                           f"FOR EACH ROW EXECUTE FUNCTION agentruns_test_refuse()")
+        else:
+            cursor.execute(f'CREATE TRIGGER agentruns_test_refuse BEFORE UPDATE ON "{table}" '
+                           f"WHEN NEW.output LIKE '%{marker}%' "
+                           f"BEGIN SELECT RAISE(ABORT, 'output refused'); END")
+
+
+def drop_refusal() -> None:
+    table = AgentRun._meta.db_table
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(f'DROP TRIGGER IF EXISTS agentruns_test_refuse ON "{table}"')
+            cursor.execute("DROP FUNCTION IF EXISTS agentruns_test_refuse()")
+        else:
+            cursor.execute("DROP TRIGGER IF EXISTS agentruns_test_refuse")
+
+
+@pytest.fixture
+def refusing_database(transactional_db: None) -> Iterator[str]:
+    marker = "refuse-me"
+    refuse_output(marker)
+    yield marker
+    drop_refusal()
+
+
+def test_a_member_the_database_refuses_leaves_the_batch_to_succeed(
+        refusing_database: str) -> None:
+    runs = claimed_runs(4)
+    bad = runs[2]
+    writer = GatedWriter(lambda items: transitions.settle_succeeded_many(WORKER, items))
+    group = GroupCommit(writer, on_error=lambda: connection.close())
+    refs = [ref(r.pk, r.attempt) for r in runs]
+    results: dict[int, Settlement | BaseException] = {}
+
+    def settle(r: AttemptRef) -> None:
+        output = {"n": r.run_id, "tag": refusing_database if r.run_id == bad.pk else ""}
+        try:
+            results[r.run_id] = group.settle(r, output)
+        except BaseException as exc:
+            results[r.run_id] = exc
+        finally:
+            close_old_connections()
+
+    threads = [threading.Thread(target=settle, args=(r,)) for r in refs]
+    threads[0].start()
+    helpers.wait_until(lambda: writer.batches, message="the first write to start")
+    for t in threads[1:]:
+        t.start()
+    helpers.wait_until(lambda: group.waiting == 3, message="three successes to queue")
+    writer.gate.set()
+    for t in threads:
+        t.join(20)
+    group.close()
+
+    assert isinstance(results[bad.pk], DatabaseError), results
+    assert "output refused" in str(results[bad.pk])
+    for r in runs:
+        row = AgentRun.objects.get(pk=r.pk)
+        if r is bad:
+            assert row.status == Status.RUNNING, "its write was refused: nothing recorded"
+        else:
+            assert results[r.pk] is Settlement.SUCCEEDED
+            assert (row.status, row.output) == (Status.SUCCEEDED, {"n": r.pk, "tag": ""})
+            assert RunEvent.objects.filter(run_id=r.pk, type=transitions.SUCCEEDED).count() == 1

@@ -163,10 +163,10 @@ def make_backlog() -> None:
                                 status=status, reason=reason)
 
 
-def test_the_backlog_is_three_grouped_counts(
+def test_the_backlog_is_four_grouped_counts(
         db: None, django_assert_num_queries: Any) -> None:
     make_backlog()
-    with django_assert_num_queries(3):
+    with django_assert_num_queries(4):
         backlog = metrics.read_backlog()
     assert backlog.due == {"default": 2, "mail": 1}
     assert backlog.scheduled == {"default": 1, "mail": 0}
@@ -174,6 +174,52 @@ def test_the_backlog_is_three_grouped_counts(
     assert backlog.dead_letters == {"not_retryable": 1, "retries_exhausted": 2}
     assert 30 <= backlog.oldest_due["default"] < 60
     assert 0 <= backlog.oldest_due["mail"] < 30
+    assert backlog.unknown_agents == {}  # every run's agent is registered here
+
+
+def test_due_runs_of_agents_this_process_lacks_are_counted_by_queue_and_agent(
+        db: None) -> None:
+    """What a worker of this process leaves queued for another (a rolling deploy's new
+    agent): due runs only, queued ones only."""
+    now = timezone.now()
+    for queue, agent, status, due_in in [
+        ("default", "tests.from_the_future", Status.QUEUED, -5),
+        ("default", "tests.from_the_future", Status.QUEUED, 0),
+        ("mail", "tests.from_the_future", Status.QUEUED, -1),
+        ("mail", "tests.also_new", Status.QUEUED, -1),
+        ("default", "tests.from_the_future", Status.QUEUED, 3600),  # not due
+        ("default", "tests.from_the_future", Status.RUNNING, 0),
+        ("default", "tests.from_the_future", Status.FAILED, 0),
+        ("default", "tests.noop", Status.QUEUED, -5),  # registered here
+    ]:
+        AgentRun.objects.create(agent=agent, queue=queue, status=status,
+                                available_at=now + timedelta(seconds=due_in))
+    assert metrics.read_backlog(now).unknown_agents == {
+        ("default", "tests.from_the_future"): 2, ("mail", "tests.from_the_future"): 1,
+        ("mail", "tests.also_new"): 1}
+
+    samples = {(s.name, s.labels["queue"], s.labels["agent"]): s.value
+               for family in metrics.BacklogCollector(ttl=0).collect()
+               if family.name == "agentruns_unknown_agent_runs" for s in family.samples}
+    assert samples == {
+        ("agentruns_unknown_agent_runs", "default", "tests.from_the_future"): 2,
+        ("agentruns_unknown_agent_runs", "mail", "tests.from_the_future"): 1,
+        ("agentruns_unknown_agent_runs", "mail", "tests.also_new"): 1}
+
+
+def test_the_backlog_counts_lapsed_leases_in_the_running_count(
+        db: None, django_assert_num_queries: Any) -> None:
+    now = timezone.now()
+    for queue, expires in [("default", now - timedelta(seconds=5)), ("default", now +
+                           timedelta(seconds=30)), ("mail", now + timedelta(seconds=30))]:
+        AgentRun.objects.create(agent="tests.noop", queue=queue, status=Status.RUNNING,
+                                lease_expires=expires)
+    with django_assert_num_queries(4):
+        backlog = metrics.read_backlog()
+    assert backlog.running == {"default": 2, "mail": 1}
+    assert backlog.lapsed == {"default": 1, "mail": 0}
+    collector = metrics.BacklogCollector(read=lambda: backlog)
+    assert gauges(collector)[("agentruns_leases_lapsed", "default")] == 1
 
 
 class FakeClock:
@@ -194,7 +240,7 @@ def test_the_collector_reads_once_per_ttl_and_keeps_drained_queues_at_zero(
     make_backlog()
     clock = FakeClock()
     collector = metrics.BacklogCollector(ttl=15, clock=clock)
-    with django_assert_num_queries(3):
+    with django_assert_num_queries(4):
         first = gauges(collector)
     assert first[("agentruns_queue_depth", "default")] == 2
     assert first[("agentruns_queue_scheduled", "default")] == 1
@@ -207,7 +253,7 @@ def test_the_collector_reads_once_per_ttl_and_keeps_drained_queues_at_zero(
     with django_assert_num_queries(0):
         assert gauges(collector) == first  # N scrapers in a TTL cost one reading
     clock.now += 0.2
-    with django_assert_num_queries(3):
+    with django_assert_num_queries(4):
         drained = gauges(collector)
     assert drained[("agentruns_queue_depth", "mail")] == 0  # reported, not gone
     assert drained[("agentruns_running", "mail")] == 0
@@ -367,6 +413,25 @@ def test_the_metrics_bind_address_is_an_option(flag: str) -> None:
     parser = Command().create_parser("manage.py", "runworker")
     assert parser.parse_args([]).metrics_addr == "127.0.0.1"
     assert parser.parse_args([flag, "0.0.0.0"]).metrics_addr == "0.0.0.0"
+
+
+def test_a_worker_reports_the_due_runs_of_agents_it_lacks(worker_env: dict[str, str]) -> None:
+    """A worker of old code in a rolling deploy: it leaves the new agent's runs queued,
+    and its metrics say how many."""
+    enqueue("tests.once")
+    enqueue("tests.once")
+    env = {**worker_env, "AGENTRUNS_TEST_HIDE_AGENTS": "tests.once"}
+    with helpers.start_manage(["runworker", "--metrics-port", "0", "--metrics-addr",
+                               "127.0.0.1"], env) as worker:
+        found = helpers.wait_until(
+            lambda: re.search(r"serving metrics on (http://127\.0\.0\.1:\d+)/metrics",
+                              worker.stderr), message="the metrics server to start")
+        with urllib.request.urlopen(f"{found.group(1)}/metrics", timeout=5) as response:
+            values = parse(response.read().decode())
+        worker.stop()
+    key = frozenset({("queue", "default"), ("agent", "tests.once")})
+    assert values[("agentruns_unknown_agent_runs", key)] == 2
+    assert AgentRun.objects.filter(status=Status.QUEUED).count() == 2
 
 
 def test_runworker_refuses_a_bad_or_busy_metrics_port() -> None:

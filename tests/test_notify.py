@@ -15,9 +15,9 @@ from django.core.management import call_command
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
-from django_agentruns import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
+from django_agentruns import RunRequest, cancel, enqueue, enqueue_many, notify, retry, run_now
 from django_agentruns.models import AgentRun, Status
-from django_agentruns.notify import CHANNEL, Listener
+from django_agentruns.notify import CHANNEL, Listener, probe_channel
 from tests import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -195,3 +195,77 @@ def test_without_the_trigger_nothing_notifies(listener: Any) -> None:
         call_command("migrate", "django_agentruns", verbosity=0)
     enqueue("tests.noop", queue="q-triggered")
     assert sent_before_sentinel(listener, "reapplied") == ["q-triggered"]
+
+
+@pytest.mark.postgres_only
+def test_a_listener_checks_itself_on_a_channel_of_its_own() -> None:
+    from django_agentruns import metrics
+
+    assert probe_channel("host:1:aa") != probe_channel("host:1:ab")
+    wake, stopping = threading.Event(), threading.Event()
+    listening = Listener(["q"], wake, stopping, worker_id="host:1:aa")
+    assert listening.channel == probe_channel("host:1:aa")
+    listening.start()
+    try:
+        assert listening.connected.wait(10), "the self-check did not pass"
+        assert not listening.degraded.is_set()
+        if metrics.AVAILABLE:
+            assert metrics.WAKEUPS_DEGRADED._value.get() == 0
+    finally:
+        stopping.set()
+        listening.thread.join(10)
+
+
+@pytest.mark.postgres_only
+def test_a_listener_checks_itself_again_whenever_it_reconnects(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    checks: list[bool] = []
+
+    def counted(*args: Any, **kwargs: Any) -> bool:
+        checks.append(real(*args, **kwargs))
+        return checks[-1]
+
+    real = notify.self_check
+    monkeypatch.setattr(notify, "self_check", counted)
+    wake, stopping = threading.Event(), threading.Event()
+    listening = Listener(["q"], wake, stopping, worker_id="host:2:reconnect")
+    listening.start()
+    try:
+        assert listening.connected.wait(10)
+        assert checks == [True]
+        with connection.cursor() as cursor:  # the server ends the listener's session
+            cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                           "WHERE query = %s", [f"LISTEN {listening.channel}"])
+        helpers.wait_until(lambda: checks == [True, True] and listening.connected.is_set(),
+                           timeout=20, message="a second self-check after reconnecting")
+    finally:
+        stopping.set()
+        listening.thread.join(10)
+
+
+@pytest.mark.postgres_only
+def test_a_failed_self_check_warns_once_polls_and_recovers(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from django_agentruns import metrics
+
+    answers = iter([False, False, True])
+    monkeypatch.setattr(notify, "self_check", lambda *a, **k: next(answers, True))
+    monkeypatch.setattr(notify, "PROBE_RETRY", 0.05)
+    wake, stopping = threading.Event(), threading.Event()
+    listening = Listener(["q"], wake, stopping, worker_id="host:3:degraded", poll_interval=7)
+    caplog.set_level("INFO", logger="django_agentruns.worker")
+    listening.start()
+    try:
+        assert listening.degraded.is_set()
+        if metrics.AVAILABLE:
+            assert metrics.WAKEUPS_DEGRADED._value.get() == 1
+        assert listening.connected.wait(10), "the third self-check passes"
+        assert not listening.degraded.is_set()
+    finally:
+        stopping.set()
+        listening.thread.join(10)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings  # one per episode, not one per retry
+    assert "LISTEN_DATABASE" in warnings[0]
+    assert "every POLL_INTERVAL (7 s)" in warnings[0]
+    assert any("wake-ups restored" in r.getMessage() for r in caplog.records)

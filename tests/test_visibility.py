@@ -147,10 +147,25 @@ def test_a_pending_cancel_request() -> None:
 
 
 def test_an_unknown_agent() -> None:
-    run = AgentRun.objects.create(agent="tests.no_such_agent", queue="default")
+    """Workers claim only runs of agents they have: the run waits for one that has it."""
+    run = AgentRun.objects.create(agent="tests.no_such_agent", queue="mail")
     [hold] = why(run)
     assert hold.code == UNKNOWN_AGENT
-    assert "'tests.no_such_agent' is not registered" in hold.message
+    assert hold.message == (
+        f"run #{run.pk} is queued and due, but its agent 'tests.no_such_agent' is not "
+        "registered in this process: a worker only claims runs of agents it has, and no "
+        "worker that knows 'tests.no_such_agent' has claimed it; check that a worker with "
+        "'tests.no_such_agent' deployed serves queue 'mail'")
+    assert "dead-letter" not in hold.message
+
+    AgentRun.objects.filter(pk=run.pk).update(
+        available_at=timezone.now() + timedelta(minutes=5))
+    unknown, waiting = why(run)
+    assert (unknown.code, waiting.code) == (UNKNOWN_AGENT, WAITING)
+    assert unknown.message == (
+        "its agent 'tests.no_such_agent' is not registered in this process: a worker only "
+        "claims runs of agents it has; check that a worker with 'tests.no_such_agent' "
+        "deployed serves queue 'mail'")
 
 
 def test_runs_that_are_not_queued_say_their_status() -> None:

@@ -4,15 +4,35 @@ from __future__ import annotations
 
 import argparse
 
+from django_agentruns.exceptions import InvalidInputError
+from django_agentruns.registry import QUEUE_RULE, check_worker_names, is_queue_name
 
-def positive_int(text: str) -> int:
+# Past this a count does not fit the database's integers (a LIMIT of 10**20 is a DataError).
+LARGEST_COUNT = 2**31 - 1
+LARGEST_ID = 2**63 - 1
+
+
+def positive_int(text: str, most: int = LARGEST_COUNT) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    if not 1 <= value <= most:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {most}, not {value}")
     return value
+
+
+def run_id(text: str) -> int:
+    return positive_int(text, LARGEST_ID)
+
+
+def worker_id(text: str) -> str:
+    """Stored in every run the worker claims: it must fit, and be storable text."""
+    try:
+        check_worker_names([], text)
+    except InvalidInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def non_negative_float(text: str) -> float:
@@ -39,4 +59,7 @@ def queue_list(text: str) -> list[str]:
     queues = [q.strip() for q in text.split(",") if q.strip()]
     if not queues:
         raise argparse.ArgumentTypeError("name at least one queue")
+    for queue in queues:
+        if not is_queue_name(queue):
+            raise argparse.ArgumentTypeError(f"a queue name is {QUEUE_RULE}, not {queue!r}")
     return queues

@@ -31,7 +31,7 @@ from .batched import (
     apply_writes,
 )
 from .claiming import claim
-from .due import awaited, due_queued, lapsed
+from .due import awaited, due_elsewhere, due_queued, lapsed
 from .enqueue import NewRun, insert_runs
 from .events import (
     ABANDONED,
@@ -39,6 +39,7 @@ from .events import (
     CANCELLED,
     CHECKPOINT,
     DEAD_LETTERED,
+    INTERRUPTED,
     RETRIED,
     RETRYING,
     STARTED,
@@ -51,6 +52,7 @@ from .operators import cancel, operator_retry, start_interactive
 from .settling import (
     abandon,
     find_stale,
+    interrupt,
     reap_one,
     settle_cancelled,
     settle_failed,
@@ -59,12 +61,12 @@ from .settling import (
 )
 
 __all__ = [
-    "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "RETRIED",
-    "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult", "CheckpointWrite",
-    "EmitWrite", "ErrorInfo", "NewRun", "RenewWrite", "Renewal", "Result", "ScopePolicy",
-    "Settlement", "SucceedWrite", "Write", "abandon", "apply_writes", "awaited", "cancel",
-    "checkpoint", "claim", "due_queued", "emit", "emitted_event_id",
-    "find_stale", "insert_runs", "lapsed", "lifecycle_event_id", "now",
+    "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "INTERRUPTED",
+    "RETRIED", "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult",
+    "CheckpointWrite", "EmitWrite", "ErrorInfo", "NewRun", "RenewWrite", "Renewal", "Result",
+    "ScopePolicy", "Settlement", "SucceedWrite", "Write", "abandon", "apply_writes", "awaited",
+    "cancel", "checkpoint", "claim", "due_elsewhere", "due_queued", "emit", "emitted_event_id",
+    "find_stale", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "now",
     "operator_retry", "policy", "reap_one", "renew", "renew_many", "settle_cancelled",
     "settle_failed", "settle_succeeded", "settle_succeeded_many", "start_interactive",
 ]

@@ -14,10 +14,12 @@ from typing import Any
 from django.db import transaction
 from django.db.models import Q
 
+from ..conf import SETTING_NAME
 from ..db import retry_on_lock
+from ..exceptions import LimitExceeded
 from ..models import AgentRun, Status
 from ..outcomes import AttemptRef, Renewal
-from .events import CHECKPOINT, append_events, append_one, lifecycle, now
+from .events import CHECKPOINT, append_one, event_exists, lifecycle, now
 
 
 @retry_on_lock()
@@ -77,30 +79,46 @@ def renew_many(
 @retry_on_lock()
 def emit(
     ref: AttemptRef, event_id: uuid.UUID, type_: str, payload: dict[str, Any],
-    at: datetime | None = None,
+    at: datetime | None = None, *, max_events: int | None = None,
 ) -> Renewal:
     """Renew, then append one event unless its id exists already (a retry re-emitting).
 
     The renewal comes first (ADR-104): a worker that lost the run appends nothing, so
-    its events can never collide with the new owner's sequence.
+    its events can never collide with the new owner's sequence. A stream already holding
+    `max_events` takes no more: `LimitExceeded` (checked in the INSERT itself, so the
+    common case costs no query; only a refused INSERT asks why).
     """
     at = at or now()
     with transaction.atomic():
         renewal = _renew_locked(ref, at)
         if renewal is not Renewal.OK:
             return renewal
-        append_one((ref.run_id, type_, payload, ref.attempt, event_id), at, unless_exists=True)
+        added = append_one((ref.run_id, type_, payload, ref.attempt, event_id), at,
+                           unless_exists=True, below=max_events)
+        if not added and max_events is not None and not event_exists(event_id):
+            raise LimitExceeded(f"run {ref.run_id} holds {max_events} events, the most "
+                                f"{SETTING_NAME}['MAX_EVENTS_PER_RUN'] allows; the event "
+                                f"{type_!r} was not recorded")
     return Renewal.OK
 
 
 @retry_on_lock()
-def checkpoint(ref: AttemptRef, state: Any, count: int, at: datetime | None = None) -> Renewal:
-    """Save resume state as checkpoint number `count`, renewing the lease."""
+def checkpoint(
+    ref: AttemptRef, state: Any, count: int, at: datetime | None = None, *,
+    max_events: int | None = None,
+) -> Renewal:
+    """Save resume state as checkpoint number `count`, renewing the lease.
+
+    A replay of a checkpoint already stored (a retry after a lost commit) only renews. Its
+    marker event is left out once the stream holds `max_events`: the state is what
+    matters, and a loop of checkpoints must not grow the stream without bound."""
     at = at or now()
     with transaction.atomic():
-        updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True).update(
+        updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True,
+                                          checkpoint_count__lt=count).update(
             checkpoint_state=state, checkpoint_count=count, lease_expires=ref.lease_until(at))
         if not updated:
             return _renew_locked(ref, at)
-        append_events([lifecycle(ref.run_id, CHECKPOINT, ref.attempt, count=count)], at)
+        append_one(lifecycle(ref.run_id, CHECKPOINT, ref.attempt, count=count), at,
+                   below=max_events)
     return Renewal.OK

@@ -31,6 +31,7 @@ def claim(
     at: datetime | None = None,
     *,
     include_lapsed: bool = True,
+    agents: frozenset[str] | None = None,
 ) -> list[AgentRun]:
     """Take up to `limit` due runs for `worker_id`, in one short transaction.
 
@@ -42,25 +43,26 @@ def claim(
     compare-and-set.
     A lapsed run is taken as it stands, its lost attempt recorded as abandoned
     (`include_lapsed=False` skips looking for them, for a worker that just did).
+    `agents`: take only runs of these agents, due or lapsed (a worker's own; None: any).
     """
     at = at or now()
-    if limit <= 0:
+    if limit <= 0 or (agents is not None and not agents):
         return []
     queues = tuple(queues)
     fast = is_postgres()
     if fast and not include_lapsed and not scopes.ordered and not connection.in_atomic_block:
         # One statement, committed on its own: lock, start, and the start events.
         claimed = _claim_due_returning(worker_id, queues, limit, scopes, lease_ttls,
-                                       default_ttl, at)
+                                       default_ttl, at, agents)
         _announce_started(claimed, worker_id)
         return claimed
     with transaction.atomic():
-        claimed = _claim_lapsed(worker_id, queues, limit, lease_ttls, default_ttl, at) \
-            if include_lapsed else []
+        claimed = _claim_lapsed(worker_id, queues, limit, lease_ttls, default_ttl, at,
+                                agents) if include_lapsed else []
         room = limit - len(claimed)
         if room > 0:
             due = _claim_due_returning if fast else _claim_due_checked
-            started = due(worker_id, queues, room, scopes, lease_ttls, default_ttl, at)
+            started = due(worker_id, queues, room, scopes, lease_ttls, default_ttl, at, agents)
             if fast and scopes.ordered:
                 started = _release_held(started, scopes, worker_id)
         else:
@@ -81,10 +83,10 @@ def _announce_started(claimed: list[AgentRun], worker_id: str) -> None:
 
 def _claim_lapsed(
     worker_id: str, queues: tuple[str, ...], limit: int, lease_ttls: dict[str, float],
-    default_ttl: float, at: datetime,
+    default_ttl: float, at: datetime, agents: frozenset[str] | None,
 ) -> list[AgentRun]:
     """Lapsed runs, their lost attempt recorded as abandoned, then started again."""
-    locked = _lock(lapsed(queues, at).order_by("id"), limit)
+    locked = _lock(lapsed(queues, at, agents).order_by("id"), limit)
     ids = []
     for run in locked:
         decision = abandon_locked(claim_row(run), Q(lease_expires__lt=at), at,
@@ -98,10 +100,11 @@ def _claim_lapsed(
 def _claim_due_returning(
     worker_id: str, queues: tuple[str, ...], limit: int, scopes: ScopePolicy,
     lease_ttls: dict[str, float], default_ttl: float, at: datetime,
+    agents: frozenset[str] | None,
 ) -> list[AgentRun]:
     """PostgreSQL: lock the due runs (SKIP LOCKED), start them and append their start
     events, in one statement."""
-    due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=True)
+    due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=True, agents=agents)
     special = {agent: at + timedelta(seconds=ttl) for agent, ttl in lease_ttls.items()
                if ttl != default_ttl}
     sql, params = rawsql.claim_returning(due, at, worker_id, Status.RUNNING, Status.QUEUED,
@@ -116,9 +119,10 @@ def _claim_due_returning(
 def _claim_due_checked(
     worker_id: str, queues: tuple[str, ...], limit: int, scopes: ScopePolicy,
     lease_ttls: dict[str, float], default_ttl: float, at: datetime,
+    agents: frozenset[str] | None,
 ) -> list[AgentRun]:
     """Lock the due rows, re-check firing order under the lock, then start them."""
-    due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=False)
+    due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=False, agents=agents)
     locked = list(AgentRun.objects.raw(due.sql, due.bind(at)))
     candidates = recheck_order([claim_row(run) for run in locked], scopes)
     ids = [c["id"] for c in candidates]

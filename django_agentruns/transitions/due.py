@@ -19,21 +19,41 @@ from ..outcomes import ScopePolicy
 from . import rawsql
 
 
-def due_queued(queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> QuerySet[AgentRun]:
-    """Queued runs that can start now, in claim order: priority, due time, firing order."""
-    qs = AgentRun.objects.due(queues, at)
+def due_queued(
+    queues: Iterable[str], at: datetime, scopes: ScopePolicy,
+    agents: frozenset[str] | None = None,
+) -> QuerySet[AgentRun]:
+    """Queued runs that can start now, in claim order: priority, due time, firing order;
+    given `agents`, only theirs (see `RunQuerySet.of_agents`)."""
+    qs = AgentRun.objects.due(queues, at).of_agents(agents)
     return qs.startable(scopes).order_by("-priority", "available_at", "fired_seq", "id")
 
 
-def awaited(queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> QuerySet[AgentRun]:
+def awaited(
+    queues: Iterable[str], at: datetime, scopes: ScopePolicy,
+    agents: frozenset[str] | None = None,
+) -> QuerySet[AgentRun]:
     """Queued runs due by time that a worker will get to without outside help (see
-    `RunQuerySet.awaited`)."""
-    return AgentRun.objects.awaited(queues, at, scopes)
+    `RunQuerySet.awaited`); given `agents`, all but runs of other agents (a worker that
+    has them takes those)."""
+    return AgentRun.objects.of_agents(agents).awaited(queues, at, scopes)
 
 
-def lapsed(queues: Iterable[str] | None, at: datetime) -> QuerySet[AgentRun]:
+def lapsed(
+    queues: Iterable[str] | None, at: datetime, agents: frozenset[str] | None = None
+) -> QuerySet[AgentRun]:
     """Running runs whose lease has lapsed: their worker is gone (or too slow to count)."""
-    return AgentRun.objects.lapsed(at, queues)
+    return AgentRun.objects.lapsed(at, queues).of_agents(agents)
+
+
+def due_elsewhere(
+    queues: Iterable[str] | None, at: datetime, agents: frozenset[str]
+) -> QuerySet[AgentRun]:
+    """Queued, due runs of agents not in `agents`: a worker that has only `agents` leaves
+    them to another (the metrics count them; a burst worker says it left them)."""
+    qs = AgentRun.objects.filter(status=Status.QUEUED, available_at__lte=at).exclude(
+        agent__in=sorted(agents))
+    return qs if queues is None else qs.filter(queue__in=list(queues))
 
 
 CLAIM_FIELDS = ("id", "agent", "status", "attempt", "requeue_count", "max_requeues",
@@ -42,10 +62,14 @@ CLAIM_FIELDS = ("id", "agent", "status", "attempt", "requeue_count", "max_requeu
 
 @functools.lru_cache(maxsize=512)
 def compiled_due(
-    vendor: str, queues: tuple[str, ...], scopes: ScopePolicy, limit: int, *, ids_only: bool
+    vendor: str, queues: tuple[str, ...], scopes: ScopePolicy, limit: int, *, ids_only: bool,
+    agents: frozenset[str] | None = None,
 ) -> rawsql.Compiled:
-    """The due query's SQL for this shape, compiled once (`vendor` keys the cache)."""
-    qs = due_queued(queues, rawsql.SENTINEL_TIME, scopes)
+    """The due query's SQL for this shape, compiled once (`vendor` keys the cache).
+
+    A worker's agents are fixed, so they are baked into the statement with its queues.
+    """
+    qs = due_queued(queues, rawsql.SENTINEL_TIME, scopes, agents)
     if vendor == "postgresql":
         qs = qs.select_for_update(skip_locked=True, of=("self",))
     with transaction.atomic():  # Django compiles FOR UPDATE only inside one (no statement runs)

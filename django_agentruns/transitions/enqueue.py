@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-from django.db import connection
+from django.db import connection, transaction
 
 from ..conf import app_settings
 from ..models import AgentRun, Status
@@ -34,6 +34,11 @@ _PER_RUN = ("agent", "queue", "priority", "scope", "fired_seq", "input", "max_re
             "available_at")
 
 
+# The rows travel as one JSON text per statement, and PostgreSQL takes at most 255 MB of
+# jsonb in one value: larger batches are written in several statements of at most this.
+MAX_STATEMENT_BYTES = 64 * 1024 * 1024
+
+
 def insert_runs(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
     """Queue `new` runs created `at` in one INSERT; return them saved, in the same order.
 
@@ -42,16 +47,18 @@ def insert_runs(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
     The rows travel as one JSON array that the database unpacks: no Python per field and
     row (bulk_create's cost), one parameter whatever the count (SQLite's limit on them
     never applies), and one short plan. Ids are drawn in array order, so the RETURNING
-    ids, sorted, are the rows' in order.
+    ids, sorted, are the rows' in order. Rows too large for one statement go in several,
+    in one transaction: still all or nothing.
     """
-    sql, fixed = _insert_statement(connection.vendor)
     at_text = _json_time(at)
-    rows = json.dumps([
-        [r.agent, r.queue, r.priority, r.scope, r.fired_seq, r.input_json, r.max_requeues,
-         at_text if r.available_at is at else _json_time(r.available_at)] for r in new])
-    with rawsql.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
-        cursor.execute(sql, [*fixed, connection.ops.adapt_datetimefield_value(at), rows])
-        ids = sorted(pk for (pk,) in cursor.fetchall())
+    rows = [[r.agent, r.queue, r.priority, r.scope, r.fired_seq, r.input_json, r.max_requeues,
+             at_text if r.available_at is at else _json_time(r.available_at)] for r in new]
+    # Escaping at most doubles a row's text: below half the cap, one statement surely does.
+    if sum(len(r.input_json) + 1000 for r in new) * 2 <= MAX_STATEMENT_BYTES:
+        ids = _insert(json.dumps(rows), at)
+    else:
+        with transaction.atomic():
+            ids = [pk for chunk in _chunks(rows) for pk in _insert(chunk, at)]
     fields = AgentRun._meta.concrete_fields
     names, alias = [f.attname for f in fields], connection.alias
     shared = {f.attname: f.get_default() for f in fields}
@@ -61,6 +68,30 @@ def insert_runs(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
         values = {**shared, **r._asdict(), "id": pk}
         runs.append(AgentRun.from_db(alias, names, [values[n] for n in names]))
     return runs
+
+
+def _insert(rows: str, at: datetime) -> list[int]:
+    """One INSERT of the JSON array `rows`; the new ids in array order."""
+    sql, fixed = _insert_statement(connection.vendor)
+    with rawsql.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
+        cursor.execute(sql, [*fixed, connection.ops.adapt_datetimefield_value(at), rows])
+        return sorted(pk for (pk,) in cursor.fetchall())
+
+
+def _chunks(rows: list[list[Any]]) -> list[str]:
+    """`rows` as JSON arrays of at most MAX_STATEMENT_BYTES each (a larger row alone)."""
+    chunks: list[str] = []
+    texts: list[str] = []
+    size = 0
+    for row in rows:
+        text = json.dumps(row)
+        if texts and size + len(text) > MAX_STATEMENT_BYTES:
+            chunks.append(f"[{','.join(texts)}]")
+            texts, size = [], 0
+        texts.append(text)
+        size += len(text) + 1
+    chunks.append(f"[{','.join(texts)}]")
+    return chunks
 
 
 def _json_time(value: datetime) -> str:

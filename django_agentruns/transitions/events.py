@@ -29,6 +29,7 @@ CANCEL_REQUESTED = "run.cancel_requested"
 ABANDONED = "run.abandoned"
 RETRIED = "run.retried"
 CHECKPOINT = "run.checkpoint"
+INTERRUPTED = "run.interrupted"
 
 
 def now() -> datetime:
@@ -66,26 +67,38 @@ def append_events(
 
 def append_one(
     event: tuple[int, str, dict[str, Any], int, uuid.UUID], at: datetime, *,
-    unless_exists: bool = False,
+    unless_exists: bool = False, below: int | None = None,
 ) -> bool:
     """Append one event in one statement, its seq computed in the INSERT itself.
 
     With `unless_exists`, an event whose id is already stored (a retry re-emitting) adds
-    nothing. Returns whether a row was added.
+    nothing; with `below`, neither does one that would take the run's stream past `below`
+    events (seqs run 1, 2, ... with no gap, so the highest is the count). Returns whether
+    a row was added.
     """
     run_id, type_, payload, attempt, event_id = event
     table = connection.ops.quote_name(RunEvent._meta.db_table)
     sql = (f"INSERT INTO {table} (run_id, seq, event_id, type, payload, attempt, created_at) "
-           f"SELECT %s, COALESCE((SELECT MAX(seq) FROM {table} WHERE run_id = %s), 0) + 1, "
-           f"%s, %s, %s, %s, %s")
-    params = [run_id, run_id, _prep("event_id", event_id), type_, _prep("payload", payload),
-              attempt, _prep("created_at", at)]
+           f"SELECT %s, last.seq + 1, %s, %s, %s, %s, %s FROM (SELECT COALESCE(MAX(seq), 0) "
+           f"AS seq FROM {table} WHERE run_id = %s) last")
+    params = [run_id, _prep("event_id", event_id), type_, _prep("payload", payload),
+              attempt, _prep("created_at", at), run_id]
+    where = []
+    if below is not None:
+        where.append("last.seq < %s")
+        params.append(below)
     if unless_exists:
-        sql += f" WHERE NOT EXISTS (SELECT 1 FROM {table} WHERE event_id = %s)"
-        params.append(params[2])
+        where.append(f"NOT EXISTS (SELECT 1 FROM {table} WHERE event_id = %s)")
+        params.append(params[1])
+    if where:
+        sql += " WHERE " + " AND ".join(where)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         return bool(cursor.rowcount)
+
+
+def event_exists(event_id: uuid.UUID) -> bool:
+    return RunEvent.objects.filter(event_id=event_id).exists()
 
 
 def _prep(name: str, value: Any) -> Any:

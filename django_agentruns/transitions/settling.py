@@ -14,7 +14,7 @@ from django.db.models import F, Q
 from .. import policy, signals
 from ..conf import app_settings
 from ..db import is_postgres, retry_on_lock
-from ..models import AgentRun, Reason, Status
+from ..models import AgentRun, Reason, RunEvent, Status
 from ..outcomes import AttemptRef, ErrorInfo, Settlement
 from ..signals import send_after_commit
 from . import rawsql
@@ -23,6 +23,7 @@ from .events import (
     ABANDONED,
     CANCELLED,
     DEAD_LETTERED,
+    INTERRUPTED,
     RETRYING,
     SUCCEEDED,
     append_events,
@@ -136,6 +137,36 @@ def abandon(ref: AttemptRef, why: str, at: datetime | None = None) -> Settlement
             return Settlement.LOST
         decision = abandon_locked(row, ref.guard(), at, why=why, apply_backoff=True)
     return _settlement(decision)
+
+
+# Interruptions a run gets free; past them one counts as an abandoned attempt, so a run
+# whose writes break the connection every time cannot loop forever (guarantee 4).
+FREE_INTERRUPTIONS = 10
+
+
+@retry_on_lock()
+def interrupt(ref: AttemptRef, why: str, at: datetime | None = None) -> Settlement:
+    """The engine, not the agent, failed (its database stayed out of reach): requeue the
+    run at once without spending its budget. A requested cancel still wins."""
+    at = at or now()
+    with transaction.atomic():
+        row = locked_row(ref.guard())
+        if row is None:
+            return Settlement.LOST
+        if row["cancel_requested_at"] is not None:
+            return _apply(row, ref.guard(), policy.Decision("cancel"), None, at, events=[])
+        if RunEvent.objects.filter(run_id=ref.run_id, type=INTERRUPTED).count() \
+                >= FREE_INTERRUPTIONS:
+            decision = abandon_locked(row, ref.guard(), at, why=why, apply_backoff=True)
+            return _settlement(decision)
+        if not AgentRun.objects.filter(ref.guard()).update(
+                status=Status.QUEUED, available_at=at, claimed_by="", lease_expires=None):
+            return Settlement.LOST
+        append_events([lifecycle(ref.run_id, INTERRUPTED, ref.attempt, why=why,
+                                 worker=ref.worker_id)], at)
+        send_after_commit(signals.run_requeued, run_id=ref.run_id, agent=row["agent"],
+                          attempt=ref.attempt, delay=0.0, error_type="")
+    return Settlement.REQUEUED
 
 
 def locked_row(guard: Q) -> dict[str, Any] | None:

@@ -9,7 +9,8 @@ until every run has settled (or the chaos phase is over):
 - runs ``manage.py reap`` in a loop, as cron would;
 - SIGTERMs one busy worker (graceful stop) and expects it to exit 0;
 - restarts PostgreSQL once (``pg_ctlcluster ... restart``), closing this process's own
-  connections around it and waiting until the server answers again;
+  connections around it and waiting until the server answers again; or, in "pgbouncer"
+  mode, restarts the PgBouncer the workers connect through (`tests.pgbouncer`);
 - cancels a few runs, queued or running;
 - enqueues more runs as it goes.
 
@@ -42,6 +43,7 @@ from django_agentruns.models import TERMINAL, AgentRun, RunEvent, Status
 from django_agentruns.registry import get_agent
 from tests import helpers
 from tests.chaos.invariants import Checker, PlannedRun, check_all
+from tests.pgbouncer import PgBouncer
 from tests.testapp.chaos_agents import CHAOS, CHAOS_ORDERED, CHAOS_SLOW
 
 T = TypeVar("T")
@@ -60,7 +62,7 @@ class ChaosConfig:
     kill_every: float = 1.0  # mean seconds between SIGKILLs
     freeze_every: float = 6.0  # mean seconds between freezes; 0: none
     cancel_every: float = 4.0  # mean seconds between cancels; 0: none
-    pg_restart: str = "cluster"  # cluster | terminate | none (PostgreSQL only)
+    pg_restart: str = "cluster"  # cluster | terminate | pgbouncer | none (PostgreSQL only)
     sigterm: bool = True
     trickle: float = 0.25  # fraction of the runs enqueued during the chaos, not up front
     drain_workers: int = 2
@@ -164,8 +166,12 @@ def guarded(func: Callable[[], T], default: T) -> T:
 
 class Chaos:
     def __init__(self, config: ChaosConfig, env: dict[str, str],
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None,
+                 bouncer: PgBouncer | None = None) -> None:
+        if (config.pg_restart == "pgbouncer") != (bouncer is not None):
+            raise ValueError("pg_restart='pgbouncer' goes with a bouncer, and only it")
         self.config = config
+        self.bouncer = bouncer
         self.rng = random.Random(config.seed)
         self.env = {**env, "AGENTRUNS_TEST_SETTINGS": json.dumps(config.worker_settings())}
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -435,7 +441,14 @@ class Chaos:
 
     def _restart_postgres(self) -> None:
         """Restart the server (or, in "terminate" mode, end every session on this database)."""
-        self.log(f"restarting PostgreSQL ({self.config.pg_restart})")
+        self.log(f"restarting {'PgBouncer' if self.bouncer else 'PostgreSQL'} "
+                 f"({self.config.pg_restart})")
+        if self.bouncer is not None:
+            # The workers' connections (all but their direct LISTEN) die with it; the
+            # server and this process's direct connections carry on.
+            self.bouncer.restart()
+            self.report.restarts += 1
+            return
         params = _connection_params()
         connections.close_all()  # this process's own sessions die with the server
         if self.config.pg_restart == "cluster":
@@ -545,7 +558,8 @@ def wait_for_postgres(params: dict[str, Any], timeout: float = 60) -> None:
 
 
 def default_restart_mode() -> str:
-    """``CHAOS_PG_RESTART`` = cluster (default) | terminate | none.
+    """``CHAOS_PG_RESTART`` = cluster (default) | terminate | none ("pgbouncer" is chosen by
+    the test that puts a PgBouncer in front, not by this variable).
 
     "terminate" ends only this database's sessions instead of restarting the server: use
     it on a server shared with other work, where a restart would break that work too.

@@ -311,4 +311,29 @@ async def async_traced(ctx: RunContext) -> dict[str, Any]:
     return {"traced": True}
 
 
-from . import chaos_agents  # noqa: E402,F401
+from . import chaos_agents, failure_agents  # noqa: E402,F401
+
+
+@agent("tests.sized", max_requeues=1)
+def sized(ctx: RunContext) -> Any:
+    """Waits (up to input["wait"] s) for the global gate, SideEffect(run_id=0, note="open"),
+    so that the runs of a test finish together; then returns {"blob": "x" * input["big"]},
+    or {"n": input["n"], "tag": input["tag"]}."""
+    record(ctx)
+    deadline = time.monotonic() + float(ctx.input.get("wait", 0))
+    while time.monotonic() < deadline and not gate_open(0):
+        time.sleep(0.005)
+    if ctx.input.get("big"):
+        return {"blob": "x" * int(ctx.input["big"])}
+    return {"n": ctx.input.get("n"), "tag": ctx.input.get("tag", "")}
+
+
+@agent("tests.emitter", max_requeues=0)
+def emitter(ctx: RunContext) -> dict[str, Any]:
+    """Emits input["events"] events of input["size"] characters, checkpointing after each
+    of the first input["checkpoints"]; returns how many it emitted."""
+    for i in range(int(ctx.input.get("events", 0))):
+        ctx.emit("step", {"i": i, "text": "x" * int(ctx.input.get("size", 0))})
+        if i < int(ctx.input.get("checkpoints", 0)):
+            ctx.checkpoint({"i": i, "text": "y" * int(ctx.input.get("state", 0))})
+    return {"emitted": int(ctx.input.get("events", 0))}

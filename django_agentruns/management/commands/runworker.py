@@ -15,6 +15,7 @@ from django_agentruns.management.arguments import (
     port_number,
     positive_int,
     queue_list,
+    worker_id,
 )
 from django_agentruns.worker import Worker
 
@@ -32,7 +33,7 @@ class Command(BaseCommand):
         parser.add_argument("--burst", action="store_true",
                             help="Exit once nothing is due (for scripts and tests; default: "
                                  "serve until stopped).")
-        parser.add_argument("--worker-id", default=None,
+        parser.add_argument("--worker-id", type=worker_id, default=None,
                             help="Worker id (default: host:pid:random, unique per start).")
         parser.add_argument("--poll-interval", type=non_negative_float, default=None,
                             help="Seconds an idle worker waits before looking for due runs "

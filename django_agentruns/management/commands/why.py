@@ -6,7 +6,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from django_agentruns.diagnosis import advice, short_error
-from django_agentruns.management.arguments import positive_int
+from django_agentruns.management.arguments import run_id
 from django_agentruns.models import AgentRun, Status
 from django_agentruns.visibility import why_not_started
 from django_agentruns.workers import Coverage
@@ -16,7 +16,7 @@ class Command(BaseCommand):
     help = "Say why a run is not starting (read-only: writes nothing)."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("run_id", type=positive_int, help="The run's id.")
+        parser.add_argument("run_id", type=run_id, help="The run's id.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         run = AgentRun.objects.filter(pk=options["run_id"]).first()
