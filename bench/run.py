@@ -30,6 +30,7 @@ from typing import Any
 
 import psutil
 
+from bench import llm
 from bench.engines import ENGINES, OURS, OURS_POOL, PEERS, Engine
 from bench.harness import (
     RUN_DB,
@@ -67,6 +68,12 @@ class Plan:
     """The second no-op drain's concurrency per worker process (the first runs one at a time)."""
     worker_warmup: float = 2.5
     """Seconds an idle worker gets to start (and LISTEN) before the latency producer."""
+    llm_configs: tuple[tuple[str, int], ...] = (("llm_sync", 200), ("llm_async", 200),
+                                                ("llm_async", 1000))
+    """The LLM-shaped rows: (agent, concurrency of the one worker process)."""
+    llm_waves: int = 4
+    """Runs queued per LLM trial, in multiples of the concurrency: the steady state dominates."""
+    llm_cap: float = 20.0
 
 
 FULL = Plan(reps=3, drain_runs=5000, drain_cap=10.0, enqueue_one_runs=500, bulk_runs=2000,
@@ -75,7 +82,7 @@ FULL = Plan(reps=3, drain_runs=5000, drain_cap=10.0, enqueue_one_runs=500, bulk_
 QUICK = Plan(reps=1, drain_runs=1000, drain_cap=3.0, enqueue_one_runs=150, bulk_runs=1000,
              bulk_batch=500, latency_rate=20.0, latency_seconds=3.0, io_runs=300,
              io_serial_runs=20, io_cap=2.5, io_concurrency=(100,), sqlite=True,
-             worker_warmup=1.5)
+             worker_warmup=1.5, llm_waves=2, llm_cap=8.0)
 
 
 # --------------------------------------------------------------------------- trials
@@ -477,17 +484,17 @@ def run_rep(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
             target_s.drop()
         results.add("sqlite_enq_one", OURS, rate)
         note("sqlite enq one", OURS, f"{rate:8.1f} runs/s")
+    llm.run_llm(rep, plan, admin, results, logs, started)
 
 
 def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, str],
-           seconds: float, quick: bool) -> str:
+           seconds: float, command: str, llm_section: str) -> str:
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# django-agentruns benchmark: ours vs django-tasks-db vs procrastinate",
         "",
-        f"Run {when} with `python -m bench{' --quick' if quick else ''}"
-        f"{'' if plan.reps == (QUICK if quick else FULL).reps else f' --reps {plan.reps}'}`"
-        f" in {seconds / 60:.1f} min: {plan.reps} repetition(s), engines interleaved, "
+        f"Run {when} with `{command}` in {seconds / 60:.1f} min: {plan.reps} repetition(s), "
+        "engines interleaved, "
         "a fresh database per trial. Medians; ↑ higher is better, ↓ lower is better; the "
         "ratio compares ours with the better of the two peers (above 1 is ours ahead on ↑ "
         "rows, behind on ↓ rows).",
@@ -500,6 +507,8 @@ def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, 
         "the lease lapses): runs finished / time to exit. `(c=N)`: the concurrency with the "
         "best median, chosen in the first repetition. The SQLite rows are "
         "one repetition, ours only (procrastinate needs PostgreSQL; not a comparison).",
+        "",
+        llm_section,
         "",
         "## Machine",
         "",
@@ -534,7 +543,8 @@ def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, 
         "## Raw values per repetition",
         "",
         "```json",
-        json.dumps({k: dict(v) for k, v in results.values.items()}, indent=None,
+        json.dumps({k: dict(v) for k, v in results.values.items()
+                    if not k.startswith("llm_")}, indent=None,
                    default=lambda x: round(x, 3))[:20000],
         "```",
     ]
@@ -546,6 +556,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run of about 2 minutes")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 quick)")
     parser.add_argument("--no-sqlite", action="store_true", help="skip the SQLite extra rows")
+    parser.add_argument("--only", choices=["llm"], default=None,
+                        help="only the LLM-shaped rows (bench/llm.py): their section of the "
+                             "output is replaced, the rest kept")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
@@ -553,8 +566,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.reps < 1:
             parser.error("--reps must be at least 1")
         plan = replace(plan, reps=args.reps)
-    if args.no_sqlite:
+    if args.no_sqlite or args.only:
         plan = replace(plan, sqlite=False)
+    command = " ".join(["python -m bench", *(["--quick"] if args.quick else []),
+                        *([f"--reps {plan.reps}"] if args.reps is not None else []),
+                        *([f"--only {args.only}"] if args.only else [])])
 
     started = time.monotonic()
     load_start = f"{os.getloadavg()[0]:.2f}"
@@ -572,15 +588,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sqlite_template = logs / "template.sqlite3"
                 migrate(f"sqlite:///{sqlite_template}")
             for rep in range(plan.reps):
-                run_rep(rep, plan, admin, results, logs, sqlite_template, started)
+                if args.only == "llm":
+                    llm.run_llm(rep, plan, admin, results, logs, started)
+                else:
+                    run_rep(rep, plan, admin, results, logs, sqlite_template, started)
         finally:
             admin.drop(RUN_DB)
             admin.drop(f"{PREFIX}_tpl")
             admin.close()
-    results.finish_io()
-    text = report(results, plan, info, (load_start, f"{os.getloadavg()[0]:.2f}"),
-                  time.monotonic() - started, args.quick)
-    args.output.write_text(text + "\n")
-    print(table(results, plan))
+    load = (load_start, f"{os.getloadavg()[0]:.2f}")
+    section = llm.section(results, plan, {**info, "load": " / ".join(load)}, command)
+    if args.only == "llm":
+        llm.merge(args.output, section)
+        print(llm.table(results, plan))
+    else:
+        results.finish_io()
+        text = report(results, plan, info, load, time.monotonic() - started, command, section)
+        args.output.write_text(text + "\n")
+        print(table(results, plan))
+        print(llm.table(results, plan))
     log(f"bench: wrote {args.output}")
     return 0
