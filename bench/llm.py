@@ -117,12 +117,12 @@ class Sampler(threading.Thread):
 
 
 def connection_limit(admin: Admin) -> int:
-    """Connections a worker may hold before its trial is stopped: half the server's
+    """Connections a worker may hold before its trial is stopped: a quarter of the server's
     `max_connections` unless ``BENCH_MAX_WORKER_CONNECTIONS`` says otherwise."""
     configured = os.environ.get("BENCH_MAX_WORKER_CONNECTIONS")
     if configured:
         return int(configured)
-    return int(admin.value("SHOW max_connections")) // 2
+    return int(admin.value("SHOW max_connections")) // 4
 
 
 def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: int,
@@ -184,7 +184,7 @@ METRICS = ("runs_per_s", "ratio", "events_per_s", "connections", "rss_mb")
 
 
 def key(kind: str, concurrency: int, metric: str) -> str:
-    return f"llm_{kind}@{concurrency}_{metric}"
+    return f"{kind}@{concurrency}_{metric}"  # kinds start with llm_
 
 
 def run_llm(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
@@ -268,14 +268,15 @@ def section(results: Results, plan: Plan, info: dict[str, str], command: str) ->
         "agent's events (procrastinate: its step rows) over the same time. Connections: the "
         "worker's rows in `pg_stat_activity` (application name from `PGAPPNAME`), sampled "
         "every 25 ms; RSS with its children. Server: PostgreSQL "
-        f"{info.get('PostgreSQL', '?')}, max_connections {info.get('max_connections', '?')}, "
+        f"{info.get('PostgreSQL', '?')}, max_connections "
+        f"{info.get('max_connections (server-wide)', '?')}, "
         f"{info.get('CPUs (nproc)', '?')} CPUs, load average {info.get('load', '?')}.",
         "",
         table(results, plan),
         "",
         "`*` the cap struck first: runs finished / time. `†` the worker exited with runs "
         "unfinished. `‡` stopped when the worker held more connections than "
-        "`BENCH_MAX_WORKER_CONNECTIONS` (default half the server's `max_connections`).",
+        "`BENCH_MAX_WORKER_CONNECTIONS` (default a quarter of the server's `max_connections`).",
         "",
         "```json",
         json.dumps(raw, default=lambda x: round(x, 3))[:8000],
