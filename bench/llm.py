@@ -253,7 +253,8 @@ def verdict(goal: Goal | None, med: dict[str, float | None]) -> str:
 def section(results: Results, plan: Plan, info: dict[str, str], command: str) -> str:
     """The results.md section of these rows, between markers so `--only llm` can replace
     it alone."""
-    raw = {k: dict(v) for k, v in results.values.items() if k.startswith("llm_")}
+    raw = {k: {e: [round(x, 3) for x in xs] for e, xs in v.items()}
+           for k, v in results.values.items() if k.startswith("llm_")}
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return "\n".join([
         BEGIN,
@@ -279,7 +280,7 @@ def section(results: Results, plan: Plan, info: dict[str, str], command: str) ->
         "`BENCH_MAX_WORKER_CONNECTIONS` (default a quarter of the server's `max_connections`).",
         "",
         "```json",
-        json.dumps(raw, default=lambda x: round(x, 3))[:8000],
+        json.dumps(raw)[:8000],
         "```",
         END,
     ])
