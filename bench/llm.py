@@ -166,7 +166,7 @@ def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: i
         stop_workers(workers, wait_first=30.0)
         sampler.stop()
         target.close_poller()
-    if start is None or failed or remaining == runs:
+    if start is None or failed or (remaining == runs and not sampler.over):
         tail = logfile.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"{engine.key} {kind}: no run finished "
                            f"(exit {workers[0].returncode}):\n{tail}")
