@@ -268,10 +268,10 @@ def section(results: Results, plan: Plan, info: dict[str, str], command: str) ->
         f"{plan.llm_cap:g} s. *Of possible*: runs/s over concurrency / 1.2 s. *Events/s*: the "
         "agent's events (procrastinate: its step rows) over the same time. Connections: the "
         "worker's rows in `pg_stat_activity` (application name from `PGAPPNAME`), sampled "
-        "every 25 ms; RSS with its children. Server: PostgreSQL "
+        f"every 25 ms; RSS with its children. Server {server()}: PostgreSQL "
         f"{info.get('PostgreSQL', '?')}, max_connections "
         f"{info.get('max_connections (server-wide)', '?')}, "
-        f"{info.get('CPUs (nproc)', '?')} CPUs, load average {info.get('load', '?')}.",
+        f"CPUs {info.get('CPUs (nproc)', '?')}, load average {info.get('load', '?')}.",
         "",
         table(results, plan),
         "",
@@ -284,6 +284,11 @@ def section(results: Results, plan: Plan, info: dict[str, str], command: str) ->
         "```",
         END,
     ])
+
+
+def server() -> str:
+    parts = urlsplit(SERVER_URL)
+    return f"{parts.hostname}:{parts.port or 5432}"
 
 
 def merge(path: Path, text: str) -> None:
