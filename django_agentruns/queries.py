@@ -30,9 +30,9 @@ def dead_letter() -> Q:
 
 
 def holding_statuses(blocking: bool) -> list[str]:
-    """The statuses of an earlier run that hold its scope: queued or running, and failed
-    too where the agent says dead letters block."""
-    statuses: list[str] = [Status.QUEUED, Status.RUNNING]
+    """The statuses of an earlier run that hold its scope: queued, running or waiting, and
+    failed too where the agent says dead letters block."""
+    statuses: list[str] = [Status.QUEUED, Status.RUNNING, Status.WAITING]
     return [*statuses, Status.FAILED] if blocking else statuses
 
 
