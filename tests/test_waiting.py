@@ -7,11 +7,9 @@ wait. Real worker processes throughout.
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from collections import Counter
-from typing import Any
 
 import pytest
 from django.utils import timezone
@@ -87,7 +85,8 @@ def test_a_waiting_run_frees_its_slot_and_resumes_once_delivered(
     assert (row.attempt, row.requeue_count) == (2, 0)
     assert notes(waiting.pk) == ["before", "after"]
     story = events(waiting.pk)
-    assert story.count("run.waiting") == 1 and story.count("run.resumed") == 1
+    assert story.count("run.waiting") == 1
+    assert story.count("run.resumed") == 1
     delivered = RunEvent.objects.get(run=waiting, type="run.delivered")
     assert delivered.payload == {"key": "go", "by": "webhook"}
 
@@ -209,7 +208,8 @@ def test_a_worker_killed_after_the_wait_leaves_nothing_to_reap(
     w.wait()
     w.close()
     report = reap(at=AgentRun.objects.get(pk=run.pk).created_at.replace(year=2100))
-    assert report.stale == [] and report.wait_timeouts == []
+    assert report.stale == []
+    assert report.wait_timeouts == []
     assert status(run.pk) == Status.WAITING
     assert deliver(run.pk, "go", "after the crash") is DeliverResult.DELIVERED
     with worker(worker_env) as w2:
@@ -232,16 +232,17 @@ def test_an_async_agent_waits_too(worker_env: dict[str, str]) -> None:
 @pytest.mark.django_db(transaction=True)
 def test_bad_deliveries_get_a_clear_error_and_write_nothing() -> None:
     run = enqueue("tests.waits")
-    for bad in [dict(run_id="x", key="go"), dict(run_id=run.pk, key=""),
-                dict(run_id=run.pk, key="k" * 201), dict(run_id=run.pk, key="~runs:x"),
-                dict(run_id=run.pk, key=7), dict(run_id=run.pk, key="go", payload={1, 2}),
-                dict(run_id=run.pk, key="go", payload=float("nan")),
-                dict(run_id=run.pk, key="go", by=3)]:
+    for bad in [{"run_id": "x", "key": "go"}, {"run_id": run.pk, "key": ""},
+                {"run_id": run.pk, "key": "k" * 201}, {"run_id": run.pk, "key": "~runs:x"},
+                {"run_id": run.pk, "key": 7}, {"run_id": run.pk, "key": "go", "payload": {1, 2}},
+                {"run_id": run.pk, "key": "go", "payload": float("nan")},
+                {"run_id": run.pk, "key": "go", "by": 3}]:
         with pytest.raises(InvalidInputError):
             deliver(**bad)  # type: ignore[arg-type]
     with pytest.raises(LimitExceeded):
         deliver(run.pk, "go", "x" * 2_000_000)
-    assert RunWait.objects.count() == 0 and events(run.pk) == []
+    assert RunWait.objects.count() == 0
+    assert events(run.pk) == []
     assert deliver(run.pk + 1000, "go", 1) is DeliverResult.NOT_FOUND
 
 
@@ -263,5 +264,3 @@ def test_a_waiting_run_holds_its_ordered_scope() -> None:
     assert Status.WAITING in holding_statuses(True)
 
 
-def _json(value: Any) -> str:
-    return json.dumps(value)
