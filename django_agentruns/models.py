@@ -54,7 +54,7 @@ class AgentRun(models.Model):
 
     # Waiting (django_agentruns.waiting): the awaited key while `waiting`, its deadline, and
     # for a child run its parent and the key of the `ctx.spawn` that made it.
-    waiting_for = models.CharField(max_length=210, blank=True, default="")
+    wait_key = models.CharField(max_length=210, blank=True, default="")
     wait_until = models.DateTimeField(null=True, blank=True)
     parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL,
                                related_name="children")

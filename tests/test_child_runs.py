@@ -84,7 +84,7 @@ def test_the_reaper_resumes_a_parent_whose_children_all_finished() -> None:
     key = transitions.waiting.runs_key([child.pk])
     AgentRun.objects.filter(pk=child.pk).update(parent_id=parent.pk, spawn_key="c",
                                                 status=Status.SUCCEEDED)
-    AgentRun.objects.filter(pk=parent.pk).update(status=Status.WAITING, waiting_for=key)
+    AgentRun.objects.filter(pk=parent.pk).update(status=Status.WAITING, wait_key=key)
     RunWait.objects.create(run=parent, key=key, kind="runs", prompt={"runs": [child.pk]})
     report = reap()
     assert report.parents_resumed == [parent.pk]

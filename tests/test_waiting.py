@@ -68,7 +68,7 @@ def test_a_waiting_run_frees_its_slot_and_resumes_once_delivered(
         waiting = enqueue("tests.waits", {"prompt": {"question": "go?"}})
         until_status(waiting.pk, Status.WAITING)
         row = AgentRun.objects.get(pk=waiting.pk)
-        assert (row.claimed_by, row.lease_expires, row.waiting_for) == ("", None, "go")
+        assert (row.claimed_by, row.lease_expires, row.wait_key) == ("", None, "go")
         assert RunWait.objects.get(run=waiting).prompt == {"question": "go?"}
         # The only slot of the worker is free: another run starts and finishes meanwhile.
         other = enqueue("tests.noop")
@@ -195,7 +195,7 @@ def test_cancelling_a_waiting_run_is_immediate(worker_env: dict[str, str]) -> No
         assert deliver(run.pk, "go", 1) is DeliverResult.FINISHED
         assert w.stop() == 0, w.output()
     row = AgentRun.objects.get(pk=run.pk)
-    assert (row.reason, row.waiting_for, row.wait_until) == (Reason.CANCELLED, "", None)
+    assert (row.reason, row.wait_key, row.wait_until) == (Reason.CANCELLED, "", None)
     assert notes(run.pk) == ["before"]
 
 

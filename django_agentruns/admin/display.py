@@ -20,6 +20,7 @@ from ..models import AgentRun, Status
 BADGE_COLOURS: dict[str, str] = {
     Status.QUEUED: "#5b6b7a",
     Status.RUNNING: "#1f6fb2",
+    Status.WAITING: "#6a4fb3",
     Status.SUCCEEDED: "#2e7d32",
     Status.FAILED: "#c62828",
     Status.CANCELLED: "#8a6d3b",

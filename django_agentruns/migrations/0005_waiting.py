@@ -108,7 +108,7 @@ class Migration(migrations.Migration):
         ),
         migrations.AddField(
             model_name='agentrun',
-            name='waiting_for',
+            name='wait_key',
             field=models.CharField(blank=True, default='', max_length=210),
         ),
         migrations.AlterField(

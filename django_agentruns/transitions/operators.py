@@ -41,7 +41,7 @@ def _cancel_one(run_id: int, reason: str, at: datetime) -> CancelResult | None:
     if row["status"] in (Status.QUEUED, Status.WAITING):
         AgentRun.objects.filter(pk=run_id, status=row["status"]).update(
             status=Status.CANCELLED, reason=Reason.CANCELLED, finished_at=at,
-            cancel_requested_at=at, cancel_reason=reason, waiting_for="",
+            cancel_requested_at=at, cancel_reason=reason, wait_key="",
             wait_until=None)
         append_events([lifecycle(run_id, CANCELLED, row["attempt"], reason=reason)], at)
         waiting.children_settled([run_id], at)

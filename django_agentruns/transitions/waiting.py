@@ -45,7 +45,7 @@ def _locked(*guard: Any, **filters: Any) -> dict[str, Any] | None:
     if is_postgres():
         qs = qs.select_for_update(of=("self",))
     row = qs.values(
-        "id", "agent", "status", "attempt", "waiting_for", "cancel_requested_at").first()
+        "id", "agent", "status", "attempt", "wait_key", "cancel_requested_at").first()
     return None if row is None else dict(row)
 
 
@@ -56,7 +56,7 @@ def _renew(ref: AttemptRef, at: datetime) -> None:
 def _resume(run_id: int, attempt: int, at: datetime, **why: Any) -> bool:
     """waiting -> queued, due now. The requeue budget is left alone: waiting is no failure."""
     if not AgentRun.objects.filter(pk=run_id, status=Status.WAITING).update(
-            status=Status.QUEUED, available_at=at, waiting_for="", wait_until=None):
+            status=Status.QUEUED, available_at=at, wait_key="", wait_until=None):
         return False
     append_events([lifecycle(run_id, RESUMED, attempt, **why)], at)
     return True
@@ -104,7 +104,7 @@ def wait_for(
         else:
             RunWait.objects.filter(pk=wait.pk).update(**fields)
         AgentRun.objects.filter(ref.guard()).update(
-            status=Status.WAITING, claimed_by="", lease_expires=None, waiting_for=key,
+            status=Status.WAITING, claimed_by="", lease_expires=None, wait_key=key,
             wait_until=deadline)
         story: dict[str, Any] = {"key": key, "kind": kind}
         if deadline is not None:
@@ -159,7 +159,7 @@ def deliver(run_id: int, key: str, payload: Any, by: str,
         else:
             RunWait.objects.filter(pk=wait["pk"]).update(**given)
         append_events([lifecycle(run_id, DELIVERED, row["attempt"], key=key, by=by)], at)
-        if row["status"] == Status.WAITING and row["waiting_for"] == key:
+        if row["status"] == Status.WAITING and row["wait_key"] == key:
             _resume(run_id, row["attempt"], at, key=key, by=by)
             return DeliverResult.DELIVERED
     return DeliverResult.STORED
@@ -183,10 +183,10 @@ def expire(run_id: int, at: datetime | None = None) -> bool:
         row = _locked(pk=run_id, status=Status.WAITING, wait_until__lt=at)
         if row is None:
             return False
-        RunWait.objects.filter(run_id=run_id, key=row["waiting_for"]).update(timed_out_at=at)
+        RunWait.objects.filter(run_id=run_id, key=row["wait_key"]).update(timed_out_at=at)
         append_events([lifecycle(run_id, WAIT_TIMED_OUT, row["attempt"],
-                                 key=row["waiting_for"])], at)
-        return _resume(run_id, row["attempt"], at, key=row["waiting_for"], timed_out=True)
+                                 key=row["wait_key"])], at)
+        return _resume(run_id, row["attempt"], at, key=row["wait_key"], timed_out=True)
 
 
 # --------------------------------------------------------------------------- children
@@ -233,17 +233,17 @@ def resume_parents(run_ids: Iterable[int], at: datetime | None = None) -> None:
 
 
 def _resume_if_children_done(parent_id: int, at: datetime) -> bool:
-    row = _locked(pk=parent_id, status=Status.WAITING, waiting_for__startswith=RUNS_PREFIX)
+    row = _locked(pk=parent_id, status=Status.WAITING, wait_key__startswith=RUNS_PREFIX)
     if row is None:
         return False
-    prompt = RunWait.objects.filter(run_id=parent_id, key=row["waiting_for"]).values_list(
+    prompt = RunWait.objects.filter(run_id=parent_id, key=row["wait_key"]).values_list(
         "prompt", flat=True).first() or {}
     ids = list(prompt.get("runs", []))
     if AgentRun.objects.filter(pk__in=ids).exclude(status__in=TERMINAL).exists():
         return False
-    RunWait.objects.filter(run_id=parent_id, key=row["waiting_for"]).update(
+    RunWait.objects.filter(run_id=parent_id, key=row["wait_key"]).update(
         delivered_at=at, delivered_by="children")
-    return _resume(parent_id, row["attempt"], at, key=row["waiting_for"], runs=len(ids))
+    return _resume(parent_id, row["attempt"], at, key=row["wait_key"], runs=len(ids))
 
 
 def parents_behind(limit: int) -> list[int]:
@@ -251,7 +251,7 @@ def parents_behind(limit: int) -> list[int]:
     a one-statement settle and `resume_parents` (the reaper resumes them)."""
     unfinished = AgentRun.objects.exclude(status__in=TERMINAL).filter(parent_id__isnull=False)
     waiting = AgentRun.objects.filter(status=Status.WAITING,
-                                      waiting_for__startswith=RUNS_PREFIX)
+                                      wait_key__startswith=RUNS_PREFIX)
     stuck = waiting.exclude(pk__in=unfinished.values("parent_id"))
     return list(stuck.order_by("pk").values_list("pk", flat=True)[:limit])
 
