@@ -141,6 +141,8 @@ class Backlog:
     lapsed: dict[str, int] = field(default_factory=dict)
     """Running runs whose lease has lapsed: their worker died or stalled, and the reaper
     (or a claim) has not taken them back yet. Non-zero for long: no reaper is running."""
+    waiting: dict[str, int] = field(default_factory=dict)
+    """Runs waiting for a delivery, an approval or their child runs (no lease, no slot)."""
     dead_letters: dict[str, int] = field(default_factory=dict)
     unknown_agents: dict[tuple[str, str], int] = field(default_factory=dict)
     """Due runs of agents not registered in this process, by (queue, agent): a worker
@@ -148,7 +150,7 @@ class Backlog:
 
 
 def read_backlog(at: datetime | None = None) -> Backlog:
-    """Four grouped COUNTs, three answered from an index that holds only what it counts.
+    """Five grouped COUNTs, three answered from an index that holds only what it counts.
 
     The queued runs come from the partial due index (status='queued'), the running ones
     from the partial running index, the dead letters from the status+reason index: the
@@ -175,6 +177,10 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     for held in running:
         backlog.running[held["queue"]] = held["n"]
         backlog.lapsed[held["queue"]] = held["lapsed"]
+    # Waiting runs: a range of the status+reason index, however long the history.
+    waiting = (AgentRun.objects.filter(status=Status.WAITING).order_by().values("queue")
+               .annotate(n=Count("id")))
+    backlog.waiting.update((row["queue"], row["n"]) for row in waiting)
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
@@ -210,7 +216,8 @@ class BacklogCollector:
         backlog = self.reading()
         if backlog is None:
             return []
-        queues = self._queues | set(backlog.due) | set(backlog.scheduled) | set(backlog.running)
+        queues = self._queues | set(backlog.due) | set(backlog.scheduled) | set(backlog.running) \
+            | set(backlog.waiting)
         self._queues = queues
         return list(self._families(backlog, queues | _agent_queues()))
 
@@ -245,6 +252,8 @@ class BacklogCollector:
              backlog.running),
             ("agentruns_leases_lapsed", "Running runs whose lease lapsed and that nobody "
              "has taken back yet, by queue.", backlog.lapsed),
+            ("agentruns_waiting", "Runs waiting for a delivery, an approval or their child "
+             "runs (no lease, no worker slot), by queue.", backlog.waiting),
         )
         for name, doc, values in gauges:
             family = GaugeMetricFamily(name, doc, labels=["queue"])
