@@ -150,10 +150,10 @@ class Backlog:
 
 
 def read_backlog(at: datetime | None = None) -> Backlog:
-    """Five grouped COUNTs, three answered from an index that holds only what it counts.
+    """Four grouped COUNTs, three answered from an index that holds only what it counts.
 
-    The queued runs come from the partial due index (status='queued'), the running ones
-    from the partial running index, the dead letters from the status+reason index: the
+    The queued runs come from the partial due index (status='queued'), the running and
+    waiting ones from the status+reason index, the dead letters from the status+reason index: the
     size of the history (succeeded runs) costs nothing here. The fourth reads the queued
     rows (the backlog, not the history) for their agent.
     """
@@ -172,15 +172,19 @@ def read_backlog(at: datetime | None = None) -> Backlog:
         backlog.scheduled[row["queue"]] = row["later"]
         if row["oldest"] is not None:
             backlog.oldest_due[row["queue"]] = max(0.0, (at - row["oldest"]).total_seconds())
-    running = (AgentRun.objects.filter(status=Status.RUNNING).order_by().values("queue")
-               .annotate(n=Count("id"), lapsed=Count("id", filter=Q(lease_expires__lt=at))))
+    # Running and waiting runs: two ranges of the status+reason index, whatever the history.
+    running = (AgentRun.objects.filter(status__in=(Status.RUNNING, Status.WAITING)).order_by()
+               .values("queue")
+               .annotate(n=Count("id", filter=Q(status=Status.RUNNING)),
+                         lapsed=Count("id", filter=Q(status=Status.RUNNING,
+                                                     lease_expires__lt=at)),
+                         waiting=Count("id", filter=Q(status=Status.WAITING))))
     for held in running:
-        backlog.running[held["queue"]] = held["n"]
-        backlog.lapsed[held["queue"]] = held["lapsed"]
-    # Waiting runs: a range of the status+reason index, however long the history.
-    waiting = (AgentRun.objects.filter(status=Status.WAITING).order_by().values("queue")
-               .annotate(n=Count("id")))
-    backlog.waiting.update((row["queue"], row["n"]) for row in waiting)
+        if held["n"]:
+            backlog.running[held["queue"]] = held["n"]
+            backlog.lapsed[held["queue"]] = held["lapsed"]
+        if held["waiting"]:
+            backlog.waiting[held["queue"]] = held["waiting"]
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
