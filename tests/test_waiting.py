@@ -182,6 +182,7 @@ def test_manage_py_reap_enforces_wait_deadlines(worker_env: dict[str, str]) -> N
     helpers.wait_until(lambda: timezone.now() > deadline, timeout=10)
     done = helpers.run_manage(["reap"], worker_env)
     assert done.returncode == 0, done.stderr
+    assert "waits timed out 1" in done.stdout
     assert status(run.pk) == Status.QUEUED
     assert events(run.pk)[-2:] == ["run.wait_timed_out", "run.resumed"]
 
