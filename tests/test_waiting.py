@@ -62,8 +62,10 @@ def worker(env: dict[str, str], *extra: str) -> helpers.ManageProcess:
     return process
 
 
-def test_a_waiting_run_frees_its_slot_and_resumes_once_delivered(
+def test_guarantee_12_waiting_costs_nothing(
         worker_env: dict[str, str]) -> None:
+    """A waiting run frees its slot (a concurrency-1 worker runs another run meanwhile),
+    holds no lease, and is resumed once by its delivery, from its checkpoint."""
     with worker(worker_env) as w:
         waiting = enqueue("tests.waits", {"prompt": {"question": "go?"}})
         until_status(waiting.pk, Status.WAITING)

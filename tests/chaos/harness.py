@@ -92,6 +92,7 @@ class ChaosReport:
     statuses: dict[str, int] = field(default_factory=dict)
     abandoned: int = 0
     fenced: int = 0  # attempts whose worker logged "lease lost ... nothing recorded"
+    waited: int = 0  # run.waiting events: attempts that ended waiting for their delivery
     checker: Checker = field(default_factory=Checker)
     problems: list[str] = field(default_factory=list)  # harness-level violations
     harness_checks: int = 0
@@ -114,7 +115,7 @@ class ChaosReport:
                 f"{self.workers_started} workers started, freezes={self.freezes} "
                 f"cancels={self.cancels} reaps={self.reaps} (failed {self.reap_failures}), "
                 f"abandoned attempts={self.abandoned}, stale attempts fenced off="
-                f"{self.fenced}, outcomes={self.statuses}")
+                f"{self.fenced}, waits={self.waited}, outcomes={self.statuses}")
 
 
 def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
@@ -225,6 +226,7 @@ class Chaos:
             timeouts={name: get_agent(name).timeout for name in self._lease_ttls()})
         self.report.statuses = _outcomes()
         self.report.abandoned = RunEvent.objects.filter(type="run.abandoned").count()
+        self.report.waited = RunEvent.objects.filter(type="run.waiting").count()
         self.report.fenced = sum(text.count("nothing recorded") for text in self.logs)
         SUMMARIES.extend([self.report.summary(), self.report.details()])
         return self.report
