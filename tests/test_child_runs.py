@@ -89,3 +89,49 @@ def test_the_reaper_resumes_a_parent_whose_children_all_finished() -> None:
     report = reap()
     assert report.parents_resumed == [parent.pk]
     assert status(parent.pk) == Status.QUEUED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_bad_waits_and_spawns_get_a_clear_error_and_write_nothing() -> None:
+    from django_agentruns import InvalidInputError, LimitExceeded
+    from django_agentruns.context import AttemptControl, RunContext
+    from django_agentruns.exceptions import AttemptStopped, UnknownAgentError
+    from django_agentruns.models import RunWait
+    from django_agentruns.transitions import AttemptRef, ScopePolicy
+
+    queued = enqueue("tests.parent")
+    [claimed] = transitions.claim("w1", [queued.queue], 1, ScopePolicy(), {}, 30.0)
+    control = AttemptControl(AttemptRef(claimed.pk, claimed.attempt, "w1", 30.0), None, 0)
+    ctx = RunContext(run_id=claimed.pk, agent=claimed.agent, input={}, attempt=1, state=None,
+                     scope="", control=control)
+    stranger = enqueue("tests.child")
+    before = AgentRun.objects.count()
+    for call in [lambda: ctx.spawn("tests.child", key=""),
+                 lambda: ctx.spawn("tests.child", key="x" * 201),
+                 lambda: ctx.spawn("tests.child", {1, 2}, key="k"),
+                 lambda: ctx.receive("go", timeout=-1),
+                 lambda: ctx.receive("go", timeout="soon"),
+                 lambda: ctx.receive("go", prompt={"x": float("nan")}),
+                 lambda: ctx.wait_for_runs([stranger.pk]),
+                 lambda: ctx.wait_for_runs(["x"])]:
+        with pytest.raises(InvalidInputError):
+            call()
+    with pytest.raises(UnknownAgentError):
+        ctx.spawn("tests.nobody", key="k")
+    with pytest.raises(LimitExceeded):
+        ctx.receive("go", prompt="x" * 300_000)
+    assert AgentRun.objects.count() == before
+    assert RunWait.objects.count() == 0
+    assert status(claimed.pk) == Status.RUNNING
+
+    # The same key gives the same child, in this attempt or any later one.
+    first = ctx.spawn("tests.child", {"n": 1}, key="k")
+    assert ctx.spawn("tests.child", {"n": 2}, key="k") == first
+    assert AgentRun.objects.get(pk=first).input == {"n": 1}
+    # A cancel request stops the attempt at its wait, which records nothing.
+    assert cancel(claimed.pk) is CancelResult.REQUESTED
+    with pytest.raises(AttemptStopped):
+        ctx.receive("go")
+    assert RunWait.objects.count() == 0
+    # Cancelling the parent cancelled its queued child at once.
+    assert status(first) == Status.CANCELLED
