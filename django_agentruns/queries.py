@@ -118,13 +118,14 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
         """Queued runs due by time that a worker will get to without outside help.
 
         That is, all but those behind a run no worker releases: a dead letter (where the agent
-        says it blocks) or a run still backing off. A burst worker whose claim came back empty
+        says it blocks), a run still backing off, or a waiting run. A burst worker whose claim came back empty
         waits while any of these remain (another worker holds them, or the run ahead of them),
         and exits past the rest.
         """
         qs = self.due(queues, at)
         for agents, blocking in _scope_groups(scopes):
-            stuck = Q(status=Status.QUEUED, available_at__gt=at)
+            # Behind a run backing off, or waiting for a delivery: nobody here releases it.
+            stuck = Q(status=Status.QUEUED, available_at__gt=at) | Q(status=Status.WAITING)
             if blocking:
                 stuck |= Q(status=Status.FAILED)
             if agents:
