@@ -119,8 +119,8 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
 
         That is, all but those behind a run no worker releases: a dead letter (where the agent
         says it blocks), a run still backing off, or a waiting run. A burst worker whose claim
-        came back empty waits while any of these remain (another worker holds them, or the run ahead of them),
-        and exits past the rest.
+        came back empty waits while any of these remain (another worker holds them, or the run
+        ahead of them), and exits past the rest.
         """
         qs = self.due(queues, at)
         for agents, blocking in _scope_groups(scopes):
