@@ -219,17 +219,28 @@ def spawn(ref: AttemptRef, key: str, new: NewRun,
 def children_settled(run_ids: Iterable[int], at: datetime) -> None:
     """Inside the transaction that finished `run_ids`: resume each parent whose wait for
     children they ended. One indexed read; nothing more for runs without a parent."""
-    parents = set(AgentRun.objects.filter(pk__in=list(run_ids), parent__isnull=False)
-                  .values_list("parent_id", flat=True))
-    for parent_id in sorted(p for p in parents if p is not None):
+    for parent_id in _parents_of(run_ids):
         _resume_if_children_done(parent_id, at)
+
+
+def _parents_of(run_ids: Iterable[int]) -> list[int]:
+    ids = list(run_ids)
+    if not ids:
+        return []
+    parents = AgentRun.objects.filter(pk__in=ids, parent__isnull=False).values_list(
+        "parent_id", flat=True)
+    return sorted({p for p in parents if p is not None})
 
 
 @retry_on_lock()
 def resume_parents(run_ids: Iterable[int], at: datetime | None = None) -> None:
-    """`children_settled` in a transaction of its own (after a one-statement settle)."""
-    with transaction.atomic():
-        children_settled(run_ids, at or now())
+    """`children_settled` after a one-statement settle that committed on its own: the read
+    first, and a transaction only for runs that have a parent."""
+    parents = _parents_of(run_ids)
+    if parents:
+        with transaction.atomic():
+            for parent_id in parents:
+                _resume_if_children_done(parent_id, at or now())
 
 
 def _resume_if_children_done(parent_id: int, at: datetime) -> bool:

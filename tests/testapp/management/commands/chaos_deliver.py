@@ -1,8 +1,9 @@
 """The chaos suite's deliverer: sends each waiting chaos run its payload, at a random time.
 
 Runs as a process of its own until killed. Each run of `tests.chaos_waits` gets
-``{"run": id}`` for its key once it is a random 0-3 s old: before its wait, during it or
-after a kill took the attempt away. Some get it twice (a retrying webhook). A database
+``{"run": id}`` for its key at a random time: a quarter of them before they start (the run
+finds it without waiting), the rest 0-2 s after an attempt started (before its wait, during
+it, or after a kill took the attempt away). Some get it twice (a retrying webhook). A database
 that goes away (a restart) is waited out.
 """
 
@@ -39,12 +40,14 @@ class Command(BaseCommand):
         done = set(RunWait.objects.filter(key=WAIT_KEY, delivered_at__isnull=False)
                    .values_list("run_id", flat=True))
         rows = AgentRun.objects.filter(agent=CHAOS_WAITS).exclude(status__in=TERMINAL) \
-            .values_list("pk", "created_at")
-        for pk, created in rows:
+            .values_list("pk", "created_at", "started_at")
+        for pk, created, started in rows:
             if pk in done:
                 continue
-            delay = random.Random(pk).uniform(0, 3)
-            if (now - created).total_seconds() < delay:
+            chance = random.Random(pk)
+            early = chance.random() < 0.25
+            since = created if early else started
+            if since is None or (now - since).total_seconds() < chance.uniform(0, 2):
                 continue
             result = deliver(pk, WAIT_KEY, {"run": pk}, by="chaos-deliverer")
             self.stdout.write(f"run {pk}: {result.value}")
