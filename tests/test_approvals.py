@@ -55,6 +55,7 @@ def test_the_waiting_for_approval_filter_lists_runs_awaiting_an_answer() -> None
     client = login(staff("viewer", "view_agentrun"))
     html = client.get(changelist("?waiting=approval")).content.decode()
     assert run_url(run) in html
+    assert "waiting for &#x27;refund&#x27;" in html
     assert run_url(other) not in html
     assert run_url(other) in client.get(changelist("?waiting=input")).content.decode()
 

@@ -71,6 +71,9 @@ def duration_or_age(run: AgentRun) -> str:
         return f"took {short_duration(_since(run.created_at, run.finished_at))}"
     if run.status == Status.RUNNING and run.started_at is not None:
         return f"running {short_duration(_since(run.started_at))}"
+    if run.status == Status.WAITING:  # for what, not since when: the run page has the time
+        return "waiting for child runs" if run.wait_key.startswith("~") \
+            else f"waiting for {run.wait_key!r}"
     if run.available_at > timezone.now():
         return f"due in {short_duration(-_since(run.available_at))}"
     return f"waiting {short_duration(_since(run.available_at))}"
