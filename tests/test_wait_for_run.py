@@ -94,3 +94,31 @@ def test_waiting_runs_are_counted_per_queue() -> None:
     enqueue("tests.waits", {"key": "other"})
     Worker(queues=["waiting"], burst=True, reap_interval=0).run(install_signals=False)
     assert metrics.read_backlog().waiting == {"waiting": 2}
+
+
+@pytest.mark.postgres_only
+def test_a_delivery_wakes_the_queue_and_a_finished_run_notifies_its_id(
+        worker_env: dict[str, str]) -> None:
+    """Migration 0005's triggers: waiting -> queued NOTIFYs the queue's workers (as an
+    operator's retry does), and a run that finishes NOTIFYs agentruns_finished."""
+    import psycopg
+    from django.db import connection
+
+    from django_agentruns.notify import CHANNEL
+    from django_agentruns.waiting import FINISHED_CHANNEL
+    from tests.test_notify import sent_before_sentinel
+
+    run = enqueue("tests.waits")
+    with worker(worker_env) as w:
+        until_status(run.pk, Status.WAITING)
+        assert w.stop() == 0, w.output()
+    with psycopg.connect(helpers.database_url(connection.settings_dict),
+                         autocommit=True) as listener:
+        listener.execute(f"LISTEN {CHANNEL}")
+        listener.execute(f"LISTEN {FINISHED_CHANNEL}")
+        deliver(run.pk, "go", 1)
+        assert sent_before_sentinel(listener) == ["waiting"]
+        from django_agentruns import cancel
+
+        cancel(run.pk)
+        assert sent_before_sentinel(listener) == [str(run.pk)]

@@ -36,9 +36,15 @@ class WaitTriggers(migrations.operations.base.Operation):
                     FOR EACH ROW WHEN (NEW.status IN ('succeeded', 'failed', 'cancelled')
                                        AND OLD.status IS DISTINCT FROM NEW.status)
                     EXECUTE FUNCTION agentruns_notify_finished()""",
+                f"""CREATE FUNCTION agentruns_notify_resumed() RETURNS trigger
+                    LANGUAGE plpgsql AS $$
+                    BEGIN
+                        PERFORM pg_notify('{CHANNEL}', NEW.queue);
+                        RETURN NULL;
+                    END $$""",
                 f"""CREATE TRIGGER agentruns_notify_resume AFTER UPDATE OF status ON {table}
                     FOR EACH ROW WHEN (NEW.status = 'queued' AND OLD.status = 'waiting')
-                    EXECUTE FUNCTION agentruns_notify_requeued()""",
+                    EXECUTE FUNCTION agentruns_notify_resumed()""",
             ]:
                 schema_editor.execute(statement)
 
@@ -47,6 +53,7 @@ class WaitTriggers(migrations.operations.base.Operation):
             table = self.table(schema_editor, from_state)
             for statement in [
                 f"DROP TRIGGER IF EXISTS agentruns_notify_resume ON {table}",
+                "DROP FUNCTION IF EXISTS agentruns_notify_resumed()",
                 f"DROP TRIGGER IF EXISTS agentruns_notify_finish ON {table}",
                 "DROP FUNCTION IF EXISTS agentruns_notify_finished()",
             ]:
