@@ -267,3 +267,17 @@ def test_a_waiting_run_holds_its_ordered_scope() -> None:
     assert Status.WAITING in holding_statuses(True)
 
 
+
+
+@pytest.mark.django_db(transaction=True)
+def test_deliver_writes_in_the_callers_transaction() -> None:
+    from django.db import transaction
+
+    run = enqueue("tests.waits")
+    with transaction.atomic():
+        assert deliver(run.pk, "go", {"n": 1}, by="view") is DeliverResult.STORED
+        transaction.set_rollback(True)
+    assert not RunWait.objects.exists()
+    assert events(run.pk) == []
+    assert deliver(run.pk, "go", {"n": 2}) is DeliverResult.STORED
+    assert RunWait.objects.get(run=run).payload == {"n": 2}
