@@ -1,7 +1,9 @@
 """django-agentruns: durable agent runs on your Django database.
 
 Public API (stable): `agent`, `RunContext`, `Retryable`, `NotRetryable`, `enqueue`,
-`enqueue_many`, `RunRequest`, `cancel`, `retry`, `run_now`, `CancelResult`.
+`enqueue_many`, `RunRequest`, `cancel`, `retry`, `run_now`, `CancelResult`; waiting runs:
+`deliver`, `DeliverResult`, `approve`, `reject`, `wait_for_run`, `await_run`, `WaitTimedOut`,
+`Approval`, `RunResult`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .exceptions import (
     RunCancelledError,
     RunNotFoundError,
     UnknownAgentError,
+    WaitTimedOut,
 )
 from .registry import agent
 
@@ -24,12 +27,16 @@ if TYPE_CHECKING:
     from .api import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
     from .context import RunContext
     from .transitions import CancelResult
+    from .wait_results import Approval, DeliverResult, RunResult
+    from .waiting import approve, await_run, deliver, reject, wait_for_run
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AgentRunsError",
+    "Approval",
     "CancelResult",
+    "DeliverResult",
     "InvalidInputError",
     "LimitExceeded",
     "NotRetryable",
@@ -38,18 +45,27 @@ __all__ = [
     "RunContext",
     "RunNotFoundError",
     "RunRequest",
+    "RunResult",
     "UnknownAgentError",
+    "WaitTimedOut",
     "agent",
+    "approve",
+    "await_run",
     "cancel",
+    "deliver",
     "enqueue",
     "enqueue_many",
+    "reject",
     "retry",
     "run_now",
+    "wait_for_run",
 ]
 
 _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "enqueue_many": "api", "cancel": "api", "retry": "api", "run_now": "api",
-         "RunRequest": "api"}
+         "RunRequest": "api", "Approval": "wait_results", "DeliverResult": "wait_results",
+         "RunResult": "wait_results", "deliver": "waiting", "approve": "waiting",
+         "reject": "waiting", "wait_for_run": "waiting", "await_run": "waiting"}
 
 
 def __getattr__(name: str) -> Any:

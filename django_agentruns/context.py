@@ -14,7 +14,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ from .conf import SETTING_NAME, app_settings
 from .db import storage_unreachable
 from .exceptions import AttemptStopped, InvalidInputError, LimitExceeded
 from .outcomes import AttemptRef, Renewal
+from .wait_results import Approval, RunResult
 
 T = TypeVar("T")
 
@@ -38,6 +39,7 @@ class StopReason:
     TIMEOUT = "timeout"
     SHUTDOWN = "shutdown"
     INTERRUPTED = "interrupted"  # the database stayed out of reach: requeued, not charged
+    WAITING = "waiting"  # the attempt recorded a wait (ctx.receive): the run is waiting
 
 
 class AttemptControl:
@@ -62,6 +64,12 @@ class AttemptControl:
             future = self.future
         if future is not None:
             future.cancel()
+
+    def end_waiting(self) -> None:
+        """The attempt's wait is recorded: that is why it stops, whatever a lease keeper that
+        saw the lease released since may have said."""
+        with self._lock:
+            self.stop_reason = StopReason.WAITING
 
     def timed_out(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -285,6 +293,50 @@ class RunContext:
         renewal = control.call(transitions.renew, control.ref)
         control.apply(renewal)
 
+    # Waiting (django_agentruns.receiving): the attempt may end with the run `waiting`.
+
+    def receive(self, key: str, *, timeout: float | None = None, prompt: Any = None) -> Any:
+        """The payload delivered for `key`; if none yet, the run waits for it (see
+        `receiving.receive`): checkpoint first, the next attempt resumes from there."""
+        return receiving.receive(self, key, timeout=timeout, prompt=prompt)
+
+    def request_approval(self, key: str, proposal: Any, *,
+                         timeout: float | None = None) -> Approval:
+        """`receive` with a person's structured answer (`approve`, `reject`)."""
+        return receiving.request_approval(self, key, proposal, timeout=timeout)
+
+    def spawn(self, agent: str, input: Any = None, *, key: str, queue: str | None = None,
+              scope: str | None = None, priority: int | None = None) -> int:
+        """Enqueue a child run once per `key`, whatever attempt asks; return its id."""
+        return receiving.spawn(self, agent, input, key=key, queue=queue, scope=scope,
+                               priority=priority)
+
+    def wait_for_runs(self, ids: Iterable[int], *,
+                      timeout: float | None = None) -> dict[int, RunResult]:
+        """Each child run's result once all are finished; until then the run waits."""
+        return receiving.wait_for_runs(self, ids, timeout=timeout)
+
+    async def areceive(self, key: str, *, timeout: float | None = None,
+                       prompt: Any = None) -> Any:
+        return await _in_thread(self._control, functools.partial(
+            self.receive, key, timeout=timeout, prompt=prompt))
+
+    async def arequest_approval(self, key: str, proposal: Any, *,
+                                timeout: float | None = None) -> Approval:
+        return await _in_thread(self._control, functools.partial(
+            self.request_approval, key, proposal, timeout=timeout))
+
+    async def aspawn(self, agent: str, input: Any = None, *, key: str,
+                     queue: str | None = None, scope: str | None = None,
+                     priority: int | None = None) -> int:
+        return await _in_thread(self._control, functools.partial(
+            self.spawn, agent, input, key=key, queue=queue, scope=scope, priority=priority))
+
+    async def await_runs(self, ids: Iterable[int], *,
+                         timeout: float | None = None) -> dict[int, RunResult]:
+        return await _in_thread(self._control, functools.partial(
+            self.wait_for_runs, ids, timeout=timeout))
+
     async def aemit(self, type: str, payload: dict[str, Any] | None = None) -> None:
         await _in_thread(self._control, self.emit, type, payload)
 
@@ -319,3 +371,6 @@ def _storage_call(func: Callable[..., T], *args: Any) -> T:
         return func(*args)
     finally:
         close_old_connections()
+
+
+from . import receiving  # noqa: E402  (it needs the validation helpers above)

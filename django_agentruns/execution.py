@@ -72,11 +72,12 @@ def call_agent(
         # BaseException: an agent's SystemExit or KeyboardInterrupt is its failure too, and
         # must be recorded like any other (the caller of `run_now` still gets it raised).
         if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED,
-                                   StopReason.INTERRUPTED):
+                                   StopReason.INTERRUPTED, StopReason.WAITING):
             # The agent turned our stop into an error of its own: the stop is what happened.
             return Outcome("stopped", stop_reason=control.stop_reason)
         return Outcome("failed", error=exc.error if isinstance(exc, _Escaped) else exc)
-    if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED):
+    if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED,
+                               StopReason.WAITING):
         # A cancel the attempt was told of wins even if the agent then returned without
         # reaching another step boundary: the operator asked for it to stop.
         return Outcome("stopped", stop_reason=control.stop_reason)
@@ -139,6 +140,8 @@ def _store(
     if outcome.kind == "stopped":
         if outcome.stop_reason == StopReason.LEASE_LOST:
             return Settlement.LOST
+        if outcome.stop_reason == StopReason.WAITING:
+            return Settlement.WAITING  # its wait write released the lease: nothing more
         if outcome.stop_reason == StopReason.CANCELLED:
             return transitions.settle_cancelled(ref)
         if outcome.stop_reason == StopReason.SHUTDOWN:

@@ -143,6 +143,8 @@ class Backlog:
     lapsed: dict[str, int] = field(default_factory=dict)
     """Running runs whose lease has lapsed: their worker died or stalled, and the reaper
     (or a claim) has not taken them back yet. Non-zero for long: no reaper is running."""
+    waiting: dict[str, int] = field(default_factory=dict)
+    """Runs waiting for a delivery, an approval or their child runs (no lease, no slot)."""
     dead_letters: dict[str, int] = field(default_factory=dict)
     unknown_agents: dict[tuple[str, str], int] = field(default_factory=dict)
     """Due runs of agents not registered in this process, by (queue, agent): a worker
@@ -152,11 +154,11 @@ class Backlog:
 def read_backlog(at: datetime | None = None) -> Backlog:
     """Four grouped COUNTs, three answered from an index that holds only what it counts.
 
-    The queued runs come from the partial due index (status='queued'), the running ones
-    from the partial running index, the dead letters from the status+reason index: the
-    size of the history (succeeded runs) costs nothing here. A due run of an ordered agent
-    is also looked up in the scope-head index, to count it as blocked or not. The fourth
-    reads the queued rows (the backlog, not the history) for their agent.
+    The queued runs come from the partial due index (status='queued'), the running and
+    waiting ones from the status+reason index, the dead letters from the status+reason
+    index: the size of the history (succeeded runs) costs nothing here. A due run of an
+    ordered agent is also looked up in the scope-head index, to count it as blocked or not.
+    The fourth reads the queued rows (the backlog, not the history) for their agent.
     """
     from .models import AgentRun
     from .registry import all_agents, scope_policy
@@ -181,11 +183,19 @@ def read_backlog(at: datetime | None = None) -> Backlog:
         backlog.scheduled[row["queue"]] = row["later"]
         if row["oldest"] is not None:
             backlog.oldest_due[row["queue"]] = max(0.0, (at - row["oldest"]).total_seconds())
-    running = (AgentRun.objects.filter(status=Status.RUNNING).order_by().values("queue")
-               .annotate(n=Count("id"), lapsed=Count("id", filter=Q(lease_expires__lt=at))))
+    # Running and waiting runs: two ranges of the status+reason index, whatever the history.
+    running = (AgentRun.objects.filter(status__in=(Status.RUNNING, Status.WAITING)).order_by()
+               .values("queue")
+               .annotate(n=Count("id", filter=Q(status=Status.RUNNING)),
+                         lapsed=Count("id", filter=Q(status=Status.RUNNING,
+                                                     lease_expires__lt=at)),
+                         waiting=Count("id", filter=Q(status=Status.WAITING))))
     for held in running:
-        backlog.running[held["queue"]] = held["n"]
-        backlog.lapsed[held["queue"]] = held["lapsed"]
+        if held["n"]:
+            backlog.running[held["queue"]] = held["n"]
+            backlog.lapsed[held["queue"]] = held["lapsed"]
+        if held["waiting"]:
+            backlog.waiting[held["queue"]] = held["waiting"]
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
@@ -222,7 +232,7 @@ class BacklogCollector:
         if backlog is None:
             return []
         queues = (self._queues | set(backlog.due) | set(backlog.blocked) | set(backlog.scheduled)
-                  | set(backlog.running))
+                  | set(backlog.running) | set(backlog.waiting))
         self._queues = queues
         return list(self._families(backlog, queues | _agent_queues()))
 
@@ -260,6 +270,8 @@ class BacklogCollector:
              backlog.running),
             ("agentruns_leases_lapsed", "Running runs whose lease lapsed and that nobody "
              "has taken back yet, by queue.", backlog.lapsed),
+            ("agentruns_waiting", "Runs waiting for a delivery, an approval or their child "
+             "runs (no lease, no worker slot), by queue.", backlog.waiting),
         )
         for name, doc, values in gauges:
             family = GaugeMetricFamily(name, doc, labels=["queue"])

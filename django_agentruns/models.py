@@ -12,8 +12,8 @@ from django.utils import timezone
 from .queries import RunQuerySet
 from .states import DEAD_LETTER_REASONS, TERMINAL, Reason, Status
 
-__all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "AgentRun", "Reason", "RunEvent", "Status",
-           "WorkerRecord"]
+__all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "AgentRun", "Reason", "RunEvent", "RunWait",
+           "Status", "WorkerRecord"]
 
 
 class AgentRun(models.Model):
@@ -52,6 +52,14 @@ class AgentRun(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
+    # Waiting (django_agentruns.waiting): the awaited key while `waiting`, its deadline, and
+    # for a child run its parent and the key of the `ctx.spawn` that made it.
+    wait_key = models.CharField(max_length=210, blank=True, default="")
+    wait_until = models.DateTimeField(null=True, blank=True)
+    parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL,
+                               related_name="children")
+    spawn_key = models.CharField(max_length=200, blank=True, default="")
+
     # Named reads (`.dead_letters()`, `.lapsed(at)`, ...): see django_agentruns.queries.
     objects = RunQuerySet.as_manager()
 
@@ -60,6 +68,12 @@ class AgentRun(models.Model):
         permissions = (
             ("retry_agentrun", "Can retry failed or cancelled runs"),
             ("cancel_agentrun", "Can cancel queued or running runs"),
+            ("approve_agentrun", "Can approve or reject what a waiting run proposes"),
+        )
+        constraints = (
+            # A spawn key names one child of its parent, whatever attempt spawns it again.
+            models.UniqueConstraint(fields=("parent", "spawn_key"), name="agentruns_spawn_key",
+                                    condition=~Q(spawn_key="")),
         )
         indexes = (
             # The due query: queued runs of a queue in claim order. Partial, so it holds
@@ -80,6 +94,9 @@ class AgentRun(models.Model):
             models.Index(fields=("created_at",), name="agentruns_created"),
             # The overview's throughput chart and per-agent window: runs finished lately.
             models.Index(fields=("finished_at",), name="agentruns_finished"),
+            # Waits whose deadline passed, for the reaper; only waiting runs with one.
+            models.Index(fields=("wait_until",), name="agentruns_wait_until",
+                         condition=Q(status="waiting", wait_until__isnull=False)),
         )
 
     def __str__(self) -> str:
@@ -135,3 +152,37 @@ class WorkerRecord(models.Model):
 
     def __str__(self) -> str:
         return self.worker_id
+
+
+class RunWait(models.Model):
+    """One key a run receives on (`ctx.receive`, an approval, a wait for child runs).
+
+    Written by `transitions.waiting` only. The row exists once the run waited for the key
+    or a payload was delivered for it, whichever came first; the first payload stands.
+    """
+
+    class Kind(models.TextChoices):
+        INPUT = "input", "Input"
+        APPROVAL = "approval", "Approval"
+        RUNS = "runs", "Child runs"
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="waits")
+    key = models.CharField(max_length=210)
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.INPUT)
+    prompt = models.JSONField(null=True, blank=True, help_text="For whoever answers.")
+    deadline = models.DateTimeField(null=True, blank=True)
+    waited_at = models.DateTimeField(null=True, blank=True, help_text="Last time it waited.")
+    timed_out_at = models.DateTimeField(null=True, blank=True)
+    payload = models.JSONField(null=True, blank=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    delivered_by = models.CharField(max_length=255, blank=True, default="")
+
+    class Meta:
+        ordering = ("run", "id")
+        constraints = (
+            models.UniqueConstraint(fields=("run", "key"), name="agentruns_wait_run_key"),
+        )
+
+    def __str__(self) -> str:
+        return f"#{self.run_id} {self.key}"

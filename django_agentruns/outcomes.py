@@ -47,6 +47,7 @@ class Settlement(enum.Enum):
     REQUEUED = "requeued"
     DEAD_LETTERED = "dead_lettered"
     CANCELLED = "cancelled"
+    WAITING = "waiting"  # the attempt ended waiting; its wait write released the lease
     LOST = "lost"  # nothing written: the attempt no longer owns the run
 
 

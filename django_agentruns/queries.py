@@ -30,9 +30,9 @@ def dead_letter() -> Q:
 
 
 def holding_statuses(blocking: bool) -> list[str]:
-    """The statuses of an earlier run that hold its scope: queued or running, and failed
-    too where the agent says dead letters block."""
-    statuses: list[str] = [Status.QUEUED, Status.RUNNING]
+    """The statuses of an earlier run that hold its scope: queued, running or waiting, and
+    failed too where the agent says dead letters block."""
+    statuses: list[str] = [Status.QUEUED, Status.RUNNING, Status.WAITING]
     return [*statuses, Status.FAILED] if blocking else statuses
 
 
@@ -124,13 +124,14 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
         """Queued runs due by time that a worker will get to without outside help.
 
         That is, all but those behind a run no worker releases: a dead letter (where the agent
-        says it blocks) or a run still backing off. A burst worker whose claim came back empty
-        waits while any of these remain (another worker holds them, or the run ahead of them),
-        and exits past the rest.
+        says it blocks), a run still backing off, or a waiting run. A burst worker whose claim
+        came back empty waits while any of these remain (another worker holds them, or the run
+        ahead of them), and exits past the rest.
         """
         qs = self.due(queues, at)
         for agents, blocking in _scope_groups(scopes):
-            stuck = Q(status=Status.QUEUED, available_at__gt=at)
+            # Behind a run backing off, or waiting for a delivery: nobody here releases it.
+            stuck = Q(status=Status.QUEUED, available_at__gt=at) | Q(status=Status.WAITING)
             if blocking:
                 stuck |= Q(status=Status.FAILED)
             if agents:

@@ -15,6 +15,11 @@ class Status(models.TextChoices):
     RUNNING = "running", "Running"
     """An attempt holds the lease. The owning worker settles it; the reaper (or a claim)
     takes it back to queued or failed once the lease lapses."""
+    WAITING = "waiting", "Waiting"
+    """An attempt stopped to wait for a delivery (`ctx.receive`, an approval) or for its
+    child runs: no lease, no worker slot, never reaped. A `deliver` for the awaited key,
+    its last child finishing, or its deadline passing (the reaper) queue it again;
+    `cancel` cancels it at once."""
     SUCCEEDED = "succeeded", "Succeeded"
     """Terminal: the agent returned its output."""
     FAILED = "failed", "Failed"

@@ -406,7 +406,7 @@ def test_bulk_cancel_cancels_queued_and_asks_running_runs_to_stop(operator: Clie
     selection = [queued.pk, running.pk, asked.pk, finished.pk]
     confirm = operator.post(changelist(), {"action": "cancel_runs", "index": "0",
                                            "_selected_action": selection})
-    assert "Cancel <strong>3</strong> queued or running runs?" in confirm.content.decode()
+    assert "Cancel <strong>3</strong> queued, running or waiting runs?" in confirm.content.decode()
     done = operator.post(changelist(), {"action": "cancel_runs", "post": "yes",
                                         "_selected_action": selection})
     assert messages_of(operator, done) == [
@@ -583,7 +583,8 @@ def test_overview_counts_runs_and_groups_dead_letters_by_class(viewer: Client) -
     response = viewer.get(reverse(OVERVIEW))
     assert response.status_code == 200
     counts = {value: n for value, _, n in response.context["statuses"]}
-    assert counts == {"queued": 1, "running": 0, "succeeded": 0, "failed": 4, "cancelled": 0}
+    assert counts == {"queued": 1, "running": 0, "waiting": 0, "succeeded": 0, "failed": 4,
+                      "cancelled": 0}
     groups = [(g.agent, g.error_type, g.reason, g.count) for g in response.context["groups"]]
     assert groups == [("tests.noop", "TimeoutError", "not_retryable", 2),
                       ("tests.noop", "PermissionError", "retries_exhausted", 1)]

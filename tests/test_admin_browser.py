@@ -152,8 +152,10 @@ def test_bulk_cancel_asks_for_confirmation_and_reports_the_skipped(
         page.locator(f"input.action-select[value='{run.pk}']").check()
     page.select_option("select[name=action]", "cancel_runs")
     page.click("button[name=index]")
-    expect(page.locator("#content-main")).to_contain_text("Cancel 2 queued or running runs?")
-    expect(page.locator(".agentruns-skipped")).to_contain_text("1 run not queued or running")
+    expect(page.locator("#content-main")).to_contain_text(
+        "Cancel 2 queued, running or waiting runs?")
+    expect(page.locator(".agentruns-skipped")).to_contain_text(
+        "1 run not queued, running or waiting")
     assert {AgentRun.objects.get(pk=r.pk).status for r in later} == {Status.QUEUED}
 
     page.click("#agentruns-confirm")

@@ -114,8 +114,8 @@ RETRY = Operation(
 )
 CANCEL = Operation(
     name="cancel",
-    eligible=(Status.QUEUED, Status.RUNNING),
-    eligible_text="queued or running",
+    eligible=(Status.QUEUED, Status.RUNNING, Status.WAITING),
+    eligible_text="queued, running or waiting",
     call=_cancel,
     outcomes={
         "cancelled": "queued run{s} cancelled",

@@ -20,6 +20,7 @@ from ..models import AgentRun, Status
 BADGE_COLOURS: dict[str, str] = {
     Status.QUEUED: "#5b6b7a",
     Status.RUNNING: "#1f6fb2",
+    Status.WAITING: "#6a4fb3",
     Status.SUCCEEDED: "#2e7d32",
     Status.FAILED: "#c62828",
     Status.CANCELLED: "#8a6d3b",
@@ -70,6 +71,9 @@ def duration_or_age(run: AgentRun) -> str:
         return f"took {short_duration(_since(run.created_at, run.finished_at))}"
     if run.status == Status.RUNNING and run.started_at is not None:
         return f"running {short_duration(_since(run.started_at))}"
+    if run.status == Status.WAITING:  # for what, not since when: the run page has the time
+        return "waiting for child runs" if run.wait_key.startswith("~") \
+            else f"waiting for {run.wait_key!r}"
     if run.available_at > timezone.now():
         return f"due in {short_duration(-_since(run.available_at))}"
     return f"waiting {short_duration(_since(run.available_at))}"

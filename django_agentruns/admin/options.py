@@ -22,8 +22,8 @@ from django.utils.safestring import SafeString, mark_safe
 
 from ..diagnosis import short_error
 from ..models import AgentRun, RunEvent, Status
+from . import approvals, views
 from . import display as show
-from . import views
 from .actions import CANCEL, RETRY, cancel_runs, has_permission, retry_runs, selected_ids
 from .filters import AgentFilter, AttentionFilter, QueueFilter
 from .summary import summary
@@ -64,7 +64,8 @@ class AgentRunAdmin(ModelAdminBase):
     # for the table): related values share a cell, one above the other.
     list_display = ("short_id", "run_name", "state", "attempts", "queue", "when")
     list_display_links = ("short_id",)
-    list_filter = ("status", "reason", AttentionFilter, AgentFilter, QueueFilter)
+    list_filter = ("status", "reason", AttentionFilter, approvals.WaitingFilter, AgentFilter,
+                   QueueFilter)
     search_fields = ("scope", "agent")  # and the run id: see get_search_results
     search_help_text = "A run id, or part of a scope or an agent name."
     date_hierarchy = "created_at"
@@ -254,6 +255,7 @@ class AgentRunAdmin(ModelAdminBase):
                 can_retry=obj.status in RETRY.eligible and self.has_retry_permission(request),
                 can_cancel=obj.status in CANCEL.eligible and obj.cancel_requested_at is None
                 and self.has_cancel_permission(request),
+                **approvals.page_context(self, request, obj),
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 
@@ -270,5 +272,7 @@ class AgentRunAdmin(ModelAdminBase):
                  name=f"{name}_retry"),
             path("<int:run_id>/cancel/", wrap(views.operate(self, CANCEL)),
                  name=f"{name}_cancel"),
+            path("<int:run_id>/approval/", wrap(approvals.answer(self)),
+                 name=f"{name}_approval"),
         ]
         return own + super().get_urls()

@@ -13,13 +13,15 @@ One module per moment of a run: `enqueue` (new runs), `due` (what may be claimed
 `claiming`, `attempts` (writes while it runs), `settling` (how it ends, and the reaper's
 reclaim), `operators` (cancel, retry, interactive runs); `batched` (an attempt's writes
 as values, many applied in one transaction); `events` appends the story;
-`rawsql` builds the hot path's statements once per shape.
+`rawsql` builds the hot path's statements once per shape; `waiting` (the wait, deliveries,
+resumes, wait timeouts, child runs).
 """
 
 from __future__ import annotations
 
 from .. import policy
 from ..outcomes import AttemptRef, CancelResult, ErrorInfo, Renewal, ScopePolicy, Settlement
+from . import waiting
 from .attempts import checkpoint, emit, renew, renew_many
 from .batched import (
     CheckpointWrite,
@@ -69,4 +71,5 @@ __all__ = [
     "find_stale", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "now",
     "operator_retry", "policy", "reap_one", "renew", "renew_many", "settle_cancelled",
     "settle_failed", "settle_succeeded", "settle_succeeded_many", "start_interactive",
+    "waiting",
 ]

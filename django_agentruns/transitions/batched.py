@@ -26,6 +26,7 @@ from ..outcomes import AttemptRef, Renewal, Settlement
 from . import rawsql
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded
+from .waiting import children_settled
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ def _succeed(writes: Sequence[Write], positions: list[int], results: list[Result
             done = {row[0] for row in cursor.fetchall()}
         ended += [(run_id, SUCCEEDED, {}, attempt, event_id)
                   for run_id, attempt, _, event_id in rows if run_id in done]
+        children_settled(done, at)
         _announce_succeeded(items, done)
         for i, (ref, _) in zip(group, items, strict=True):
             results[i] = Settlement.SUCCEEDED if ref.run_id in done else Settlement.LOST

@@ -11,7 +11,9 @@ until every run has settled (or the chaos phase is over):
 - restarts PostgreSQL once (``pg_ctlcluster ... restart``), closing this process's own
   connections around it and waiting until the server answers again; or, in "pgbouncer"
   mode, restarts the PgBouncer the workers connect through (`tests.pgbouncer`);
-- cancels a few runs, queued or running;
+- cancels a few runs, queued, running or waiting;
+- runs a deliverer process (`manage.py chaos_deliver`) that sends the waiting runs
+  (`tests.chaos_waits`) their payloads at random times, before, during or after their wait;
 - enqueues more runs as it goes.
 
 Then it kills what is left, drains the backlog with fresh workers, stops them with SIGTERM
@@ -44,7 +46,7 @@ from django_agentruns.registry import get_agent
 from tests import helpers
 from tests.chaos.invariants import Checker, PlannedRun, check_all
 from tests.pgbouncer import PgBouncer
-from tests.testapp.chaos_agents import CHAOS, CHAOS_ORDERED, CHAOS_SLOW
+from tests.testapp.chaos_agents import CHAOS, CHAOS_ORDERED, CHAOS_SLOW, CHAOS_WAITS
 
 T = TypeVar("T")
 
@@ -90,6 +92,7 @@ class ChaosReport:
     statuses: dict[str, int] = field(default_factory=dict)
     abandoned: int = 0
     fenced: int = 0  # attempts whose worker logged "lease lost ... nothing recorded"
+    waited: int = 0  # run.waiting events: attempts that ended waiting for their delivery
     checker: Checker = field(default_factory=Checker)
     problems: list[str] = field(default_factory=list)  # harness-level violations
     harness_checks: int = 0
@@ -112,7 +115,7 @@ class ChaosReport:
                 f"{self.workers_started} workers started, freezes={self.freezes} "
                 f"cancels={self.cancels} reaps={self.reaps} (failed {self.reap_failures}), "
                 f"abandoned attempts={self.abandoned}, stale attempts fenced off="
-                f"{self.fenced}, outcomes={self.statuses}")
+                f"{self.fenced}, waits={self.waited}, outcomes={self.statuses}")
 
 
 def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
@@ -132,7 +135,7 @@ def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
         plan.append(PlannedRun("ordered", CHAOS_ORDERED, spec, scope=f"scope-{i // scope_size}",
                                fired_seq=i % scope_size))
     kinds = (["flaky"] * 14 + ["fatal"] * 6 + ["doomed"] * 4 + ["slow"] * 5
-             + ["plain"] * 51)
+             + ["waits"] * 8 + ["plain"] * 43)
     for _ in range(runs - n_ordered):
         kind = rng.choice(kinds)
         spec = base()
@@ -145,6 +148,9 @@ def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
             spec |= {"fail": "fatal", "fail_at": rng.randrange(spec["steps"])}
         elif kind == "doomed":
             spec |= {"fail": "transient", "fail_at": 0, "fail_attempts": 1000}
+        elif kind == "waits":
+            agent = CHAOS_WAITS
+            spec |= {"wait_at": rng.randrange(spec["steps"])}
         elif kind == "slow":
             agent = CHAOS_SLOW
             # Waits for the takeover; gives up (and is stopped or fenced off) after 10 s.
@@ -186,6 +192,7 @@ class Chaos:
         self.frozen: dict[helpers.ManageProcess, threading.Timer] = {}
         self.stopping: list[helpers.ManageProcess] = []  # SIGTERMed, must exit 0
         self.reaper: helpers.ManageProcess | None = None
+        self.deliverer: helpers.ManageProcess | None = None
         self.next_reap = 0.0
         self.logs: list[str] = []
         # pid -> until when (monotonic) SIGKILL spares it: a worker running a slow attempt 1,
@@ -219,13 +226,14 @@ class Chaos:
             timeouts={name: get_agent(name).timeout for name in self._lease_ttls()})
         self.report.statuses = _outcomes()
         self.report.abandoned = RunEvent.objects.filter(type="run.abandoned").count()
+        self.report.waited = RunEvent.objects.filter(type="run.waiting").count()
         self.report.fenced = sum(text.count("nothing recorded") for text in self.logs)
         SUMMARIES.extend([self.report.summary(), self.report.details()])
         return self.report
 
     def _lease_ttls(self) -> dict[str, float]:
         return {name: float(get_agent(name).lease_ttl or self.config.lease_ttl)
-                for name in (CHAOS, CHAOS_ORDERED, CHAOS_SLOW)}
+                for name in (CHAOS, CHAOS_ORDERED, CHAOS_SLOW, CHAOS_WAITS)}
 
     def _enqueue(self, runs: list[PlannedRun]) -> None:
         created = enqueue_many([RunRequest(p.agent, p.input, scope=p.scope, priority=p.priority,
@@ -246,6 +254,7 @@ class Chaos:
 
     def _chaos_phase(self) -> None:
         cfg = self.config
+        self.deliverer = helpers.start_manage(["chaos_deliver"], self.env)
         for _ in range(cfg.workers):
             self._start_worker()
         begin = time.monotonic()
@@ -488,6 +497,10 @@ class Chaos:
             time.sleep(0.2)
         else:
             self.log(f"drain: not every run settled within {self.config.drain_timeout}s")
+        self.report.harness_checks += 1
+        if self.deliverer is not None and self.deliverer.returncode is not None:
+            self.report.problems.append(f"the deliverer exited {self.deliverer.returncode}:\n"
+                                        f"{self.deliverer.stderr[-3000:]}")
         self.stopping.extend(drainers)
         for worker in drainers:
             worker.terminate()
@@ -503,6 +516,9 @@ class Chaos:
         if self.reaper is not None:
             self.reaper.close()
             self.reaper = None
+        if self.deliverer is not None:
+            self.deliverer.close()
+            self.deliverer = None
 
 
 def _pids(worker_ids: Iterable[str]) -> set[int]:

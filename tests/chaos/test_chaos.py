@@ -35,6 +35,7 @@ def test_chaos_on_postgresql(worker_env: dict[str, str]) -> None:
     assert report.restarts == (0 if config.pg_restart == "none" else 1), report.summary()
     assert report.sigterms == 1, report.summary()
     assert report.abandoned >= 10, report.details()
+    assert report.waited >= 10, report.details()
 
 
 @pytest.mark.slow
@@ -66,3 +67,4 @@ def test_chaos_on_sqlite(worker_env: dict[str, str]) -> None:
     assert report.kills >= 5, report.summary()
     assert report.sigterms == 1, report.summary()
     assert report.abandoned >= 3, report.details()
+    assert report.waited >= 3, report.details()
