@@ -1,7 +1,8 @@
 """django-agentruns: durable agent runs on your Django database.
 
 Public API (stable): `agent`, `RunContext`, `Retryable`, `NotRetryable`, `enqueue`,
-`enqueue_many`, `RunRequest`, `cancel`, `retry`, `run_now`, `CancelResult`.
+`enqueue_many`, `RunRequest`, `cancel`, `retry`, `fork`, `run_now`, `CancelResult`,
+`add_schedule`, `remove_schedule`, `pause_queue`, `resume_queue`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from .exceptions import (
 from .registry import agent
 
 if TYPE_CHECKING:
-    from .api import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
+    from .api import RunRequest, cancel, enqueue, enqueue_many, fork, retry, run_now
     from .context import RunContext
+    from .queues import pause_queue, resume_queue
+    from .schedules import add_schedule, remove_schedule
     from .transitions import CancelResult
 
 __version__ = "0.1.0"
@@ -39,17 +42,23 @@ __all__ = [
     "RunNotFoundError",
     "RunRequest",
     "UnknownAgentError",
+    "add_schedule",
     "agent",
     "cancel",
     "enqueue",
     "enqueue_many",
+    "fork",
+    "pause_queue",
+    "remove_schedule",
+    "resume_queue",
     "retry",
     "run_now",
 ]
 
 _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "enqueue_many": "api", "cancel": "api", "retry": "api", "run_now": "api",
-         "RunRequest": "api"}
+         "RunRequest": "api", "fork": "api", "pause_queue": "queues",
+         "resume_queue": "queues", "add_schedule": "schedules", "remove_schedule": "schedules"}
 
 
 def __getattr__(name: str) -> Any:

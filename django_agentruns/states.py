@@ -25,6 +25,11 @@ class Status(models.TextChoices):
 
 TERMINAL = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
 
+UNFINISHED = (Status.QUEUED, Status.RUNNING)
+"""Statuses that hold a dedupe key (the partial unique index `agentruns_dedupe`): a run
+in one of them is returned to a second `enqueue` with its key. When `waiting` exists, it
+goes here (one line; `makemigrations` then alters the index's condition)."""
+
 
 class Reason(models.TextChoices):
     """Why a run ended where it did (empty while queued or running)."""

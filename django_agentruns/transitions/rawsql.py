@@ -19,7 +19,7 @@ from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import Field, QuerySet
 from django.db.models.sql import Query
 
-from ..models import AgentRun, RunEvent
+from ..models import AgentRun, RunCheckpoint, RunEvent
 
 # Stands for "now" while a queryset is compiled; swapped for the real time per call.
 SENTINEL_TIME = datetime(1999, 12, 31, 23, 59, 58, 424242, tzinfo=UTC)
@@ -171,6 +171,23 @@ def insert_new_events(
            f"WHERE e.run_id = v.run_id), 0) + 1, v.event_id, v.type, v.payload, v.attempt, %s "
            f"FROM v WHERE NOT EXISTS (SELECT 1 FROM {table} x WHERE x.event_id = v.event_id)")
     return sql, [json_values(rows, [t for _, t in _NEW_EVENT]),
+                 prep(RunEvent, "created_at", at)]
+
+
+_CHECKPOINT = (("run_id", "bigint"), ("number", "integer"), ("state", "jsonb"))
+
+
+def insert_checkpoints(
+    rows: Sequence[tuple[int, Any, int]], at: datetime,
+) -> tuple[str, list[Any]]:
+    """One INSERT of (run_id, state, number) rows into the checkpoint history, for
+    checkpoints whose fenced UPDATE just held (so each number is new for its run)."""
+    table = qn(RunCheckpoint._meta.db_table)
+    values = [(run_id, number, state) for run_id, state, number in rows]
+    sql = (f"WITH v AS {json_rows(_CHECKPOINT)} "
+           f"INSERT INTO {table} (run_id, number, state, created_at) "
+           f"SELECT v.run_id, v.number, v.state, %s FROM v")
+    return sql, [json_values(values, [t for _, t in _CHECKPOINT]),
                  prep(RunEvent, "created_at", at)]
 
 
