@@ -48,6 +48,10 @@ class AgentRun(models.Model):
     error_message = models.TextField(blank=True, default="")
     error_traceback = models.TextField(blank=True, default="")
 
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
     dedupe_key = models.CharField(
         max_length=255, blank=True, default="",
         help_text="While the run is unfinished, enqueueing its agent with this key returns it.")
@@ -55,10 +59,6 @@ class AgentRun(models.Model):
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="forks",
         help_text="The run this one was forked from (`fork`), starting at one of its "
                   "checkpoints.")
-
-    created_at = models.DateTimeField(default=timezone.now)
-    started_at = models.DateTimeField(null=True, blank=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
 
     # Set on the run `enqueue` returns: True when it is an existing unfinished run with the
     # same dedupe key rather than a new one. Not a column.

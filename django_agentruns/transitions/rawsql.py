@@ -313,7 +313,11 @@ def _row_shape(columns: tuple[str, ...]) -> tuple[
                                                       connection.alias)
     converters = compiler.get_converters(
         [f.get_col(AgentRun._meta.db_table) if f else None for f in fields])  # type: ignore[misc]
-    return ([f.attname for f in fields if f is not None],
-            [i for i, f in enumerate(fields) if f is not None],
+    # In the model's field order, which `from_db` expects: a table's columns come in the
+    # order migrations added them, which need not be the model's.
+    position = {f.column: i for i, f in enumerate(fields) if f is not None}
+    kept = [position[f.column] for f in AgentRun._meta.concrete_fields if f.column in position]
+    return ([str(fields[i].attname) for i in kept],  # type: ignore[union-attr]
+            kept,
             [i for i, f in enumerate(fields) if f is None],
             sorted(converters.items()))
