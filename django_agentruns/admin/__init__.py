@@ -2,7 +2,8 @@
 
 Laid out as Django lays out its own admin: `options` (the ModelAdmin and its URLs),
 `filters` (list filters), `display` (rendering), `actions` (retry/cancel through the API,
-bulk actions), `views` (buttons, overview). Django's admin autodiscovery imports this
+bulk actions), `views` (buttons, overview, fork, queue pause), `schedules` (the
+schedules' own admin). Django's admin autodiscovery imports this
 package, which registers the run admin. Nobody adds, edits or deletes a run or an event
 here; status changes only through `api`.
 """
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from ..models import AgentRun
+from ..models import AgentRun, Schedule
 from .options import AgentRunAdmin
+from .schedules import ScheduleAdmin
 
 admin.site.register(AgentRun, AgentRunAdmin)
+admin.site.register(Schedule, ScheduleAdmin)
 
-__all__ = ["AgentRunAdmin"]
+__all__ = ["AgentRunAdmin", "ScheduleAdmin"]
