@@ -127,6 +127,8 @@ class Backlog:
     oldest_due: dict[str, float] = field(default_factory=dict)
     """Seconds the longest-waiting due run has been due."""
     running: dict[str, int] = field(default_factory=dict)
+    paused: dict[str, int] = field(default_factory=dict)
+    """1 for each paused queue (`pause_queue`): its workers claim nothing from it."""
     dead_letters: dict[str, int] = field(default_factory=dict)
     unknown_agents: dict[tuple[str, str], int] = field(default_factory=dict)
     """Due runs of agents not registered in this process, by (queue, agent): a worker
@@ -134,14 +136,15 @@ class Backlog:
 
 
 def read_backlog(at: datetime | None = None) -> Backlog:
-    """Four grouped COUNTs, three answered from an index that holds only what it counts.
+    """Four grouped COUNTs, three answered from an index that holds only what it counts
+    (and the few paused queues).
 
     The queued runs come from the partial due index (status='queued'), the running ones
     from the partial running index, the dead letters from the status+reason index: the
     size of the history (succeeded runs) costs nothing here. The fourth reads the queued
     rows (the backlog, not the history) for their agent.
     """
-    from .models import AgentRun
+    from .models import AgentRun, PausedQueue
     from .registry import all_agents
     from .visibility import due_elsewhere
 
@@ -159,6 +162,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     running = (AgentRun.objects.filter(status=Status.RUNNING).order_by().values("queue")
                .annotate(n=Count("id")))
     backlog.running.update((row["queue"], row["n"]) for row in running)
+    backlog.paused.update((name, 1) for name in PausedQueue.objects.values_list("name", flat=True))
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
@@ -194,7 +198,8 @@ class BacklogCollector:
         backlog = self.reading()
         if backlog is None:
             return []
-        queues = self._queues | set(backlog.due) | set(backlog.scheduled) | set(backlog.running)
+        queues = self._queues | set(backlog.due) | set(backlog.scheduled) | \
+            set(backlog.running) | set(backlog.paused)
         self._queues = queues
         return list(self._families(backlog, queues | _agent_queues()))
 
@@ -227,6 +232,8 @@ class BacklogCollector:
              "the queue has been due (0 when none is).", backlog.oldest_due),
             ("agentruns_running", "Runs with an attempt in progress, by queue.",
              backlog.running),
+            ("agentruns_queue_paused", "1 while the queue is paused (workers claim nothing "
+             "from it), else 0.", backlog.paused),
         )
         for name, doc, values in gauges:
             family = GaugeMetricFamily(name, doc, labels=["queue"])
