@@ -96,3 +96,14 @@ async def async_summarise(ctx: RunContext) -> dict[str, Any]:
     summary = "; ".join(point.split(",")[0] for point in state["outline"])
     await ctx.aemit("summary", {"chars": len(summary)})
     return {"summary": summary, "points": len(state["outline"])}
+
+
+@agent("demo.digest", every=300)
+def digest(ctx: RunContext) -> dict[str, Any]:
+    """A scheduled agent: every five minutes (ticks aligned to the epoch), one run however
+    many workers serve its queue; the tick's time is in its input (`manage.py schedules`)."""
+    from django_agentruns.models import AgentRun, Status
+
+    finished = AgentRun.objects.filter(status=Status.SUCCEEDED).exclude(agent=ctx.agent)
+    _call_model(f"Summarise the last {finished.count()} runs")
+    return {"tick": ctx.input["tick"], "runs_done": finished.count()}
