@@ -69,7 +69,9 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
         whose list of paused queues is a moment old still takes nothing from one."""
         from .models import PausedQueue  # models imports this module
 
-        return self.filter(~Exists(PausedQueue.objects.filter(name=OuterRef("queue"))))
+        # NOT IN an uncorrelated subquery: read once per statement (a hashed subplan on
+        # PostgreSQL), where a correlated NOT EXISTS probes the table once per row.
+        return self.exclude(queue__in=PausedQueue.objects.values("name"))
 
     def in_paused_queues(self) -> Self:
         """Runs of a paused queue (`why` and the admin say so)."""
