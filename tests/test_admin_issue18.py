@@ -43,8 +43,10 @@ def test_fork_from_here_creates_the_fork_and_opens_it(origin: AgentRun) -> None:
     client = login(staff("op", "view_agentrun", "retry_agentrun"))
     response = client.post(url("fork", origin.pk), {"checkpoint": "2"})
     forked = AgentRun.objects.exclude(pk=origin.pk).get()
-    assert response.status_code == 302 and response.url == url("change", forked.pk)
-    assert forked.forked_from_id == origin.pk and forked.checkpoint_state == {"step": 2}
+    assert response.status_code == 302
+    assert response.url == url("change", forked.pk)
+    assert forked.forked_from_id == origin.pk
+    assert forked.checkpoint_state == {"step": 2}
     assert messages_of(client, response) == [
         f"Run #{forked.pk} forked from run #{origin.pk} at checkpoint 2."]
     page = client.get(url("change", forked.pk))
@@ -68,8 +70,10 @@ def test_the_overview_shows_paused_queues_and_pauses_and_resumes(admin_client: C
     pause_queue("slow", by="alice")
     page = admin_client.get(url("overview"))
     rows = {q["name"]: q for q in page.context["queues"]}
-    assert rows["slow"]["paused"].paused_by == "alice" and rows["default"]["paused"] is None
-    assert b"Paused</strong>" in page.content and b'value="Resume"' in page.content
+    assert rows["slow"]["paused"].paused_by == "alice"
+    assert rows["default"]["paused"] is None
+    assert b"Paused</strong>" in page.content
+    assert b'value="Resume"' in page.content
 
     response = admin_client.post(url("pause_queue"), {"queue": "default"})
     assert messages_of(admin_client, response) == ["Queue 'default' paused."]
@@ -95,17 +99,20 @@ def test_the_schedules_admin_adds_checks_and_lists_next_ticks(admin_client: Clie
     add = reverse("admin:django_agentruns_schedule_add")
     bad = admin_client.post(add, {"name": "r", "agent": "tests.noop", "cron": "99 * * * *",
                                   "input": "{}", "enabled": "on"})
-    assert bad.status_code == 200 and b"bad cron expression" in bad.content
+    assert bad.status_code == 200
+    assert b"bad cron expression" in bad.content
     assert not Schedule.objects.exists()
     unknown = admin_client.post(add, {"name": "r", "agent": "tests.nope", "every": "60",
                                       "input": "{}", "enabled": "on"})
-    assert unknown.status_code == 200 and not Schedule.objects.exists()
+    assert unknown.status_code == 200
+    assert not Schedule.objects.exists()
 
     done = admin_client.post(add, {"name": "r", "agent": "tests.noop", "every": "60",
                                    "input": '{"a": 1}', "enabled": "on"})
     assert done.status_code == 302, done.content
     row = Schedule.objects.get()
-    assert row.last_tick is not None and row.input == {"a": 1}
+    assert row.last_tick is not None
+    assert row.input == {"a": 1}
     listing = admin_client.get(reverse("admin:django_agentruns_schedule_changelist"))
     assert b"every 60 s" in listing.content
 
@@ -120,6 +127,7 @@ def test_a_declared_schedule_can_be_paused_but_not_retimed_or_deleted(
     response = admin_client.post(change, {"every": "1"})  # enabled unticked: paused
     assert response.status_code == 302
     row.refresh_from_db()
-    assert row.every == 60 and row.enabled is False
+    assert row.every == 60
+    assert row.enabled is False
     delete = reverse("admin:django_agentruns_schedule_delete", args=[row.pk])
     assert admin_client.post(delete, {"post": "yes"}).status_code == 403

@@ -73,9 +73,13 @@ def test_enqueue_many_dedupes_against_stored_runs_and_within_the_call(db: None) 
 
 
 def test_a_rolled_back_enqueue_frees_the_key(db: None) -> None:
-    with pytest.raises(RuntimeError), transaction.atomic():
-        enqueue("tests.noop", dedupe_key="k")
-        raise RuntimeError
+    def enqueue_then_fail() -> None:
+        with transaction.atomic():
+            enqueue("tests.noop", dedupe_key="k")
+            raise RuntimeError
+
+    with pytest.raises(RuntimeError):
+        enqueue_then_fail()
     assert enqueue("tests.noop", dedupe_key="k").deduplicated is False
 
 

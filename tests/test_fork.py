@@ -82,17 +82,19 @@ def test_fork_starts_from_the_chosen_checkpoint_and_leaves_the_origin_alone(db: 
 
     assert forked.pk != origin.pk
     assert forked.status == Status.QUEUED
-    assert forked.agent == origin.agent and forked.input == origin.input
+    assert forked.agent == origin.agent
+    assert forked.input == origin.input
     assert forked.forked_from_id == origin.pk
     assert forked.checkpoint_state == {"step": 2}
     assert forked.checkpoint_count == 2
     assert history(forked) == [(1, {"step": 1}), (2, {"step": 2})]
-    [(seq, type_, payload)] = timeline(forked)
+    [(_seq, type_, payload)] = timeline(forked)
     assert type_ == transitions.FORKED
     assert payload == {"origin": origin.pk, "checkpoint": 2, "by": "alice",
                        "input_replaced": False}
     origin.refresh_from_db()
-    assert origin.status == Status.SUCCEEDED and origin.checkpoint_count == 4
+    assert origin.status == Status.SUCCEEDED
+    assert origin.checkpoint_count == 4
     assert timeline(origin) == before
     assert len(history(origin)) == 4
 
@@ -101,17 +103,20 @@ def test_fork_defaults_to_the_last_checkpoint_and_may_replace_the_input(db: None
     run_now("tests.steps", {"steps": 2})
     origin = AgentRun.objects.get()
     forked = fork(origin, input={"steps": 5})
-    assert forked.checkpoint_count == 2 and forked.checkpoint_state == {"step": 2}
+    assert forked.checkpoint_count == 2
+    assert forked.checkpoint_state == {"step": 2}
     assert forked.input == {"steps": 5}
     # A fork of the fork may start from a checkpoint the fork inherited.
     again = fork(forked.pk, checkpoint=1)
-    assert again.checkpoint_state == {"step": 1} and again.forked_from_id == forked.pk
+    assert again.checkpoint_state == {"step": 1}
+    assert again.forked_from_id == forked.pk
 
 
 def test_fork_of_a_run_without_checkpoints_starts_from_scratch(db: None) -> None:
     origin = enqueue("tests.noop", {"a": 1})
     forked = fork(origin.pk)
-    assert forked.checkpoint_count == 0 and forked.checkpoint_state is None
+    assert forked.checkpoint_count == 0
+    assert forked.checkpoint_state is None
     assert history(forked) == []
 
 
@@ -167,7 +172,8 @@ def test_a_worker_runs_a_fork_from_checkpoint_2_of_4(worker_env: dict[str, str])
     with helpers.start_manage(["runworker", "--burst"], worker_env) as worker:
         assert worker.wait(60) == 0, worker.output()
     origin.refresh_from_db()
-    assert origin.status == Status.SUCCEEDED and origin.checkpoint_count == 4
+    assert origin.status == Status.SUCCEEDED
+    assert origin.checkpoint_count == 4
     before = timeline(origin)
 
     forked = fork(origin.pk, checkpoint=2)
@@ -183,4 +189,5 @@ def test_a_worker_runs_a_fork_from_checkpoint_2_of_4(worker_env: dict[str, str])
     assert history(forked) == [(n, {"step": n}) for n in range(1, 5)]
     assert [t for _, t, _ in timeline(forked)][:2] == [transitions.FORKED, transitions.STARTED]
     origin.refresh_from_db()
-    assert origin.status == Status.SUCCEEDED and timeline(origin) == before
+    assert origin.status == Status.SUCCEEDED
+    assert timeline(origin) == before

@@ -77,7 +77,8 @@ def test_why_names_the_pause(db: None) -> None:
     pause_queue("default", by="alice")
     [hold] = why_not_started(run)
     assert hold.code == PAUSED
-    assert "'default' was paused" in hold.message and "by alice" in hold.message
+    assert "'default' was paused" in hold.message
+    assert "by alice" in hold.message
 
 
 def test_the_queues_command_pauses_lists_and_resumes(db: None) -> None:

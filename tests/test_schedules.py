@@ -105,9 +105,12 @@ def test_add_and_remove_a_schedule(db: None) -> None:
     row = add_schedule("reports", "tests.noop", cron="0 7 * * *", input={"kind": "daily"})
     assert (row.agent, row.cron, row.every, row.origin) == ("tests.noop", "0 7 * * *", None,
                                                            Schedule.Origin.DATABASE)
-    assert row.last_tick is not None and row.last_tick <= at  # the first tick is the next
+    assert row.last_tick is not None
+    assert row.last_tick <= at
     again = add_schedule("reports", "tests.noop", every=60)  # same name: replaced
-    assert again.pk == row.pk and again.every == 60 and again.cron == ""
+    assert again.pk == row.pk
+    assert again.every == 60
+    assert again.cron == ""
     assert remove_schedule("reports") is True
     assert remove_schedule("reports") is False
 
@@ -193,7 +196,7 @@ def test_a_schedule_no_longer_declared_is_dropped(db: None) -> None:
         unregister("tests.was_scheduled")
 
         @agent("tests.was_scheduled", queue="scheduled")
-        def was(ctx: object) -> None: ...  # noqa: F811
+        def was(ctx: object) -> None: ...
 
         Ticker(all_agents(), ["scheduled"]).tick()
         assert not Schedule.objects.filter(name="tests.was_scheduled").exists()
@@ -207,7 +210,8 @@ def test_the_schedules_command_lists_the_next_tick(db: None) -> None:
     call_command("schedules", stdout=out)
     lines = out.getvalue().splitlines()
     [reports] = [x for x in lines if x.startswith("reports:")]
-    assert "cron '0 7 * * *' (Europe/Paris)" in reports and "next tick 20" in reports
+    assert "cron '0 7 * * *' (Europe/Paris)" in reports
+    assert "next tick 20" in reports
     assert any(x.startswith("tests.scheduled: tests.scheduled, every 3600s, catch-up")
                for x in lines)
 
