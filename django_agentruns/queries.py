@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Self
 from django.db import models
 from django.db.models import Exists, F, OuterRef, Q
 
-from .db import AmongUnindexed, RowBefore
+from .db import AmongUnindexed, NotListedIn, RowBefore
 from .outcomes import ScopePolicy
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Status
 
@@ -69,9 +69,7 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
         whose list of paused queues is a moment old still takes nothing from one."""
         from .models import PausedQueue  # models imports this module
 
-        # NOT IN an uncorrelated subquery: read once per statement (a hashed subplan on
-        # PostgreSQL), where a correlated NOT EXISTS probes the table once per row.
-        return self.exclude(queue__in=PausedQueue.objects.values("name"))
+        return self.filter(NotListedIn(F("queue"), PausedQueue._meta.db_table))
 
     def in_paused_queues(self) -> Self:
         """Runs of a paused queue (`why` and the admin say so)."""
