@@ -6,7 +6,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from django.db import DatabaseError, OperationalError, connection
@@ -187,7 +187,7 @@ class NotListedIn(Expression):
     def get_source_expressions(self) -> list[Any]:
         return [self.column]
 
-    def set_source_expressions(self, exprs: list[Any]) -> None:
+    def set_source_expressions(self, exprs: Sequence[Any]) -> None:
         (self.column,) = exprs
 
     def as_sql(self, compiler: Any, connection: Any) -> tuple[str, tuple[Any, ...]]:
