@@ -1,7 +1,8 @@
 """django-agentruns: durable agent runs on your Django database.
 
 Public API (stable): `agent`, `RunContext`, `Retryable`, `NotRetryable`, `enqueue`,
-`enqueue_many`, `RunRequest`, `cancel`, `retry`, `run_now`, `CancelResult`; waiting runs:
+`enqueue_many`, `RunRequest`, `cancel`, `retry`, `fork`, `run_now`, `CancelResult`,
+`add_schedule`, `remove_schedule`, `pause_queue`, `resume_queue`; waiting runs:
 `deliver`, `DeliverResult`, `approve`, `reject`, `wait_for_run`, `await_run`, `WaitTimedOut`,
 `Approval`, `RunResult`.
 """
@@ -24,8 +25,10 @@ from .exceptions import (
 from .registry import agent
 
 if TYPE_CHECKING:
-    from .api import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
+    from .api import RunRequest, cancel, enqueue, enqueue_many, fork, retry, run_now
     from .context import RunContext
+    from .queues import pause_queue, resume_queue
+    from .schedules import add_schedule, remove_schedule
     from .transitions import CancelResult
     from .wait_results import Approval, DeliverResult, RunResult
     from .waiting import approve, await_run, deliver, reject, wait_for_run
@@ -48,6 +51,7 @@ __all__ = [
     "RunResult",
     "UnknownAgentError",
     "WaitTimedOut",
+    "add_schedule",
     "agent",
     "approve",
     "await_run",
@@ -55,7 +59,11 @@ __all__ = [
     "deliver",
     "enqueue",
     "enqueue_many",
+    "fork",
+    "pause_queue",
     "reject",
+    "remove_schedule",
+    "resume_queue",
     "retry",
     "run_now",
     "wait_for_run",
@@ -65,7 +73,9 @@ _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "enqueue_many": "api", "cancel": "api", "retry": "api", "run_now": "api",
          "RunRequest": "api", "Approval": "wait_results", "DeliverResult": "wait_results",
          "RunResult": "wait_results", "deliver": "waiting", "approve": "waiting",
-         "reject": "waiting", "wait_for_run": "waiting", "await_run": "waiting"}
+         "reject": "waiting", "wait_for_run": "waiting", "await_run": "waiting",
+         "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
+         "add_schedule": "schedules", "remove_schedule": "schedules"}
 
 
 def __getattr__(name: str) -> Any:

@@ -145,6 +145,8 @@ class Backlog:
     (or a claim) has not taken them back yet. Non-zero for long: no reaper is running."""
     waiting: dict[str, int] = field(default_factory=dict)
     """Runs waiting for a delivery, an approval or their child runs (no lease, no slot)."""
+    paused: dict[str, int] = field(default_factory=dict)
+    """1 for each paused queue (`pause_queue`): its workers claim nothing from it."""
     dead_letters: dict[str, int] = field(default_factory=dict)
     unknown_agents: dict[tuple[str, str], int] = field(default_factory=dict)
     """Due runs of agents not registered in this process, by (queue, agent): a worker
@@ -152,7 +154,8 @@ class Backlog:
 
 
 def read_backlog(at: datetime | None = None) -> Backlog:
-    """Four grouped COUNTs, three answered from an index that holds only what it counts.
+    """Four grouped COUNTs, three answered from an index that holds only what it counts
+    (and the few paused queues).
 
     The queued runs come from the partial due index (status='queued'), the running and
     waiting ones from the status+reason index, the dead letters from the status+reason
@@ -160,7 +163,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     ordered agent is also looked up in the scope-head index, to count it as blocked or not.
     The fourth reads the queued rows (the backlog, not the history) for their agent.
     """
-    from .models import AgentRun
+    from .models import AgentRun, PausedQueue
     from .registry import all_agents, scope_policy
     from .visibility import due_elsewhere
 
@@ -196,6 +199,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
             backlog.lapsed[held["queue"]] = held["lapsed"]
         if held["waiting"]:
             backlog.waiting[held["queue"]] = held["waiting"]
+    backlog.paused.update((name, 1) for name in PausedQueue.objects.values_list("name", flat=True))
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
@@ -232,7 +236,7 @@ class BacklogCollector:
         if backlog is None:
             return []
         queues = (self._queues | set(backlog.due) | set(backlog.blocked) | set(backlog.scheduled)
-                  | set(backlog.running) | set(backlog.waiting))
+                  | set(backlog.running) | set(backlog.waiting) | set(backlog.paused))
         self._queues = queues
         return list(self._families(backlog, queues | _agent_queues()))
 
@@ -272,6 +276,8 @@ class BacklogCollector:
              "has taken back yet, by queue.", backlog.lapsed),
             ("agentruns_waiting", "Runs waiting for a delivery, an approval or their child "
              "runs (no lease, no worker slot), by queue.", backlog.waiting),
+            ("agentruns_queue_paused", "1 while the queue is paused (workers claim nothing "
+             "from it), else 0.", backlog.paused),
         )
         for name, doc, values in gauges:
             family = GaugeMetricFamily(name, doc, labels=["queue"])

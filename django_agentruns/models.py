@@ -10,10 +10,10 @@ from django.db.models import Q
 from django.utils import timezone
 
 from .queries import RunQuerySet
-from .states import DEAD_LETTER_REASONS, TERMINAL, Reason, Status
+from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Reason, Status
 
-__all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "AgentRun", "Reason", "RunEvent", "RunWait",
-           "Status", "WorkerRecord"]
+__all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "UNFINISHED", "AgentRun", "PausedQueue", "Reason",
+           "RunCheckpoint", "RunEvent", "RunWait", "Schedule", "Status", "WorkerRecord"]
 
 
 class AgentRun(models.Model):
@@ -59,6 +59,17 @@ class AgentRun(models.Model):
     parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL,
                                related_name="children")
     spawn_key = models.CharField(max_length=200, blank=True, default="")
+    dedupe_key = models.CharField(
+        max_length=255, blank=True, default="",
+        help_text="While the run is unfinished, enqueueing its agent with this key returns it.")
+    forked_from = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="forks",
+        help_text="The run this one was forked from (`fork`), starting at one of its "
+                  "checkpoints.")
+
+    # Set on the run `enqueue` returns: True when it is an existing unfinished run with the
+    # same dedupe key rather than a new one. Not a column.
+    deduplicated: bool = False
 
     # Named reads (`.dead_letters()`, `.lapsed(at)`, ...): see django_agentruns.queries.
     objects = RunQuerySet.as_manager()
@@ -69,11 +80,6 @@ class AgentRun(models.Model):
             ("retry_agentrun", "Can retry failed or cancelled runs"),
             ("cancel_agentrun", "Can cancel queued or running runs"),
             ("approve_agentrun", "Can approve or reject what a waiting run proposes"),
-        )
-        constraints = (
-            # A spawn key names one child of its parent, whatever attempt spawns it again.
-            models.UniqueConstraint(fields=("parent", "spawn_key"), name="agentruns_spawn_key",
-                                    condition=~Q(spawn_key="")),
         )
         indexes = (
             # The due query: queued runs of a queue in claim order. Partial, so it holds
@@ -97,6 +103,19 @@ class AgentRun(models.Model):
             # Waits whose deadline passed, for the reaper; only waiting runs with one.
             models.Index(fields=("wait_until",), name="agentruns_wait_until",
                          condition=Q(status="waiting", wait_until__isnull=False)),
+        )
+        constraints = (
+            # A spawn key names one child of its parent, whatever attempt spawns it again.
+            models.UniqueConstraint(fields=("parent", "spawn_key"), name="agentruns_spawn_key",
+                                    condition=~Q(spawn_key="")),
+            # One unfinished run per agent and dedupe key: the arbiter of enqueue's
+            # INSERT ... ON CONFLICT DO NOTHING, race-free across processes. Partial, so a
+            # finished run frees its key and keyless runs cost the index nothing.
+            models.UniqueConstraint(
+                fields=("agent", "dedupe_key"),
+                condition=Q(status__in=UNFINISHED) & ~Q(dedupe_key=""),
+                name="agentruns_dedupe",
+            ),
         )
 
     def __str__(self) -> str:
@@ -186,3 +205,82 @@ class RunWait(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.run_id} {self.key}"
+
+
+class RunCheckpoint(models.Model):
+    """Every checkpoint a run saved, not only the last: what `fork` starts a new run from.
+
+    Written in the transaction that saves the checkpoint (`transitions.attempts` and
+    `transitions.batched`); number N is the run's checkpoint_count after it. A fork copies
+    its origin's first N, so its own numbers go on from there.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="checkpoints")
+    number = models.PositiveIntegerField(help_text="From 1, in the order saved.")
+    state = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ("run", "number")
+        constraints = (
+            models.UniqueConstraint(fields=("run", "number"), name="agentruns_checkpoint_number"),
+        )
+
+    def __str__(self) -> str:
+        return f"#{self.run_id} checkpoint {self.number}"
+
+
+class Schedule(models.Model):
+    """A recurring run of an agent: a cron expression or an interval in seconds.
+
+    Workers serving the agent's queue tick it: each tick moves `last_tick` forward in one
+    compare-and-set UPDATE and enqueues its run in the same transaction, so a tick runs once
+    however many workers race for it (django_agentruns.schedules).
+    """
+
+    class Origin(models.TextChoices):
+        CODE = "code", "@agent(schedule=/every=)"
+        """Declared on the agent; workers keep the row in step with the code."""
+        DATABASE = "database", "add_schedule / admin"
+        """Added at run time; edited in the admin, removed by `remove_schedule`."""
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.CharField(max_length=200, unique=True)
+    agent = models.CharField(max_length=200)
+    cron = models.CharField(max_length=200, blank=True, default="",
+                            help_text="Cron expression (5 fields), in `tz`.")
+    every = models.PositiveIntegerField(null=True, blank=True,
+                                        help_text="Seconds between ticks, aligned to the epoch.")
+    tz = models.CharField(max_length=64, blank=True, default="",
+                          help_text="IANA time zone of the cron expression; empty: TIME_ZONE.")
+    input = models.JSONField(default=dict, blank=True,
+                             help_text="Each run's input; its `tick` key is set to the tick.")
+    catch_up = models.BooleanField(default=False,
+                                   help_text="Run every missed tick, not only the latest.")
+    enabled = models.BooleanField(default=True, help_text="Untick to pause the schedule.")
+    origin = models.CharField(max_length=16, choices=Origin.choices, default=Origin.DATABASE)
+    last_tick = models.DateTimeField(null=True, blank=True,
+                                     help_text="The latest tick a run was enqueued for.")
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class PausedQueue(models.Model):
+    """A queue workers claim nothing from until it is resumed (`pause_queue`)."""
+
+    name = models.CharField(max_length=100, primary_key=True)
+    paused_at = models.DateTimeField(default=timezone.now)
+    paused_by = models.CharField(max_length=255, blank=True, default="")
+
+    class Meta:
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return self.name

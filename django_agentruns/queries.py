@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Self
 from django.db import models
 from django.db.models import Exists, F, OuterRef, Q
 
-from .db import AmongUnindexed, RowBefore
+from .db import AmongUnindexed, NotListedIn, RowBefore
 from .outcomes import ScopePolicy
-from .states import DEAD_LETTER_REASONS, TERMINAL, Status
+from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Status
 
 if TYPE_CHECKING:
     from .models import AgentRun  # noqa: F401 (named in RunQuerySet's base, as a string)
@@ -55,6 +55,27 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
     def terminal(self) -> Self:
         """Finished: succeeded, failed or cancelled. Only an operator's retry moves one on."""
         return self.filter(status__in=TERMINAL)
+
+    def unfinished(self) -> Self:
+        """Queued or running (see `states.UNFINISHED`): what holds a dedupe key."""
+        return self.filter(status__in=UNFINISHED)
+
+    def holding_key(self, agent: str, dedupe_key: str) -> Self:
+        """The unfinished run of `agent` with `dedupe_key` (at most one: `agentruns_dedupe`)."""
+        return self.unfinished().filter(agent=agent, dedupe_key=dedupe_key)
+
+    def unpaused(self) -> Self:
+        """Runs whose queue is not paused. The claim's statement carries it, so a worker
+        whose list of paused queues is a moment old still takes nothing from one."""
+        from .models import PausedQueue  # models imports this module
+
+        return self.filter(NotListedIn(F("queue"), PausedQueue._meta.db_table))
+
+    def in_paused_queues(self) -> Self:
+        """Runs of a paused queue (`why` and the admin say so)."""
+        from .models import PausedQueue
+
+        return self.filter(Exists(PausedQueue.objects.filter(name=OuterRef("queue"))))
 
     def dead_letters(self) -> Self:
         """Failed for good (retries exhausted, not retryable): what an operator looks at."""

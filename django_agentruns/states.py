@@ -30,6 +30,10 @@ class Status(models.TextChoices):
 
 TERMINAL = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
 
+UNFINISHED = (Status.QUEUED, Status.RUNNING, Status.WAITING)
+"""Statuses that hold a dedupe key (the partial unique index `agentruns_dedupe`): a run
+in one of them is returned to a second `enqueue` with its key."""
+
 
 class Reason(models.TextChoices):
     """Why a run ended where it did (empty while queued or running)."""

@@ -20,7 +20,8 @@ from django.db.models.functions import Substr, TruncHour, TruncMinute
 from django.utils import timezone
 
 from .metrics import Backlog, read_backlog
-from .models import AgentRun, Reason, Status
+from .models import AgentRun, PausedQueue, Reason, Status
+from .queues import paused_queues
 from .registry import all_agents
 from .workers import Coverage
 
@@ -131,18 +132,20 @@ class QueueStats:
     running: int = 0
     oldest_due: float | None = None
     workers: int = 0
+    paused: PausedQueue | None = None
 
 
 def queue_stats(coverage: Coverage, at: datetime | None = None,
                 backlog: Backlog | None = None) -> list[QueueStats]:
     """Every queue something is in, or an agent or a live worker serves."""
     backlog = backlog or read_backlog(at)
+    paused = paused_queues()
     names = (set(backlog.due) | set(backlog.blocked) | set(backlog.scheduled)
-             | set(backlog.running) | set(coverage.queues)
+             | set(backlog.running) | set(coverage.queues) | set(paused)
              | {spec.effective_queue() for spec in all_agents().values()})
     return [QueueStats(q, backlog.due.get(q, 0), backlog.blocked.get(q, 0),
                        backlog.scheduled.get(q, 0), backlog.running.get(q, 0),
-                       backlog.oldest_due.get(q), coverage.queues.get(q, 0))
+                       backlog.oldest_due.get(q), coverage.queues.get(q, 0), paused.get(q))
             for q in sorted(names)]
 
 

@@ -35,7 +35,9 @@ from .exceptions import AgentRunsError, UnknownAgentError
 from .group_commit import GroupCommit
 from .models import AgentRun
 from .notify import Listener
+from .queues import PausedSet  # issue 18
 from .registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
+from .schedules import Ticker  # issue 18
 from .transitions import AttemptRef, Renewal
 from .workers import Presence
 
@@ -118,6 +120,9 @@ class Worker:
         self._known = frozenset(self._agents)
         self._scopes = scope_policy(self._agents)
         self._ttls = {name: s.effective_lease_ttl() for name, s in self._agents.items()}
+        # issue 18: paused queues left out of claims; this worker's part in ticking schedules
+        self._paused = PausedSet()
+        self._ticker = Ticker(self._agents, self.queues)
         # Successes that finish together are written in one transaction, on one connection.
         self.successes = GroupCommit(
             lambda items: transitions.settle_succeeded_many(self.worker_id, items),
@@ -184,6 +189,7 @@ class Worker:
             try:
                 close_old_connections()
                 self._maybe_reap()
+                self._ticker.tick()  # issue 18: schedules
                 claimed = self._claim()
                 errors = 0
             except Exception:
@@ -211,17 +217,21 @@ class Worker:
                 self.stopping.wait(contention_wait)
                 contention_wait = min(CONTENTION_MAX, contention_wait * 2)
                 continue
-            self._wake.wait(self.poll_interval if self.busy < self.concurrency else None)
+            # issue 18: wake for the next schedule tick too
+            tick = self._ticker.seconds_to_next()
+            idle = self.poll_interval if tick is None else min(self.poll_interval, tick)
+            self._wake.wait(idle if self.busy < self.concurrency else tick)
 
     def _claim(self) -> int:
         free = self.concurrency - self.busy
-        if free <= 0:
+        queues = self._paused.active(self.queues)  # issue 18: paused queues
+        if free <= 0 or not queues:
             return 0
         # Lapsed leases are looked for at most once a second: one statement less per claim.
         now = time.monotonic()
         include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
         runs = transitions.claim(
-            self.worker_id, self.queues, min(free, int(app_settings.CLAIM_BATCH)), self._scopes,
+            self.worker_id, queues, min(free, int(app_settings.CLAIM_BATCH)), self._scopes,
             self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed,
             agents=self._known)
         if include_lapsed:

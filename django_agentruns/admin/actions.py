@@ -21,7 +21,7 @@ from django.template.response import TemplateResponse
 from django.utils.text import capfirst
 
 from .. import api
-from ..exceptions import RunNotFoundError
+from ..exceptions import InvalidInputError, RunNotFoundError
 from ..models import AgentRun, Reason, Status
 
 CONFIRM_SAMPLE = 50
@@ -30,7 +30,10 @@ MISSING = "missing"
 
 
 def _retry(run_id: int, user: str) -> str:
-    return "retried" if api.retry(run_id, by=user) else "skipped"
+    try:
+        return "retried" if api.retry(run_id, by=user) else "skipped"
+    except InvalidInputError:  # its dedupe key is held by another unfinished run
+        return "skipped"
 
 
 def _cancel(run_id: int, user: str) -> str:

@@ -83,14 +83,15 @@ class AgentRunAdmin(ModelAdminBase):
                            ("started_at", "finished_at", "duration"))}),
         ("Lease", {"fields": ("lease",)}),
         ("Data", {"fields": (("input_json", "output_json"),
-                             ("checkpoint_count", "checkpoint_json"))}),
+                             ("checkpoint_count", "checkpoint_json"),
+                             ("dedupe_key", "forked_from_link"))}),
         ("Last error", {"fields": ("last_error",)}),
     )
     readonly_fields = ("status_badge", "reason_text", "agent", "queue", "priority", "scope",
                        "fired_seq", "attempt", "requeues", "created_at", "available_at",
                        "started_at", "finished_at", "duration", "lease", "cancel_request",
                        "input_json", "output_json", "checkpoint_count", "checkpoint_json",
-                       "last_error", "waiting_for")
+                       "last_error", "waiting_for", "dedupe_key", "forked_from_link")
 
     # ------------------------------------------------------------------ permissions
 
@@ -219,6 +220,10 @@ class AgentRunAdmin(ModelAdminBase):
     def checkpoint_json(self, run: AgentRun) -> SafeString:
         return show.pretty_json(run.checkpoint_state)
 
+    @admin.display(description="forked from")
+    def forked_from_link(self, run: AgentRun) -> SafeString:
+        return show.run_link(run.forked_from_id, self._run_url)
+
     @admin.display(description="error")
     def last_error(self, run: AgentRun) -> SafeString:
         return show.last_error(run)
@@ -256,6 +261,9 @@ class AgentRunAdmin(ModelAdminBase):
                 can_cancel=obj.status in CANCEL.eligible and obj.cancel_requested_at is None
                 and self.has_cancel_permission(request),
                 **approvals.page_context(self, request, obj),
+                # issue 18: the checkpoint history, each one a "fork from here"
+                checkpoints=show.checkpoints(obj),
+                can_fork=self.has_retry_permission(request),
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 
@@ -274,5 +282,10 @@ class AgentRunAdmin(ModelAdminBase):
                  name=f"{name}_cancel"),
             path("<int:run_id>/approval/", wrap(approvals.answer(self)),
                  name=f"{name}_approval"),
+            path("<int:run_id>/fork/", wrap(views.fork_run(self)), name=f"{name}_fork"),
+            path("queues/pause/", wrap(views.pause_or_resume(self, True)),
+                 name=f"{name}_pause_queue"),
+            path("queues/resume/", wrap(views.pause_or_resume(self, False)),
+                 name=f"{name}_resume_queue"),
         ]
         return own + super().get_urls()

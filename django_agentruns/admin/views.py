@@ -1,4 +1,5 @@
-"""The console's own pages: the run page's buttons, and the overview with its dead letters.
+"""The console's own pages: the run page's buttons (retry, cancel, fork from a checkpoint),
+and the overview with its dead letters and its queues (pause, resume).
 
 The buttons and the retry-a-class form are POST only, permission-checked and CSRF-checked
 (the admin site wraps every view here); anything else gets 405 or 403. Every view needs
@@ -19,11 +20,12 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from .. import triage
+from .. import api, queues, triage
+from ..exceptions import AgentRunsError, InvalidInputError, RunNotFoundError
 from ..models import AgentRun, Reason, Status
 from ..workers import Coverage
 from . import display as show
-from .actions import MISSING, RETRY, Operation, confirmation, has_permission
+from .actions import MISSING, RETRY, Operation, confirmation, has_permission, username
 from .chart import svg
 
 NO_CLASS = "(no error type)"
@@ -99,6 +101,8 @@ def overview(model_admin: Any) -> Any:
             "dead_letter_total": sum(g.count for g in groups),
             "chart": svg(triage.throughput(since, at)),
             "can_retry": has_permission(model_admin, request, RETRY),
+            "can_pause": request.user.has_perm("django_agentruns.add_pausedqueue"),
+            "can_resume": request.user.has_perm("django_agentruns.delete_pausedqueue"),
         }
         return TemplateResponse(request, "django_agentruns/admin/overview.html", context)
 
@@ -173,3 +177,60 @@ def _confirm_class(model_admin: Any, request: HttpRequest, error_type: str,
         "sample": list(runs.only("id", "agent", "scope", "reason", "error_message")[:50]),
     }
     return TemplateResponse(request, "django_agentruns/admin/confirm_retry_class.html", context)
+
+
+def fork_run(model_admin: Any) -> Any:
+    """The run page's "fork from here": a new run from one of its checkpoints (retry
+    permission, as replaying the tail of a failed run is a retry of sorts)."""
+
+    @require_POST
+    def view(request: HttpRequest, run_id: int) -> HttpResponse:
+        if not has_permission(model_admin, request, RETRY):
+            raise PermissionDenied
+        number = request.POST.get("checkpoint", "")
+        if not (number.isascii() and number.isdigit() and len(number) < 10):
+            model_admin.message_user(request, "Malformed checkpoint number: nothing was "
+                                     "forked.", messages.ERROR)
+            return HttpResponseRedirect(_url("change", run_id))
+        try:
+            run = api.fork(run_id, checkpoint=int(number), by=username(request))
+        except RunNotFoundError:
+            model_admin.message_user(request, f"Run #{run_id} no longer exists.",
+                                     messages.ERROR)
+            return HttpResponseRedirect(_url("changelist"))
+        except AgentRunsError as exc:
+            model_admin.message_user(request, f"Run #{run_id} was not forked: {exc}",
+                                     messages.ERROR)
+            return HttpResponseRedirect(_url("change", run_id))
+        model_admin.message_user(request, f"Run #{run.pk} forked from run #{run_id} at "
+                                 f"checkpoint {number}.", messages.SUCCESS)
+        return HttpResponseRedirect(_url("change", run.pk))
+
+    return view
+
+
+def pause_or_resume(model_admin: Any, pause: bool) -> Any:
+    """The overview's Pause / Resume buttons: the paused-queue model's add / delete
+    permission."""
+
+    @require_POST
+    def view(request: HttpRequest) -> HttpResponse:
+        action = "add" if pause else "delete"
+        if not request.user.has_perm(f"django_agentruns.{action}_pausedqueue"):
+            raise PermissionDenied
+        name = request.POST.get("queue", "")
+        try:
+            call = queues.pause_queue if pause else queues.resume_queue
+            done = call(name, by=username(request))
+        except InvalidInputError as exc:
+            model_admin.message_user(request, str(exc), messages.ERROR)
+            return HttpResponseRedirect(_url("overview"))
+        verb = "paused" if pause else "resumed"
+        model_admin.message_user(
+            request, f"Queue {name!r} {verb}." if done else
+            f"Queue {name!r} was {'paused already' if pause else 'not paused'}.",
+            messages.SUCCESS if done else messages.WARNING)
+        return HttpResponseRedirect(_url("overview"))
+
+    return view
+

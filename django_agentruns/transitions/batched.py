@@ -107,10 +107,17 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
             events.append((write.ref.run_id, write.type, write.payload, write.ref.attempt,
                            write.event_id))
     pointing = [i for i in positions if isinstance(writes[i], CheckpointWrite)]
-    for i in _fenced(writes, pointing, results, CHECKPOINT_FIELDS,
-                     lambda w: (w.ref.lease_until(at), *_state(w))):
+    saved = _fenced(writes, pointing, results, CHECKPOINT_FIELDS,
+                    lambda w: (w.ref.lease_until(at), *_state(w)))
+    for i in saved:
         ref, count = writes[i].ref, _state(writes[i])[1]
         events.append(lifecycle(ref.run_id, CHECKPOINT, ref.attempt, count=count))
+    if saved:
+        # Every checkpoint's state is kept (`fork` starts from one), in this transaction.
+        sql, params = rawsql.insert_checkpoints(
+            [(writes[i].ref.run_id, *_state(writes[i])) for i in saved], at)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
     succeeding = [i for i in positions if isinstance(writes[i], SucceedWrite)]
     ended = _succeed(writes, succeeding, results, at)
     if events or ended:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from .. import signals
 from ..db import is_postgres, retry_on_lock
+from ..exceptions import InvalidInputError
 from ..models import AgentRun, Reason, Status
 from ..outcomes import CancelResult
 from ..signals import send_after_commit
@@ -65,17 +66,27 @@ def operator_retry(run_id: int, by: str = "", at: datetime | None = None) -> boo
     """Send a failed or cancelled run back to the queue with a fresh requeue budget.
 
     None: no such run; False: it is not failed or cancelled (nothing written).
+    `InvalidInputError`: its dedupe key is held by another unfinished run of its agent.
     """
     at = at or now()
     with transaction.atomic():
-        row = AgentRun.objects.filter(pk=run_id).values("status", "attempt", "reason").first()
+        row = AgentRun.objects.filter(pk=run_id).values(
+            "status", "attempt", "reason", "agent", "dedupe_key").first()
         if row is None:
             return None
-        updated = AgentRun.objects.filter(
-            pk=run_id, status__in=(Status.FAILED, Status.CANCELLED)).update(
-            status=Status.QUEUED, reason=Reason.NONE, requeue_count=0, available_at=at,
-            claimed_by="", lease_expires=None, finished_at=None, cancel_requested_at=None,
-            cancel_reason="")
+        try:
+            with transaction.atomic():  # a savepoint: the unique index may refuse the row
+                updated = AgentRun.objects.filter(
+                    pk=run_id, status__in=(Status.FAILED, Status.CANCELLED)).update(
+                    status=Status.QUEUED, reason=Reason.NONE, requeue_count=0,
+                    available_at=at, claimed_by="", lease_expires=None, finished_at=None,
+                    cancel_requested_at=None, cancel_reason="")
+        except IntegrityError:
+            holder = AgentRun.objects.holding_key(row["agent"], row["dedupe_key"]) \
+                .values_list("pk", flat=True).first()
+            raise InvalidInputError(
+                f"Run {run_id} cannot be retried: its dedupe key {row['dedupe_key']!r} is "
+                f"held by unfinished run {holder}") from None
         if not updated:
             return False
         append_events([lifecycle(run_id, RETRIED, row["attempt"], by=by,

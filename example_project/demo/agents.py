@@ -117,3 +117,14 @@ def refund(ctx: RunContext) -> dict[str, Any]:
         return {"refunded": 0, "rejected_by": answer.by, "note": answer.note}
     time.sleep(0.05)  # stands in for the payment provider's refund call
     return {"refunded": answer.proposal["amount"], "approved_by": answer.by}
+
+
+@agent("demo.digest", every=300)
+def digest(ctx: RunContext) -> dict[str, Any]:
+    """A scheduled agent: every five minutes (ticks aligned to the epoch), one run however
+    many workers serve its queue; the tick's time is in its input (`manage.py schedules`)."""
+    from django_agentruns.models import AgentRun, Status
+
+    finished = AgentRun.objects.filter(status=Status.SUCCEEDED).exclude(agent=ctx.agent)
+    _call_model(f"Summarise the last {finished.count()} runs")
+    return {"tick": ctx.input["tick"], "runs_done": finished.count()}
