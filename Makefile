@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= example,postgres,dev
 
-.PHONY: venv demo test lint typecheck clean distclean bench
+.PHONY: venv demo test test-pgbouncer lint typecheck clean distclean bench
 
 venv:
 	@scripts/venv.sh $(VENV) -e '.[$(EXTRAS)]'
@@ -17,6 +17,11 @@ demo: venv
 # Extra pytest arguments: make test PYTEST_ARGS='-m "not slow"'
 test: venv
 	VENV=$(VENV) scripts/test.sh $(PYTEST_ARGS)
+
+# The durability suites again through a private PgBouncer in transaction mode (needs
+# Debian's pgbouncer installed; its service is never started).
+test-pgbouncer: venv
+	VENV=$(VENV) scripts/test-pgbouncer.sh $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check .

@@ -3,7 +3,7 @@
     python -m bench.client ENGINE ACTION ...    (DATABASE_URL names the database)
 
 Actions (each prints one JSON object on stdout):
-  prefill KIND N            queue N runs of KIND (noop, sleep_sync, sleep_async) in bulk
+  prefill KIND N            queue N runs of KIND (noop, sleep_*, llm_sync, llm_async) in bulk
   enqueue-one N             N no-op runs, each in its own transaction (autocommit, as a view)
   enqueue-bulk N BATCH      N no-op runs, BATCH per transaction with the engine's bulk API
   produce RATE SECONDS WARM open-loop producer of latency runs at RATE per second

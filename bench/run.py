@@ -17,31 +17,34 @@ import json
 import math
 import os
 import platform
-import shutil
-import signal
-import sqlite3
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import psutil
-import psycopg
 
+from bench import llm
 from bench.engines import ENGINES, OURS, OURS_POOL, PEERS, Engine
-from bench.pg import PREFIX, REPO_ROOT, Admin, DbStats, django_env, migrate
+from bench.harness import (
+    RUN_DB,
+    SqliteTarget,
+    Target,
+    client,
+    log,
+    peak_rss,
+    run_trial,
+    start_workers,
+    stop_workers,
+)
+from bench.pg import PREFIX, Admin, django_env, migrate
 
-T = TypeVar("T")
-
-RUN_DB = f"{PREFIX}_run"
 RESULTS = Path(__file__).resolve().parent / "results.md"
 POLL = 0.02  # seconds between two looks at the queue while workers drain it
 
@@ -65,6 +68,12 @@ class Plan:
     """The second no-op drain's concurrency per worker process (the first runs one at a time)."""
     worker_warmup: float = 2.5
     """Seconds an idle worker gets to start (and LISTEN) before the latency producer."""
+    llm_configs: tuple[tuple[str, int], ...] = (("llm_sync", 200), ("llm_async", 200),
+                                                ("llm_async", 1000))
+    """The LLM-shaped rows: (agent, concurrency of the one worker process)."""
+    llm_waves: int = 4
+    """Runs queued per LLM trial, in multiples of the concurrency: the steady state dominates."""
+    llm_cap: float = 20.0
 
 
 FULL = Plan(reps=3, drain_runs=5000, drain_cap=10.0, enqueue_one_runs=500, bulk_runs=2000,
@@ -73,154 +82,7 @@ FULL = Plan(reps=3, drain_runs=5000, drain_cap=10.0, enqueue_one_runs=500, bulk_
 QUICK = Plan(reps=1, drain_runs=1000, drain_cap=3.0, enqueue_one_runs=150, bulk_runs=1000,
              bulk_batch=500, latency_rate=20.0, latency_seconds=3.0, io_runs=300,
              io_serial_runs=20, io_cap=2.5, io_concurrency=(100,), sqlite=True,
-             worker_warmup=1.5)
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------- targets
-
-
-class Target(Protocol):
-    """The fresh database of one trial."""
-
-    url: str
-    polls: int
-
-    def open_poller(self) -> None: ...
-    def count(self, sql: str) -> int: ...
-    def close_poller(self) -> None: ...
-    def settle(self) -> None: ...
-    def analyze(self) -> None: ...
-    def stats(self) -> DbStats | None: ...
-    def drop(self) -> None: ...
-
-
-class PgTarget:
-    def __init__(self, admin: Admin) -> None:
-        self.admin = admin
-        self.url = admin.fresh(RUN_DB)
-        self.polls = 0
-        self._conn: psycopg.Connection[Any] | None = None
-
-    def open_poller(self) -> None:
-        self._conn = psycopg.connect(self.url, autocommit=True)
-
-    def count(self, sql: str) -> int:
-        assert self._conn is not None
-        self.polls += 1  # each one is a committed transaction, subtracted from the worker's
-        row = self._conn.execute(sql).fetchone()  # type: ignore[arg-type]
-        return int(row[0]) if row else 0
-
-    def close_poller(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def settle(self) -> None:
-        self.admin.wait_idle(RUN_DB)
-
-    def analyze(self) -> None:
-        """Planner statistics, as autovacuum keeps them for a table in service (a fresh
-        table filled in one go has none yet, and its first plans are guesses)."""
-        with psycopg.connect(self.url, autocommit=True) as conn:
-            conn.execute("ANALYZE")
-
-    def stats(self) -> DbStats:
-        return self.admin.stats(RUN_DB)
-
-    def drop(self) -> None:
-        self.close_poller()
-        self.admin.drop(RUN_DB)
-
-
-class SqliteTarget:
-    def __init__(self, template: Path) -> None:
-        self.path = template.with_name("run.sqlite3")
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
-        shutil.copyfile(template, self.path)
-        self.url = f"sqlite:///{self.path}"
-        self.polls = 0
-        self._conn: sqlite3.Connection | None = None
-
-    def open_poller(self) -> None:
-        self._conn = sqlite3.connect(self.path, timeout=30)
-
-    def count(self, sql: str) -> int:
-        assert self._conn is not None
-        self.polls += 1
-        return int(self._conn.execute(sql).fetchone()[0])
-
-    def close_poller(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def settle(self) -> None:
-        pass
-
-    def analyze(self) -> None:
-        with sqlite3.connect(self.path, timeout=30) as conn:
-            conn.execute("ANALYZE")
-
-    def stats(self) -> None:
-        return None
-
-    def drop(self) -> None:
-        self.close_poller()
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
-
-
-# --------------------------------------------------------------------------- processes
-
-
-def client(url: str, engine: Engine, *args: str, env: dict[str, str] | None = None,
-           timeout: float = 600) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "bench.client", engine.key, *args],
-                          env=env or django_env(url), cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=timeout, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench.client {engine.key} {' '.join(args)} failed:\n{proc.stderr}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
-
-
-def start_workers(engine: Engine, count: int, concurrency: int, burst: bool,
-                  env: dict[str, str], logfile: Path) -> list[subprocess.Popen[bytes]]:
-    with open(logfile, "ab") as out:  # each child keeps its own copy of the descriptor
-        return [subprocess.Popen(engine.worker(concurrency, burst), env=env, cwd=REPO_ROOT,
-                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-                for _ in range(count)]
-
-
-def stop_workers(workers: Sequence[subprocess.Popen[bytes]], wait_first: float) -> None:
-    """Let burst workers exit on their own for `wait_first` s, then SIGTERM, then SIGKILL."""
-    deadline = time.monotonic() + wait_first
-    for w in workers:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            w.wait(max(0.0, deadline - time.monotonic()))
-    for w in workers:
-        if w.poll() is None:
-            w.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 20
-    for w in workers:
-        try:
-            w.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            w.kill()
-            w.wait()
-
-
-def peak_rss(handles: list[psutil.Process], peak: int) -> int:
-    for h in handles:
-        with contextlib.suppress(psutil.Error):
-            peak = max(peak, h.memory_info().rss)
-    return peak
+             worker_warmup=1.5, llm_waves=2, llm_cap=8.0)
 
 
 # --------------------------------------------------------------------------- trials
@@ -300,7 +162,7 @@ def latency(target: Target, engine: Engine, rate: float, seconds: float, warmup:
     """Open-loop producer at `rate`/s against one idle worker; each agent writes its start
     time, the producer its enqueue time, so both ends are measured the same way."""
     starts = logs / f"latency-{engine.key}-{time.monotonic_ns()}.txt"
-    env = django_env(target.url, BENCH_LATENCY_FILE=str(starts))
+    env = django_env(target.url, BENCH_LATENCY_FILE=str(starts), **dict(engine.env))
     workers = start_workers(engine, 1, 1, False, env, logs / f"{engine.key}-latency.log")
     try:
         time.sleep(warmup)
@@ -349,6 +211,10 @@ ROWS: list[tuple[str, str, str, str]] = [
     ("lat_p50", "enqueue→start latency p50, idle worker, {rate:g}/s (ms)", LOWER, "ms"),
     ("lat_p95", "enqueue→start latency p95 (ms)", LOWER, "ms"),
     ("lat_p99", "enqueue→start latency p99 (ms)", LOWER, "ms"),
+    ("lat_pgb_p50", "enqueue→start latency p50 through PgBouncer (transaction mode), "
+     "LISTEN_DATABASE direct, ours only (ms)", LOWER, "ms"),
+    ("lat_pgb_p99", "enqueue→start latency p99 through PgBouncer, LISTEN_DATABASE direct "
+     "(ms)", LOWER, "ms"),
     ("io_sleep_sync", "I/O-bound 100 ms sync agent, 1 process, best concurrency (runs/s)",
      HIGHER, "rate"),
     ("io_sleep_async", "I/O-bound 100 ms async agent, 1 process, best concurrency (runs/s)",
@@ -527,27 +393,6 @@ def pg_stat_statements(admin: Admin) -> str:
 # --------------------------------------------------------------------------- main
 
 
-def run_trial(admin: Admin, what: str, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(target, *args)` on a fresh database, dropped afterwards; if the server dropped
-    a connection meanwhile (a restart), the trial runs once more."""
-    for attempt in (1, 2):
-        target = PgTarget(admin)
-        try:
-            return fn(target, *args)
-        except (psycopg.OperationalError, RuntimeError) as exc:
-            # On a shared server someone may restart PostgreSQL under us: once more.
-            if attempt == 2:
-                raise
-            log(f"{what} failed ({str(exc).strip().splitlines()[-1][:200]}); "
-                "trying again in 10 s")
-            time.sleep(10)
-        finally:
-            target.close_poller()
-            with contextlib.suppress(psycopg.OperationalError):
-                target.drop()
-    raise AssertionError("unreachable")
-
-
 def rotate(rep: int) -> list[Engine]:
     k = rep % len(ENGINES)
     return [*ENGINES[k:], *ENGINES[:k]]
@@ -597,6 +442,16 @@ def run_rep(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
             results.add(f"lat_{p}", engine, lat[p])
         note("latency", engine, f"p50 {lat['p50']:.1f}  p95 {lat['p95']:.1f}  "
              f"p99 {lat['p99']:.1f} ms  ({lat['n']} samples, {lat['missing']} missing)")
+    from bench import pooler  # imports this module
+
+    if pooler.available():  # skipped, with a note, without pgbouncer
+        lat = run_trial(admin, "latency ours via PgBouncer", pooler.pooled_latency, plan, logs)
+        results.add("lat_pgb_p50", OURS, lat["p50"])
+        results.add("lat_pgb_p99", OURS, lat["p99"])
+        note("latency", pooler.OURS_PGBOUNCER, f"p50 {lat['p50']:.1f}  p99 {lat['p99']:.1f} "
+             f"ms through PgBouncer ({lat['n']} samples, {lat['missing']} missing)")
+    elif rep == 0:
+        log("bench: pgbouncer is not installed: no latency row through PgBouncer")
     for kind in ("sleep_sync", "sleep_async"):
         for engine in order:
             if not engine.concurrent:
@@ -643,17 +498,17 @@ def run_rep(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
             target_s.drop()
         results.add("sqlite_enq_one", OURS, rate)
         note("sqlite enq one", OURS, f"{rate:8.1f} runs/s")
+    llm.run_llm(rep, plan, admin, results, logs, started)
 
 
 def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, str],
-           seconds: float, quick: bool) -> str:
+           seconds: float, command: str, llm_section: str) -> str:
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# django-agentruns benchmark: ours vs django-tasks-db vs procrastinate",
         "",
-        f"Run {when} with `python -m bench{' --quick' if quick else ''}"
-        f"{'' if plan.reps == (QUICK if quick else FULL).reps else f' --reps {plan.reps}'}`"
-        f" in {seconds / 60:.1f} min: {plan.reps} repetition(s), engines interleaved, "
+        f"Run {when} with `{command}` in {seconds / 60:.1f} min: {plan.reps} repetition(s), "
+        "engines interleaved, "
         "a fresh database per trial. Medians; ↑ higher is better, ↓ lower is better; the "
         "ratio compares ours with the better of the two peers (above 1 is ours ahead on ↑ "
         "rows, behind on ↓ rows).",
@@ -666,6 +521,8 @@ def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, 
         "the lease lapses): runs finished / time to exit. `(c=N)`: the concurrency with the "
         "best median, chosen in the first repetition. The SQLite rows are "
         "one repetition, ours only (procrastinate needs PostgreSQL; not a comparison).",
+        "",
+        llm_section,
         "",
         "## Machine",
         "",
@@ -700,7 +557,8 @@ def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, 
         "## Raw values per repetition",
         "",
         "```json",
-        json.dumps({k: dict(v) for k, v in results.values.items()}, indent=None,
+        json.dumps({k: dict(v) for k, v in results.values.items()
+                    if not k.startswith("llm_")}, indent=None,
                    default=lambda x: round(x, 3))[:20000],
         "```",
     ]
@@ -712,6 +570,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run of about 2 minutes")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 quick)")
     parser.add_argument("--no-sqlite", action="store_true", help="skip the SQLite extra rows")
+    parser.add_argument("--only", choices=["llm"], default=None,
+                        help="only the LLM-shaped rows (bench/llm.py): their section of the "
+                             "output is replaced, the rest kept")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
@@ -719,8 +580,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.reps < 1:
             parser.error("--reps must be at least 1")
         plan = replace(plan, reps=args.reps)
-    if args.no_sqlite:
+    if args.no_sqlite or args.only:
         plan = replace(plan, sqlite=False)
+    command = " ".join(["python -m bench", *(["--quick"] if args.quick else []),
+                        *([f"--reps {plan.reps}"] if args.reps is not None else []),
+                        *([f"--only {args.only}"] if args.only else [])])
 
     started = time.monotonic()
     load_start = f"{os.getloadavg()[0]:.2f}"
@@ -738,15 +602,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sqlite_template = logs / "template.sqlite3"
                 migrate(f"sqlite:///{sqlite_template}")
             for rep in range(plan.reps):
-                run_rep(rep, plan, admin, results, logs, sqlite_template, started)
+                if args.only == "llm":
+                    llm.run_llm(rep, plan, admin, results, logs, started)
+                else:
+                    run_rep(rep, plan, admin, results, logs, sqlite_template, started)
         finally:
             admin.drop(RUN_DB)
             admin.drop(f"{PREFIX}_tpl")
             admin.close()
-    results.finish_io()
-    text = report(results, plan, info, (load_start, f"{os.getloadavg()[0]:.2f}"),
-                  time.monotonic() - started, args.quick)
-    args.output.write_text(text + "\n")
-    print(table(results, plan))
+    load = (load_start, f"{os.getloadavg()[0]:.2f}")
+    section = llm.section(results, plan, {**info, "load": " / ".join(load)}, command)
+    if args.only == "llm":
+        llm.merge(args.output, section)
+        print(llm.table(results, plan))
+    else:
+        results.finish_io()
+        text = report(results, plan, info, load, time.monotonic() - started, command, section)
+        args.output.write_text(text + "\n")
+        print(table(results, plan))
+        print(llm.table(results, plan))
     log(f"bench: wrote {args.output}")
     return 0

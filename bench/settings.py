@@ -22,6 +22,12 @@ if env.int("BENCH_DB_POOL", default=0):
     DATABASES["default"]["CONN_MAX_AGE"] = 0
     DATABASES["default"]["OPTIONS"] = {
         "pool": {"min_size": 2, "max_size": env.int("BENCH_DB_POOL"), "timeout": 60}}
+if env.str("BENCH_LISTEN_URL", default=""):
+    # `default` goes through a transaction pooler (bench/pooler.py): the listener connects
+    # directly, and server-side cursors are off for the pooled alias.
+    DATABASES["listen"] = env.db("BENCH_LISTEN_URL")
+    DATABASES["listen"]["CONN_MAX_AGE"] = None
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"]["OPTIONS"] = {
         "transaction_mode": "IMMEDIATE",
@@ -49,7 +55,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 
 # Ours: poll once a second when idle (PostgreSQL workers are woken by NOTIFY anyway).
 AGENTRUNS = {"POLL_INTERVAL": 1.0,
-             "PREPARED_STATEMENTS": env.bool("BENCH_PREPARED", default=True)}
+             "PREPARED_STATEMENTS": env.bool("BENCH_PREPARED", default=True),
+             "LISTEN_DATABASE": "listen" if "listen" in DATABASES else None}
 
 # django-tasks-db: the database backend of Django's task framework.
 TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}

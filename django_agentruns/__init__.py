@@ -1,7 +1,10 @@
 """django-agentruns: durable agent runs on your Django database.
 
 Public API (stable): `agent`, `RunContext`, `Retryable`, `NotRetryable`, `enqueue`,
-`enqueue_many`, `RunRequest`, `cancel`, `retry`, `run_now`, `CancelResult`.
+`enqueue_many`, `RunRequest`, `cancel`, `retry`, `fork`, `run_now`, `CancelResult`,
+`add_schedule`, `remove_schedule`, `pause_queue`, `resume_queue`; waiting runs:
+`deliver`, `DeliverResult`, `approve`, `reject`, `wait_for_run`, `await_run`, `WaitTimedOut`,
+`Approval`, `RunResult`.
 """
 
 from __future__ import annotations
@@ -17,19 +20,26 @@ from .exceptions import (
     RunCancelledError,
     RunNotFoundError,
     UnknownAgentError,
+    WaitTimedOut,
 )
 from .registry import agent
 
 if TYPE_CHECKING:
-    from .api import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
+    from .api import RunRequest, cancel, enqueue, enqueue_many, fork, retry, run_now
     from .context import RunContext
+    from .queues import pause_queue, resume_queue
+    from .schedules import add_schedule, remove_schedule
     from .transitions import CancelResult
+    from .wait_results import Approval, DeliverResult, RunResult
+    from .waiting import approve, await_run, deliver, reject, wait_for_run
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AgentRunsError",
+    "Approval",
     "CancelResult",
+    "DeliverResult",
     "InvalidInputError",
     "LimitExceeded",
     "NotRetryable",
@@ -38,18 +48,34 @@ __all__ = [
     "RunContext",
     "RunNotFoundError",
     "RunRequest",
+    "RunResult",
     "UnknownAgentError",
+    "WaitTimedOut",
+    "add_schedule",
     "agent",
+    "approve",
+    "await_run",
     "cancel",
+    "deliver",
     "enqueue",
     "enqueue_many",
+    "fork",
+    "pause_queue",
+    "reject",
+    "remove_schedule",
+    "resume_queue",
     "retry",
     "run_now",
+    "wait_for_run",
 ]
 
 _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "enqueue_many": "api", "cancel": "api", "retry": "api", "run_now": "api",
-         "RunRequest": "api"}
+         "RunRequest": "api", "Approval": "wait_results", "DeliverResult": "wait_results",
+         "RunResult": "wait_results", "deliver": "waiting", "approve": "waiting",
+         "reject": "waiting", "wait_for_run": "waiting", "await_run": "waiting",
+         "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
+         "add_schedule": "schedules", "remove_schedule": "schedules"}
 
 
 def __getattr__(name: str) -> Any:

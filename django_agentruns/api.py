@@ -1,4 +1,4 @@
-"""The public calls: enqueue, cancel, retry, run_now."""
+"""The public calls: enqueue, cancel, retry, fork, run_now."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from .transitions import AttemptRef, CancelResult, NewRun
 from .validation import capped_json, storable_text, unstorable_text
 
 SCOPE_MAX = 255
+DEDUPE_KEY_MAX = 255
 QUEUE_MAX = 100
 PRIORITY_RANGE = (-32768, 32767)
 # The latest due time accepted: a year short of the largest datetime, so that showing it in
@@ -41,6 +42,7 @@ class RunRequest:
     priority: int | None = None
     run_after: datetime | timedelta | float | None = None
     fired_seq: int = 0
+    dedupe_key: str | None = None
 
 
 def enqueue(
@@ -52,16 +54,19 @@ def enqueue(
     priority: int | None = None,
     run_after: datetime | timedelta | float | None = None,
     fired_seq: int = 0,
+    dedupe_key: str | None = None,
 ) -> AgentRun:
     """Queue a run of `agent`, in the caller's transaction: roll back and it never existed.
 
-    `run_after` is a datetime, a timedelta or seconds from now. Raises
+    `run_after` is a datetime, a timedelta or seconds from now. With `dedupe_key`, an
+    unfinished (queued or running) run of the agent with that key is returned instead of
+    a new one, its `deduplicated` True; race-free across processes. Raises
     `UnknownAgentError` or `InvalidInputError` before anything is written. One INSERT:
     in autocommit it is the whole transaction (one round trip); PostgreSQL's trigger
     wakes the queue's workers once it commits.
     """
     at = timezone.now()
-    request = RunRequest(agent, input, scope, queue, priority, run_after, fired_seq)
+    request = RunRequest(agent, input, scope, queue, priority, run_after, fired_seq, dedupe_key)
     (run,) = transitions.insert_runs([_build(request, at, {})], at)
     _announce([run])
     return run
@@ -84,6 +89,8 @@ def _announce(runs: list[AgentRun]) -> None:
     if not signals.run_enqueued.has_listeners():
         return  # bulk enqueues skip building kwargs nobody reads
     for run in runs:
+        if run.deduplicated:
+            continue  # announced when it was enqueued
         signals.send_after_commit(signals.run_enqueued, run_id=run.pk, agent=run.agent,
                                   attempt=run.attempt, queue=run.queue, scope=run.scope)
 
@@ -132,10 +139,12 @@ def _build(request: RunRequest, at: datetime, agents: dict[str, _AgentPolicy]) -
     if isinstance(fired_seq, bool) or not isinstance(fired_seq, int) or \
             not -(2**63) <= fired_seq < 2**63:
         raise InvalidInputError(f"fired_seq must be a 64-bit integer, not {fired_seq!r}")
+    key = "" if request.dedupe_key is None else \
+        _check_str(request.dedupe_key, "dedupe_key", DEDUPE_KEY_MAX, allow_empty=False)
     return NewRun(agent=agent.name, queue=queue, priority=priority, scope=scope,
                   fired_seq=fired_seq, input=payload, input_json=text,
                   max_requeues=agent.max_requeues,
-                  available_at=_due_time(request.run_after, at))
+                  available_at=_due_time(request.run_after, at), dedupe_key=key)
 
 
 def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:
@@ -193,6 +202,35 @@ def retry(run_id: int, by: str = "") -> bool:
     if result is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
     return result  # PostgreSQL's trigger wakes the queue's workers (migration 0002)
+
+
+def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
+         by: str = "") -> AgentRun:
+    """Queue a new run of `run_id`'s agent that starts from its checkpoint `checkpoint`
+    (numbered from 1 in the order saved; None: the last), with `input` in place of the
+    run's own when given. The new run's `forked_from` is the origin, and its timeline
+    opens with a `run.forked` event; the origin is left as it was.
+
+    Checked before anything is written: the run exists, its agent is registered here, the
+    checkpoint was reached, the input is JSON within MAX_INPUT_BYTES.
+    """
+    pk = _run_id(run_id)
+    if checkpoint is not None and (isinstance(checkpoint, bool)
+                                   or not isinstance(checkpoint, int) or checkpoint < 1):
+        raise InvalidInputError(f"checkpoint must be a whole number >= 1 (or None for the "
+                                f"last), not {checkpoint!r}")
+    agent = AgentRun.objects.filter(pk=pk).values_list("agent", flat=True).first()
+    if agent is None:
+        raise RunNotFoundError(f"No run with id {run_id!r}")
+    get_agent(agent)  # UnknownAgentError: nothing here could run the fork
+    if input is not None:
+        capped_json(input, f"Input of agent {agent!r}", "MAX_INPUT_BYTES")
+    run = transitions.insert_fork(pk, checkpoint, input, storable_text(str(by)[:255]),
+                                  timezone.now())
+    if run is None:
+        raise RunNotFoundError(f"No run with id {run_id!r}")
+    _announce([run])
+    return run
 
 
 def _run_id(run_id: Any) -> int:

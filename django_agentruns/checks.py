@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from django.conf import settings
@@ -11,6 +12,7 @@ from django.utils.module_loading import import_string
 
 from .conf import SETTING_NAME, AppSettings, Defaults
 from .registry import QUEUE_RULE, is_queue_name
+from .sqlite import SQLITE_OPTIONS
 
 E001_NOT_A_DICT = "agentruns.E001"
 E002_UNKNOWN_SETTING = "agentruns.E002"
@@ -24,9 +26,13 @@ W001_SQLITE_DEFERRED = "agentruns.W001"
 W002_SQLITE_NOT_WAL = "agentruns.W002"
 W003_SHORT_LEASE = "agentruns.W003"
 W004_RECONNECT_PER_RUN = "agentruns.W004"
-W005_CONNECTIONS = "agentruns.W005"
+W008_CONNECTIONS = "agentruns.W008"
 
 SHORTEST_SENSIBLE_LEASE = 1.0
+# Both SQLite warnings give the one fix, with the values the README and SQLITE_OPTIONS use.
+SQLITE_HINT = ("from django_agentruns.sqlite import SQLITE_OPTIONS, then "
+               "DATABASES['default']['OPTIONS'] = {**SQLITE_OPTIONS}, that is "
+               f"{SQLITE_OPTIONS!r} (journal_mode=WAL: readers run while a worker writes)")
 
 # Upper bounds: a longer duration overflows the datetime arithmetic (a lease of 1e12 s ends
 # after the year 9999) or a thread's wait (POLL_INTERVAL); a larger requeue budget does not
@@ -43,7 +49,7 @@ _INTEGERS = ("MAX_REQUEUES", "CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PRO
              "WRITER_CONNECTIONS")
 _AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS")
 _SIZES = ("MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES")
-_CAPS = (*_SIZES, "MAX_EVENTS_PER_RUN")
+_CAPS = (*_SIZES, "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP")
 _FLAGS = ("UNKNOWN_ERRORS_RETRYABLE", "PREPARED_STATEMENTS")
 
 
@@ -145,7 +151,9 @@ def _number_problem(key: str, value: Any) -> str | None:
     return None
 
 
-@register("database")
+# Neither SQLite check opens a connection, so both run in `manage.py check` as in `migrate`
+# (a "database"-tagged check runs only in the latter, and a new user saw them differ).
+@register()
 def check_sqlite(app_configs: Any = None, databases: Any = None,
                  **kwargs: Any) -> list[CheckMessage]:
     db = settings.DATABASES.get("default", {})
@@ -156,20 +164,38 @@ def check_sqlite(app_configs: Any = None, databases: Any = None,
         return [Warning(
             "SQLite runs transactions DEFERRED: concurrent workers meet 'database is locked' "
             "and retry far more often.",
-            hint="DATABASES['default']['OPTIONS'] = {'transaction_mode': 'IMMEDIATE', "
-                 "'timeout': 20, 'init_command': 'PRAGMA journal_mode=WAL;'}",
+            hint=SQLITE_HINT,
             id=W001_SQLITE_DEFERRED)]
     return []
 
 
-@register("database")
+@register()
 def check_sqlite_journal(app_configs: Any = None, databases: Any = None,
                          **kwargs: Any) -> list[CheckMessage]:
-    """Reads the live database's journal mode (WAL is a property of the file)."""
+    """WAL from the settings' init_command, else from the database file's header (WAL is a
+    property of the file); no connection is opened."""
     db = settings.DATABASES.get("default", {})
-    if "sqlite" not in db.get("ENGINE", "") or not databases or "default" not in databases:
+    if "sqlite" not in db.get("ENGINE", ""):
         return []
-    return journal_warning(_journal_mode())
+    init = str(db.get("OPTIONS", {}).get("init_command", ""))
+    if re.search(r"journal_mode\s*=\s*['\"]?wal", init, flags=re.IGNORECASE):
+        return []
+    return journal_warning(file_journal_mode(str(db.get("NAME", ""))))
+
+
+def file_journal_mode(name: str) -> str:
+    """"wal" if the SQLite file's header says WAL (bytes 18 and 19 are 2), "delete" if it
+    says otherwise, "memory" for an in-memory database, "" if there is no file yet."""
+    if name == ":memory:" or "mode=memory" in name:
+        return "memory"
+    try:
+        with open(name, "rb") as file:
+            header = file.read(20)
+    except OSError:
+        return ""
+    if len(header) < 20 or not header.startswith(b"SQLite format 3\x00"):
+        return ""
+    return "wal" if header[18] == header[19] == 2 else "delete"
 
 
 @register()
@@ -192,9 +218,9 @@ def journal_warning(mode: str) -> list[CheckMessage]:
     if mode.lower() in ("wal", "memory"):
         return []
     return [Warning(
-        f"SQLite's journal_mode is {mode or 'unknown'}, not WAL: readers block the writer, so "
-        "several workers (and the admin) wait on each other and time out.",
-        hint="Add 'init_command': 'PRAGMA journal_mode=WAL;' to the database OPTIONS.",
+        f"SQLite's journal_mode is {mode or 'not set'}, not WAL: readers block the writer, "
+        "so several workers (and the admin) wait on each other and time out.",
+        hint=SQLITE_HINT,
         id=W002_SQLITE_NOT_WAL)]
 
 
@@ -226,7 +252,7 @@ def check_worker_connections(concurrency: int, own: int, sync_agents: bool,
         hint="The worker's own writes need no connection per attempt. For agents' queries "
              "use Django's pool (OPTIONS = {'pool': {...}}, psycopg[pool]) or a pooler, or "
              "lower --concurrency.",
-        id=W005_CONNECTIONS)]
+        id=W008_CONNECTIONS)]
 
 
 def server_max_connections() -> int | None:

@@ -68,6 +68,13 @@ class Defaults:
     MAX_EVENTS_PER_RUN: int = 10_000
     """Events an attempt may add to its run's stream (emits and checkpoint markers); past
     it `ctx.emit` raises. The run's own transitions are always recorded."""
+    LISTEN_DATABASE: str | None = None
+    """Alias of the `DATABASES` entry the worker's LISTEN connection uses, one that reaches
+    PostgreSQL directly, not through a transaction pooler (PgBouncer in transaction mode
+    loses notifications); None: the worker's own (`default`). Only the listener uses it."""
+    SCHEDULE_MAX_CATCH_UP: int = 100
+    """Most missed ticks a `catch_up=True` schedule runs after an outage (the latest ones);
+    the older ones are skipped with a warning, so a long outage cannot flood the queue."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

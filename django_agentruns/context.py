@@ -8,13 +8,15 @@ deadline, stop switch) is the executor's `AttemptControl`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import transitions
+from . import receiving, transitions
 from .conf import app_settings
 from .exceptions import InvalidInputError
 from .validation import capped_json, unstorable_text
+from .wait_results import Approval, RunResult
 
 if TYPE_CHECKING:
     from .control import AttemptControl
@@ -71,6 +73,52 @@ class RunContext:
         self._control.check()
         self._control.apply(await self._control.awrite(transitions.RenewWrite(self._control.ref)))
 
+    # Waiting (django_agentruns.receiving): the attempt may end with the run `waiting`.
+    # Each is one fenced transaction of its own (`control.call`), on the attempt's thread;
+    # an async agent's runs off the event loop (`in_thread`), never blocking it.
+
+    def receive(self, key: str, *, timeout: float | None = None, prompt: Any = None) -> Any:
+        """The payload delivered for `key`; if none yet, the run waits for it (see
+        `receiving.receive`): checkpoint first, the next attempt resumes from there."""
+        return receiving.receive(self, key, timeout=timeout, prompt=prompt)
+
+    def request_approval(self, key: str, proposal: Any, *,
+                         timeout: float | None = None) -> Approval:
+        """`receive` with a person's structured answer (`approve`, `reject`)."""
+        return receiving.request_approval(self, key, proposal, timeout=timeout)
+
+    def spawn(self, agent: str, input: Any = None, *, key: str, queue: str | None = None,
+              scope: str | None = None, priority: int | None = None) -> int:
+        """Enqueue a child run once per `key`, whatever attempt asks; return its id."""
+        return receiving.spawn(self, agent, input, key=key, queue=queue, scope=scope,
+                               priority=priority)
+
+    def wait_for_runs(self, ids: Iterable[int], *,
+                      timeout: float | None = None) -> dict[int, RunResult]:
+        """Each child run's result once all are finished; until then the run waits."""
+        return receiving.wait_for_runs(self, ids, timeout=timeout)
+
+    async def areceive(self, key: str, *, timeout: float | None = None,
+                       prompt: Any = None) -> Any:
+        return await storage_call(self, functools.partial(
+            self.receive, key, timeout=timeout, prompt=prompt))
+
+    async def arequest_approval(self, key: str, proposal: Any, *,
+                                timeout: float | None = None) -> Approval:
+        return await storage_call(self, functools.partial(
+            self.request_approval, key, proposal, timeout=timeout))
+
+    async def aspawn(self, agent: str, input: Any = None, *, key: str,
+                     queue: str | None = None, scope: str | None = None,
+                     priority: int | None = None) -> int:
+        return await storage_call(self, functools.partial(
+            self.spawn, agent, input, key=key, queue=queue, scope=scope, priority=priority))
+
+    async def await_runs(self, ids: Iterable[int], *,
+                         timeout: float | None = None) -> dict[int, RunResult]:
+        return await storage_call(self, functools.partial(
+            self.wait_for_runs, ids, timeout=timeout))
+
     def _event(self, type: str, payload: dict[str, Any] | None) -> transitions.EmitWrite:
         """The write of one event, checked (the checks cost no database)."""
         control = self._control
@@ -105,3 +153,4 @@ async def storage_call(ctx: RunContext, func: Callable[..., T], *args: Any) -> T
     from .control import in_thread
 
     return await in_thread(ctx._control, func, *args)
+

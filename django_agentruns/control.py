@@ -56,6 +56,12 @@ class AttemptControl:
             with suppress(RuntimeError):  # its loop is closed: nothing left to stop
                 future.cancel()
 
+    def end_waiting(self) -> None:
+        """The attempt's wait is recorded: that is why it stops, whatever a lease keeper that
+        saw the lease released since may have said."""
+        with self._lock:
+            self.stop_reason = StopReason.WAITING
+
     def timed_out(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 

@@ -65,3 +65,12 @@ class AttemptStopped(BaseException):
 
 class RunCancelledError(AgentRunsError):
     """`run_now`: the run was cancelled while it ran."""
+
+
+class WaitTimedOut(NotRetryable):
+    """Raised by `ctx.receive` (and the other waits) in the attempt that resumes once the
+    wait's deadline passed. Uncaught, it fails the run as not retryable."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"the wait for {key!r} timed out")
+        self.key = key

@@ -102,7 +102,12 @@ class Executor:
                 outcome = await acall_agent(spec, make_context(run, control), control)
                 settlement = await self.arecord(spec, control.ref, outcome)
                 span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
-            self._settled(run, control, settlement, outcome, began)
+            reason = ""
+            if settlement is Settlement.DEAD_LETTERED:
+                # The ORM must not run on the loop; its thread keeps no connection.
+                reason = await sync_to_async(recording.dead_letter_reason,
+                                             thread_sensitive=False)(control.ref, close=True)
+            self._settled(run, control, settlement, outcome, began, reason)
             return settlement
         except Exception:
             logger.exception("run %s: could not record the attempt's outcome", run.pk,
@@ -127,6 +132,8 @@ class Executor:
 
     async def arecord(self, spec: AgentSpec, ref: AttemptRef, outcome: Outcome) -> Settlement:
         """`record` on the event loop: the write awaited through the store."""
+        if recording.waiting(outcome):
+            return Settlement.WAITING
         step = recording.transition(spec, ref, outcome)
         if step is None:
             # A lost lease writes nothing; its signal's receivers may use the ORM, which
@@ -154,8 +161,10 @@ class Executor:
         return outcome
 
     def _settled(self, run: AgentRun, control: AttemptControl, settlement: Settlement,
-                 outcome: Outcome, began: float) -> None:
-        recording.log_settlement(control.ref, run.agent, settlement, outcome)
+                 outcome: Outcome, began: float, reason: str | None = None) -> None:
+        if reason is None and settlement is Settlement.DEAD_LETTERED:
+            reason = recording.dead_letter_reason(control.ref)
+        recording.log_settlement(control.ref, run.agent, settlement, outcome, reason or "")
         metrics.observe_settlement(run.agent, settlement.value, metrics.queue_wait(run),
                                    time.monotonic() - began)
 
@@ -245,14 +254,15 @@ def _raised(control: AttemptControl, exc: BaseException) -> Outcome:
     # BaseException: an agent's SystemExit or KeyboardInterrupt is its failure too, and
     # must be recorded like any other (the caller of `run_now` still gets it raised).
     if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED,
-                               StopReason.INTERRUPTED):
+                               StopReason.INTERRUPTED, StopReason.WAITING):
         # The agent turned our stop into an error of its own: the stop is what happened.
         return Outcome(OutcomeKind.STOPPED, stop_reason=control.stop_reason)
     return Outcome(OutcomeKind.FAILED, error=exc.error if isinstance(exc, _Escaped) else exc)
 
 
 def _returned(spec: AgentSpec, control: AttemptControl, result: Any) -> Outcome:
-    if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED):
+    if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED,
+                               StopReason.WAITING):
         # A cancel the attempt was told of wins even if the agent then returned without
         # reaching another step boundary: the operator asked for it to stop.
         return Outcome(OutcomeKind.STOPPED, stop_reason=control.stop_reason)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from django.db import close_old_connections
 
@@ -24,9 +25,13 @@ logger = logging.getLogger("django_agentruns.worker")
 
 
 class LeaseKeeper:
-    def __init__(self, worker_id: str, live: LiveAttempts) -> None:
+    """`on_tick` runs after every pass (the worker's presence beat, which paces itself)."""
+
+    def __init__(self, worker_id: str, live: LiveAttempts,
+                 on_tick: Callable[[], None] | None = None) -> None:
         self.worker_id = worker_id
         self.live = live
+        self.on_tick = on_tick
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -49,6 +54,8 @@ class LeaseKeeper:
                 logger.exception("lease keeper failed; retrying",
                                  extra={"worker_id": self.worker_id})
                 close_all_connections()
+            if self.on_tick is not None:
+                self.on_tick()
             # Wake often enough to renew at a third of the shortest TTL, and to notice
             # timeouts promptly.
             self._stop.wait(self.interval(lives))

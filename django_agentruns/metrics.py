@@ -29,7 +29,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
-from django.db.models import Count, Min, Q
+from django.db.models import Count, Min, Q, Value
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
@@ -88,6 +88,11 @@ if prometheus_client is not None:
         "agentruns_attempt_duration_seconds",
         "Seconds an attempt took, from its start to its settlement, by agent and outcome.",
         ("agent", "outcome"), buckets=DURATION_BUCKETS)
+    WAKEUPS_DEGRADED = prometheus_client.Gauge(
+        "agentruns_wakeups_degraded",
+        "1 while this worker's LISTEN connection is down or failed its self-check (a "
+        "transaction pooler in the way: set LISTEN_DATABASE), so new runs wait for the next "
+        "poll; 0 while NOTIFY wakes it.")
 
 
 def observe_settlement(
@@ -106,6 +111,12 @@ def observe_settlement(
         DURATION.labels(agent, outcome).observe(max(0.0, duration_s))
 
 
+def set_wakeups_degraded(degraded: bool) -> None:
+    """Record whether this worker is woken by NOTIFY (0) or left to polling (1)."""
+    if prometheus_client is not None:
+        WAKEUPS_DEGRADED.set(1 if degraded else 0)
+
+
 def queue_wait(run: AgentRun) -> float | None:
     """Seconds `run` (as claimed) waited between being due and this attempt's start."""
     if run.started_at is None or run.available_at is None:
@@ -121,12 +132,21 @@ class Backlog:
     """One reading of the backlog, per queue, and of the dead letters, per reason."""
 
     due: dict[str, int] = field(default_factory=dict)
-    """Queued runs due now: what the workers have yet to take."""
+    """Queued runs due now that may start: what the workers have yet to take."""
+    blocked: dict[str, int] = field(default_factory=dict)
+    """Queued runs due now but held back, on purpose, by an earlier run of their scope."""
     scheduled: dict[str, int] = field(default_factory=dict)
     """Queued runs not due yet (backing off after a failure, or enqueued with run_after)."""
     oldest_due: dict[str, float] = field(default_factory=dict)
-    """Seconds the longest-waiting due run has been due."""
+    """Seconds the longest-waiting due run that may start has been due."""
     running: dict[str, int] = field(default_factory=dict)
+    lapsed: dict[str, int] = field(default_factory=dict)
+    """Running runs whose lease has lapsed: their worker died or stalled, and the reaper
+    (or a claim) has not taken them back yet. Non-zero for long: no reaper is running."""
+    waiting: dict[str, int] = field(default_factory=dict)
+    """Runs waiting for a delivery, an approval or their child runs (no lease, no slot)."""
+    paused: dict[str, int] = field(default_factory=dict)
+    """1 for each paused queue (`pause_queue`): its workers claim nothing from it."""
     dead_letters: dict[str, int] = field(default_factory=dict)
     unknown_agents: dict[tuple[str, str], int] = field(default_factory=dict)
     """Due runs of agents not registered in this process, by (queue, agent): a worker
@@ -134,31 +154,52 @@ class Backlog:
 
 
 def read_backlog(at: datetime | None = None) -> Backlog:
-    """Four grouped COUNTs, three answered from an index that holds only what it counts.
+    """Four grouped COUNTs, three answered from an index that holds only what it counts
+    (and the few paused queues).
 
-    The queued runs come from the partial due index (status='queued'), the running ones
-    from the partial running index, the dead letters from the status+reason index: the
-    size of the history (succeeded runs) costs nothing here. The fourth reads the queued
-    rows (the backlog, not the history) for their agent.
+    The queued runs come from the partial due index (status='queued'), the running and
+    waiting ones from the status+reason index, the dead letters from the status+reason
+    index: the size of the history (succeeded runs) costs nothing here. A due run of an
+    ordered agent is also looked up in the scope-head index, to count it as blocked or not.
+    The fourth reads the queued rows (the backlog, not the history) for their agent.
     """
-    from .models import AgentRun
-    from .registry import all_agents
+    from .models import AgentRun, PausedQueue
+    from .registry import all_agents, scope_policy
     from .visibility import due_elsewhere
 
     at = at or timezone.now()
     backlog = Backlog()
+    due = Q(available_at__lte=at)
+    # Runs held back by an earlier run of their scope wait on purpose: counted apart, so a
+    # long ordered backlog does not read as workers falling behind.
+    scope_held = AgentRun.objects.held(scope_policy())
+    startable = due if scope_held is None else due & ~scope_held
     queued = (AgentRun.objects.filter(status=Status.QUEUED).order_by().values("queue")
-              .annotate(due=Count("id", filter=Q(available_at__lte=at)),
+              .annotate(due=Count("id", filter=startable),
+                        blocked=Count("id", filter=due & scope_held)
+                        if scope_held is not None else Value(0),
                         later=Count("id", filter=Q(available_at__gt=at)),
-                        oldest=Min("available_at", filter=Q(available_at__lte=at))))
+                        oldest=Min("available_at", filter=startable)))
     for row in queued:
         backlog.due[row["queue"]] = row["due"]
+        backlog.blocked[row["queue"]] = row["blocked"]
         backlog.scheduled[row["queue"]] = row["later"]
         if row["oldest"] is not None:
             backlog.oldest_due[row["queue"]] = max(0.0, (at - row["oldest"]).total_seconds())
-    running = (AgentRun.objects.filter(status=Status.RUNNING).order_by().values("queue")
-               .annotate(n=Count("id")))
-    backlog.running.update((row["queue"], row["n"]) for row in running)
+    # Running and waiting runs: two ranges of the status+reason index, whatever the history.
+    running = (AgentRun.objects.filter(status__in=(Status.RUNNING, Status.WAITING)).order_by()
+               .values("queue")
+               .annotate(n=Count("id", filter=Q(status=Status.RUNNING)),
+                         lapsed=Count("id", filter=Q(status=Status.RUNNING,
+                                                     lease_expires__lt=at)),
+                         waiting=Count("id", filter=Q(status=Status.WAITING))))
+    for held in running:
+        if held["n"]:
+            backlog.running[held["queue"]] = held["n"]
+            backlog.lapsed[held["queue"]] = held["lapsed"]
+        if held["waiting"]:
+            backlog.waiting[held["queue"]] = held["waiting"]
+    backlog.paused.update((name, 1) for name in PausedQueue.objects.values_list("name", flat=True))
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
@@ -194,7 +235,8 @@ class BacklogCollector:
         backlog = self.reading()
         if backlog is None:
             return []
-        queues = self._queues | set(backlog.due) | set(backlog.scheduled) | set(backlog.running)
+        queues = (self._queues | set(backlog.due) | set(backlog.blocked) | set(backlog.scheduled)
+                  | set(backlog.running) | set(backlog.waiting) | set(backlog.paused))
         self._queues = queues
         return list(self._families(backlog, queues | _agent_queues()))
 
@@ -220,13 +262,22 @@ class BacklogCollector:
     @staticmethod
     def _families(backlog: Backlog, queues: set[str]) -> Iterator[Metric]:
         gauges = (
-            ("agentruns_queue_depth", "Queued runs due now, by queue.", backlog.due),
+            ("agentruns_queue_depth", "Queued runs due now that may start, by queue.",
+             backlog.due),
+            ("agentruns_queue_blocked", "Queued runs due now but held back by an earlier run "
+             "of their scope (ordered agents), by queue.", backlog.blocked),
             ("agentruns_queue_scheduled", "Queued runs not due yet (backoff or run_after), "
              "by queue.", backlog.scheduled),
             ("agentruns_queue_oldest_due_seconds", "Seconds the longest-waiting due run of "
-             "the queue has been due (0 when none is).", backlog.oldest_due),
+             "the queue that may start has been due (0 when none is).", backlog.oldest_due),
             ("agentruns_running", "Runs with an attempt in progress, by queue.",
              backlog.running),
+            ("agentruns_leases_lapsed", "Running runs whose lease lapsed and that nobody "
+             "has taken back yet, by queue.", backlog.lapsed),
+            ("agentruns_waiting", "Runs waiting for a delivery, an approval or their child "
+             "runs (no lease, no worker slot), by queue.", backlog.waiting),
+            ("agentruns_queue_paused", "1 while the queue is paused (workers claim nothing "
+             "from it), else 0.", backlog.paused),
         )
         for name, doc, values in gauges:
             family = GaugeMetricFamily(name, doc, labels=["queue"])

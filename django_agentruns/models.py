@@ -10,9 +10,10 @@ from django.db.models import Q
 from django.utils import timezone
 
 from .queries import RunQuerySet
-from .states import DEAD_LETTER_REASONS, TERMINAL, Reason, Status
+from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Reason, Status
 
-__all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "AgentRun", "Reason", "RunEvent", "Status"]
+__all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "UNFINISHED", "AgentRun", "PausedQueue", "Reason",
+           "RunCheckpoint", "RunEvent", "RunWait", "Schedule", "Status", "WorkerRecord"]
 
 
 class AgentRun(models.Model):
@@ -51,6 +52,25 @@ class AgentRun(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
+    # Waiting (django_agentruns.waiting): the awaited key while `waiting`, its deadline, and
+    # for a child run its parent and the key of the `ctx.spawn` that made it.
+    wait_key = models.CharField(max_length=210, blank=True, default="")
+    wait_until = models.DateTimeField(null=True, blank=True)
+    parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL,
+                               related_name="children")
+    spawn_key = models.CharField(max_length=200, blank=True, default="")
+    dedupe_key = models.CharField(
+        max_length=255, blank=True, default="",
+        help_text="While the run is unfinished, enqueueing its agent with this key returns it.")
+    forked_from = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="forks",
+        help_text="The run this one was forked from (`fork`), starting at one of its "
+                  "checkpoints.")
+
+    # Set on the run `enqueue` returns: True when it is an existing unfinished run with the
+    # same dedupe key rather than a new one. Not a column.
+    deduplicated: bool = False
+
     # Named reads (`.dead_letters()`, `.lapsed(at)`, ...): see django_agentruns.queries.
     objects = RunQuerySet.as_manager()
 
@@ -59,6 +79,7 @@ class AgentRun(models.Model):
         permissions = (
             ("retry_agentrun", "Can retry failed or cancelled runs"),
             ("cancel_agentrun", "Can cancel queued or running runs"),
+            ("approve_agentrun", "Can approve or reject what a waiting run proposes"),
         )
         indexes = (
             # The due query: queued runs of a queue in claim order. Partial, so it holds
@@ -77,6 +98,24 @@ class AgentRun(models.Model):
             ),
             models.Index(fields=("status", "reason"), name="agentruns_status_reason"),
             models.Index(fields=("created_at",), name="agentruns_created"),
+            # The overview's throughput chart and per-agent window: runs finished lately.
+            models.Index(fields=("finished_at",), name="agentruns_finished"),
+            # Waits whose deadline passed, for the reaper; only waiting runs with one.
+            models.Index(fields=("wait_until",), name="agentruns_wait_until",
+                         condition=Q(status="waiting", wait_until__isnull=False)),
+        )
+        constraints = (
+            # A spawn key names one child of its parent, whatever attempt spawns it again.
+            models.UniqueConstraint(fields=("parent", "spawn_key"), name="agentruns_spawn_key",
+                                    condition=~Q(spawn_key="")),
+            # One unfinished run per agent and dedupe key: the arbiter of enqueue's
+            # INSERT ... ON CONFLICT DO NOTHING, race-free across processes. Partial, so a
+            # finished run frees its key and keyless runs cost the index nothing.
+            models.UniqueConstraint(
+                fields=("agent", "dedupe_key"),
+                condition=Q(status__in=UNFINISHED) & ~Q(dedupe_key=""),
+                name="agentruns_dedupe",
+            ),
         )
 
     def __str__(self) -> str:
@@ -105,3 +144,143 @@ class RunEvent(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.run_id}.{self.seq} {self.type}"
+
+
+class WorkerRecord(models.Model):
+    """A `runworker` process, as it last said it was: written by `django_agentruns.workers`.
+
+    Not a lease and never consulted by a claim: it only tells an operator (and `why`) which
+    workers are alive and what they serve. A record whose `last_seen_at` is older than the
+    lease TTL belongs to a worker that died or lost its database.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    worker_id = models.CharField(max_length=255, unique=True)
+    host = models.CharField(max_length=255)
+    pid = models.PositiveIntegerField()
+    queues = models.JSONField(default=list)
+    concurrency = models.PositiveIntegerField(default=1)
+    agents = models.JSONField(default=list, help_text="Agent names registered in the worker.")
+    version = models.CharField(max_length=50, blank=True, default="")
+    started_at = models.DateTimeField(default=timezone.now)
+    last_seen_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ("-last_seen_at",)
+        indexes = (models.Index(fields=("last_seen_at",), name="agentruns_worker_seen"),)
+
+    def __str__(self) -> str:
+        return self.worker_id
+
+
+class RunWait(models.Model):
+    """One key a run receives on (`ctx.receive`, an approval, a wait for child runs).
+
+    Written by `transitions.waiting` only. The row exists once the run waited for the key
+    or a payload was delivered for it, whichever came first; the first payload stands.
+    """
+
+    class Kind(models.TextChoices):
+        INPUT = "input", "Input"
+        APPROVAL = "approval", "Approval"
+        RUNS = "runs", "Child runs"
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="waits")
+    key = models.CharField(max_length=210)
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.INPUT)
+    prompt = models.JSONField(null=True, blank=True, help_text="For whoever answers.")
+    deadline = models.DateTimeField(null=True, blank=True)
+    waited_at = models.DateTimeField(null=True, blank=True, help_text="Last time it waited.")
+    timed_out_at = models.DateTimeField(null=True, blank=True)
+    payload = models.JSONField(null=True, blank=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    delivered_by = models.CharField(max_length=255, blank=True, default="")
+
+    class Meta:
+        ordering = ("run", "id")
+        constraints = (
+            models.UniqueConstraint(fields=("run", "key"), name="agentruns_wait_run_key"),
+        )
+
+    def __str__(self) -> str:
+        return f"#{self.run_id} {self.key}"
+
+
+class RunCheckpoint(models.Model):
+    """Every checkpoint a run saved, not only the last: what `fork` starts a new run from.
+
+    Written in the transaction that saves the checkpoint (`transitions.attempts` and
+    `transitions.batched`); number N is the run's checkpoint_count after it. A fork copies
+    its origin's first N, so its own numbers go on from there.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="checkpoints")
+    number = models.PositiveIntegerField(help_text="From 1, in the order saved.")
+    state = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ("run", "number")
+        constraints = (
+            models.UniqueConstraint(fields=("run", "number"), name="agentruns_checkpoint_number"),
+        )
+
+    def __str__(self) -> str:
+        return f"#{self.run_id} checkpoint {self.number}"
+
+
+class Schedule(models.Model):
+    """A recurring run of an agent: a cron expression or an interval in seconds.
+
+    Workers serving the agent's queue tick it: each tick moves `last_tick` forward in one
+    compare-and-set UPDATE and enqueues its run in the same transaction, so a tick runs once
+    however many workers race for it (django_agentruns.schedules).
+    """
+
+    class Origin(models.TextChoices):
+        CODE = "code", "@agent(schedule=/every=)"
+        """Declared on the agent; workers keep the row in step with the code."""
+        DATABASE = "database", "add_schedule / admin"
+        """Added at run time; edited in the admin, removed by `remove_schedule`."""
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.CharField(max_length=200, unique=True)
+    agent = models.CharField(max_length=200)
+    cron = models.CharField(max_length=200, blank=True, default="",
+                            help_text="Cron expression (5 fields), in `tz`.")
+    every = models.PositiveIntegerField(null=True, blank=True,
+                                        help_text="Seconds between ticks, aligned to the epoch.")
+    tz = models.CharField(max_length=64, blank=True, default="",
+                          help_text="IANA time zone of the cron expression; empty: TIME_ZONE.")
+    input = models.JSONField(default=dict, blank=True,
+                             help_text="Each run's input; its `tick` key is set to the tick.")
+    catch_up = models.BooleanField(default=False,
+                                   help_text="Run every missed tick, not only the latest.")
+    enabled = models.BooleanField(default=True, help_text="Untick to pause the schedule.")
+    origin = models.CharField(max_length=16, choices=Origin.choices, default=Origin.DATABASE)
+    last_tick = models.DateTimeField(null=True, blank=True,
+                                     help_text="The latest tick a run was enqueued for.")
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class PausedQueue(models.Model):
+    """A queue workers claim nothing from until it is resumed (`pause_queue`)."""
+
+    name = models.CharField(max_length=100, primary_key=True)
+    paused_at = models.DateTimeField(default=timezone.now)
+    paused_by = models.CharField(max_length=255, blank=True, default="")
+
+    class Meta:
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return self.name

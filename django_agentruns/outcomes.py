@@ -51,6 +51,7 @@ class Settlement(enum.Enum):
     REQUEUED = "requeued"
     DEAD_LETTERED = "dead_lettered"
     CANCELLED = "cancelled"
+    WAITING = "waiting"  # the attempt ended waiting; its wait write released the lease
     LOST = "lost"  # nothing written: the attempt no longer owns the run
 
 
@@ -69,6 +70,7 @@ class StopReason(enum.StrEnum):
     TIMEOUT = "timeout"
     SHUTDOWN = "shutdown"
     INTERRUPTED = "interrupted"  # the database stayed out of reach: requeued, not charged
+    WAITING = "waiting"  # the attempt recorded a wait (ctx.receive): the run is waiting
 
 
 class OutcomeKind(enum.StrEnum):

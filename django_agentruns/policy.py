@@ -69,7 +69,9 @@ def _direct(
     if status is not None and 400 <= status <= 599:
         retryable = status in RETRYABLE_STATUS or status >= 500
         return Failure(retryable=retryable, delay=_retry_after(exc) if retryable else None)
-    if isinstance(exc, ImproperlyConfigured | InvalidInputError | UnknownAgentError):
+    # Python's own PermissionError (EACCES, EPERM) is a configuration problem, not a blip.
+    if isinstance(exc, ImproperlyConfigured | InvalidInputError | UnknownAgentError
+                  | PermissionError):
         return Failure(retryable=False)
     if isinstance(exc, TimeoutError | ConnectionError):
         return Failure(retryable=True)

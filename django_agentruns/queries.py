@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Self
 from django.db import models
 from django.db.models import Exists, F, OuterRef, Q
 
-from .db import AmongUnindexed, RowBefore
+from .db import AmongUnindexed, NotListedIn, RowBefore
 from .outcomes import ScopePolicy
-from .states import DEAD_LETTER_REASONS, TERMINAL, Status
+from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Status
 
 if TYPE_CHECKING:
     from .models import AgentRun  # noqa: F401 (named in RunQuerySet's base, as a string)
@@ -30,9 +30,9 @@ def dead_letter() -> Q:
 
 
 def holding_statuses(blocking: bool) -> list[str]:
-    """The statuses of an earlier run that hold its scope: queued or running, and failed
-    too where the agent says dead letters block."""
-    statuses: list[str] = [Status.QUEUED, Status.RUNNING]
+    """The statuses of an earlier run that hold its scope: queued, running or waiting, and
+    failed too where the agent says dead letters block."""
+    statuses: list[str] = [Status.QUEUED, Status.RUNNING, Status.WAITING]
     return [*statuses, Status.FAILED] if blocking else statuses
 
 
@@ -55,6 +55,27 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
     def terminal(self) -> Self:
         """Finished: succeeded, failed or cancelled. Only an operator's retry moves one on."""
         return self.filter(status__in=TERMINAL)
+
+    def unfinished(self) -> Self:
+        """Queued or running (see `states.UNFINISHED`): what holds a dedupe key."""
+        return self.filter(status__in=UNFINISHED)
+
+    def holding_key(self, agent: str, dedupe_key: str) -> Self:
+        """The unfinished run of `agent` with `dedupe_key` (at most one: `agentruns_dedupe`)."""
+        return self.unfinished().filter(agent=agent, dedupe_key=dedupe_key)
+
+    def unpaused(self) -> Self:
+        """Runs whose queue is not paused. The claim's statement carries it, so a worker
+        whose list of paused queues is a moment old still takes nothing from one."""
+        from .models import PausedQueue  # models imports this module
+
+        return self.filter(NotListedIn(F("queue"), PausedQueue._meta.db_table))
+
+    def in_paused_queues(self) -> Self:
+        """Runs of a paused queue (`why` and the admin say so)."""
+        from .models import PausedQueue
+
+        return self.filter(Exists(PausedQueue.objects.filter(name=OuterRef("queue"))))
 
     def dead_letters(self) -> Self:
         """Failed for good (retries exhausted, not retryable): what an operator looks at."""
@@ -104,27 +125,34 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
                 qs = qs.filter(~Q(agent__in=agents) | ~Exists(holder))
         return qs
 
-    def blocked(self, scopes: ScopePolicy) -> Self:
-        """Queued behind an earlier run of its scope: `startable`'s firing-order rule, inverted
-        (whatever the run's due time)."""
-        held = Q(pk__in=[])
+    def held(self, scopes: ScopePolicy) -> Q | None:
+        """The condition "an earlier run of its scope holds it back" (ordered agents only),
+        for a caller that counts with it (the metrics); None when no agent is ordered."""
+        held: Q | None = None
         for agents, blocking in _scope_groups(scopes):
             if agents:
                 holder = self._fresh().ahead_in_scope().holding(blocking)
-                held |= Q(agent__in=agents) & Q(Exists(holder))
-        return self.filter(held, status=Status.QUEUED)
+                group = Q(agent__in=agents) & Q(Exists(holder))
+                held = group if held is None else held | group
+        return held
+
+    def blocked(self, scopes: ScopePolicy) -> Self:
+        """Queued behind an earlier run of its scope: `startable`'s firing-order rule, inverted
+        (whatever the run's due time)."""
+        return self.filter(self.held(scopes) or Q(pk__in=[]), status=Status.QUEUED)
 
     def awaited(self, queues: Iterable[str], at: datetime, scopes: ScopePolicy) -> Self:
         """Queued runs due by time that a worker will get to without outside help.
 
         That is, all but those behind a run no worker releases: a dead letter (where the agent
-        says it blocks) or a run still backing off. A burst worker whose claim came back empty
-        waits while any of these remain (another worker holds them, or the run ahead of them),
-        and exits past the rest.
+        says it blocks), a run still backing off, or a waiting run. A burst worker whose claim
+        came back empty waits while any of these remain (another worker holds them, or the run
+        ahead of them), and exits past the rest.
         """
         qs = self.due(queues, at)
         for agents, blocking in _scope_groups(scopes):
-            stuck = Q(status=Status.QUEUED, available_at__gt=at)
+            # Behind a run backing off, or waiting for a delivery: nobody here releases it.
+            stuck = Q(status=Status.QUEUED, available_at__gt=at) | Q(status=Status.WAITING)
             if blocking:
                 stuck |= Q(status=Status.FAILED)
             if agents:

@@ -24,6 +24,8 @@ class ReapReport:
     dead_lettered: list[int] = field(default_factory=list)
     cancelled: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)  # renewed or settled meanwhile
+    wait_timeouts: list[int] = field(default_factory=list)  # waiting runs past their deadline
+    parents_resumed: list[int] = field(default_factory=list)  # children all done, parent not
 
     @property
     def total(self) -> int:
@@ -31,9 +33,11 @@ class ReapReport:
 
 
 def reap(at: datetime | None = None, *, limit: int = 1000, dry_run: bool = False) -> ReapReport:
-    """Requeue, dead-letter or cancel (if asked) each run whose lease lapsed before `at`."""
+    """Requeue, dead-letter or cancel (if asked) each run whose lease lapsed before `at`;
+    queue again each waiting run whose wait's deadline passed (never a waiting run else)."""
     at = at or transitions.now()
     report = ReapReport()
+    _expire_waits(report, at, limit, dry_run)
     for row in transitions.find_stale(at, limit):
         report.stale.append(row["id"])
         if dry_run:
@@ -51,3 +55,18 @@ def reap(at: datetime | None = None, *, limit: int = 1000, dry_run: bool = False
                         extra={"run_id": row["id"], "agent": row["agent"],
                                "attempt": row["attempt"], "worker_id": row["claimed_by"]})
     return report
+
+
+def _expire_waits(report: ReapReport, at: datetime, limit: int, dry_run: bool) -> None:
+    """Waits past their deadline go back to the queue (their `receive` raises WaitTimedOut),
+    and parents whose children all finished but who were not resumed (a worker died between
+    a one-statement settle and its follow-up) are resumed."""
+    waits = transitions.waiting
+    for run_id in waits.expired(at, limit):
+        if not dry_run and waits.expire(run_id, at):
+            report.wait_timeouts.append(run_id)
+            logger.info("run %s: its wait timed out; queued again", run_id,
+                        extra={"run_id": run_id})
+    for run_id in waits.parents_behind(limit):
+        if not dry_run and waits.resume_parent(run_id, at):
+            report.parents_resumed.append(run_id)

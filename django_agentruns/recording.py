@@ -11,9 +11,12 @@ import logging
 import traceback
 from collections.abc import Callable
 
+from django.db import connection
+
 from . import policy, signals, transitions
 from .conf import app_settings
 from .exceptions import AttemptTimeout
+from .models import AgentRun
 from .outcomes import AttemptRef, ErrorInfo, Outcome, OutcomeKind, Settlement, StopReason
 from .registry import AgentSpec
 from .transitions import Result, SettleWrite, SucceedWrite, Write
@@ -31,12 +34,20 @@ def record(
     `write` applies the write (the worker passes its attempt store); by default it runs
     alone on this thread's connection, in any transaction the caller has open.
     """
+    if waiting(outcome):
+        return Settlement.WAITING
     step = transition(spec, ref, outcome, interactive=interactive)
     settlement = Settlement.LOST if step is None else \
         settled((write or transitions.apply_alone)(step))
     if settlement is Settlement.LOST:
         announce_lost(ref)
     return settlement
+
+
+def waiting(outcome: Outcome) -> bool:
+    """The attempt ended waiting: its wait write already released the lease, so
+    nothing more is written."""
+    return outcome.kind is OutcomeKind.STOPPED and outcome.stop_reason is StopReason.WAITING
 
 
 def settled(result: Result) -> Settlement:
@@ -120,7 +131,19 @@ def error_text(error: BaseException) -> str:
         return f"<{type(error).__name__}: str() raised {type(exc).__name__}>"
 
 
-def log_settlement(ref: AttemptRef, agent: str, settlement: Settlement, outcome: Outcome) -> None:
+def dead_letter_reason(ref: AttemptRef, *, close: bool = False) -> str:
+    """Why a dead-lettered run will not be retried, as written (one read; dead letters
+    are rare). `close`: the read ran on a thread that keeps no connection (off the loop)."""
+    try:
+        return AgentRun.objects.filter(pk=ref.run_id).values_list(
+            "reason", flat=True).first() or ""
+    finally:
+        if close:
+            connection.close()
+
+
+def log_settlement(ref: AttemptRef, agent: str, settlement: Settlement, outcome: Outcome,
+                   reason: str = "") -> None:
     extra = {"run_id": ref.run_id, "agent": agent, "attempt": ref.attempt,
              "worker_id": ref.worker_id, "outcome": settlement.value}
     if settlement is Settlement.LOST:
@@ -136,5 +159,8 @@ def log_settlement(ref: AttemptRef, agent: str, settlement: Settlement, outcome:
             level = logging.WARNING  # SystemExit, KeyboardInterrupt: rarely meant
     elif outcome.stop_reason:
         detail = f" ({outcome.stop_reason})"
+    if settlement is Settlement.DEAD_LETTERED:
+        extra["reason"] = reason
+        detail = f" ({reason}){detail}"
     logger.log(level, "run %s %s attempt %s %s%s", ref.run_id, agent, ref.attempt,
                settlement.value, detail, extra=extra)

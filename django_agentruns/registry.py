@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from .conf import app_settings
 from .exceptions import InvalidInputError, UnknownAgentError
 from .outcomes import ScopePolicy
+from .ticks import Timing, check_timing
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -60,6 +61,8 @@ class AgentSpec:
     lease_ttl: float | None = None
     priority: int = 0
     classify: Callable[[BaseException], bool | None] | None = None
+    schedule_timing: Timing | None = None  # from schedule= / every= (django_agentruns.schedules)
+    catch_up: bool = False
 
     @property
     def is_async(self) -> bool:
@@ -91,13 +94,27 @@ def agent(
     lease_ttl: float | None = None,
     priority: int = 0,
     classify: Callable[[BaseException], bool | None] | None = None,
+    schedule: str | None = None,
+    schedule_tz: str | None = None,
+    every: int | None = None,
+    catch_up: bool = False,
 ) -> Callable[[F], F]:
-    """Register a function (sync or `async def`) taking a `RunContext` as agent `name`."""
+    """Register a function (sync or `async def`) taking a `RunContext` as agent `name`.
+
+    `schedule` (a cron expression, in `schedule_tz` or TIME_ZONE) or `every` (seconds,
+    aligned to the epoch): one run per tick, the tick's time in `input["tick"]`; missed
+    ticks run only the latest unless `catch_up` (see django_agentruns.schedules).
+    """
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidInputError(
             f"Agent name {name!r} must be 1-200 characters of letters, digits and _ . : -"
         )
     _check_options(name, queue, max_requeues, timeout, lease_ttl, priority, classify)
+    timing = None
+    if schedule is not None or every is not None or schedule_tz is not None:
+        timing = check_timing(schedule, every, schedule_tz, f"Agent {name!r}")
+    if not isinstance(catch_up, bool):
+        raise InvalidInputError(f"Agent {name!r}: catch_up must be True or False")
 
     def register(func: F) -> F:
         existing = _registry.get(name)
@@ -109,6 +126,7 @@ def agent(
             name=name, func=func, queue=queue, ordered=ordered,
             dead_letters_block=dead_letters_block, max_requeues=max_requeues,
             timeout=timeout, lease_ttl=lease_ttl, priority=priority, classify=classify,
+            schedule_timing=timing, catch_up=catch_up,
         )
         return func
 

@@ -13,7 +13,7 @@ from django.db.models.deletion import Collector
 from django.utils import timezone
 
 from .exceptions import InvalidInputError
-from .models import TERMINAL, AgentRun, RunEvent
+from .models import TERMINAL, AgentRun, RunCheckpoint, RunEvent
 from .queries import dead_letter
 
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -90,8 +90,11 @@ def purge(
                          .values_list("id", flat=True)[:batch_size])
             if not batch:
                 return report
-            # Events first, by run, so the runs' delete has nothing left to cascade to.
+            # Events first, by run, so the runs' delete has nothing left to cascade to;
+            # the checkpoint history goes with them, and forks keep no link to a purged run.
             events = _delete_events(batch, batch_size)
+            RunCheckpoint.objects.filter(run_id__in=batch).delete()  # fast: one DELETE
+            AgentRun.objects.filter(forked_from_id__in=batch).update(forked_from=None)
             runs = _delete_by_pk(AgentRun, batch, RUN_PAYLOADS)
         report.runs += runs
         report.events += events

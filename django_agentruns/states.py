@@ -15,6 +15,11 @@ class Status(models.TextChoices):
     RUNNING = "running", "Running"
     """An attempt holds the lease. The owning worker settles it; the reaper (or a claim)
     takes it back to queued or failed once the lease lapses."""
+    WAITING = "waiting", "Waiting"
+    """An attempt stopped to wait for a delivery (`ctx.receive`, an approval) or for its
+    child runs: no lease, no worker slot, never reaped. A `deliver` for the awaited key,
+    its last child finishing, or its deadline passing (the reaper) queue it again;
+    `cancel` cancels it at once."""
     SUCCEEDED = "succeeded", "Succeeded"
     """Terminal: the agent returned its output."""
     FAILED = "failed", "Failed"
@@ -24,6 +29,10 @@ class Status(models.TextChoices):
 
 
 TERMINAL = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+
+UNFINISHED = (Status.QUEUED, Status.RUNNING, Status.WAITING)
+"""Statuses that hold a dedupe key (the partial unique index `agentruns_dedupe`): a run
+in one of them is returned to a second `enqueue` with its key."""
 
 
 class Reason(models.TextChoices):

@@ -15,7 +15,7 @@ from django.db.models import Count
 from django.utils import timezone
 
 from . import transitions
-from .models import AgentRun, Status
+from .models import AgentRun, PausedQueue, Status
 from .registry import find_agent
 
 NOT_QUEUED = "not_queued"
@@ -23,6 +23,7 @@ UNKNOWN_AGENT = "unknown_agent"
 CANCEL_REQUESTED = "cancel_requested"
 WAITING = "waiting"
 BLOCKED = "blocked"
+PAUSED = "paused"
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ def why_not_started(run: AgentRun | int, at: datetime | None = None) -> list[Hol
     """Every reason `run` is not starting now; empty if it is due and a worker may take it.
 
     A run that is not queued gives one reason, its status. A queued run may have several:
-    an unknown agent, a pending cancel request, a due time still ahead, an earlier run of
-    its scope holding it back (ordered agents).
+    an unknown agent, a pending cancel request, a due time still ahead, its queue paused,
+    an earlier run of its scope holding it back (ordered agents).
     """
     at = at or timezone.now()
     if not isinstance(run, AgentRun):
@@ -63,6 +64,12 @@ def why_not_started(run: AgentRun | int, at: datetime | None = None) -> list[Hol
         what = "retry backoff" if run.requeue_count else "run_after"
         holds.append(Hold(WAITING, f"waiting until {_when(run.available_at)} "
                                    f"({seconds:.1f}s from now, {what})"))
+    pause = PausedQueue.objects.filter(name=run.queue).first()
+    if pause is not None:
+        holds.append(Hold(PAUSED, f"its queue {run.queue!r} was paused at "
+                                  f"{_when(pause.paused_at)}"
+                                  + (f" by {pause.paused_by}" if pause.paused_by else "")
+                                  + " (resume_queue / manage.py queues resume)"))
     if spec is not None and spec.ordered:
         blocker = _scope_holder(run, spec.dead_letters_block)
         if blocker is not None:

@@ -38,8 +38,11 @@ from .live import Live, LiveAttempts
 from .models import AgentRun
 from .notify import Listener
 from .outcomes import AttemptRef, Settlement, StopReason
+from .queues import PausedSet  # issue 18
 from .registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
+from .schedules import Ticker  # issue 18
 from .store import AttemptStore
+from .workers import Presence
 
 logger = logging.getLogger("django_agentruns.worker")
 
@@ -96,7 +99,9 @@ class Worker:
         self._wake = threading.Event()
         self.live = LiveAttempts()
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="agentrun")
-        self.keeper = LeaseKeeper(self.worker_id, self.live)
+        self.presence = Presence(self)  # the worker's record, for operators (workers.py)
+        # One beat per keeper pass at most every min(5 s, LEASE_TTL/3) (Presence paces it).
+        self.keeper = LeaseKeeper(self.worker_id, self.live, on_tick=self.presence.tick)
         self._listener_stop = threading.Event()
         self._listener: Listener | None = None
         self._signals = 0
@@ -112,6 +117,9 @@ class Worker:
         # connections: started with the worker (`run`), closed when it stops.
         self.store: AttemptStore | None = None
         self.executor = Executor(self.worker_id, known=self._agents)
+        # issue 18: paused queues left out of claims; this worker's part in ticking schedules
+        self._paused = PausedSet()
+        self._ticker = Ticker(self._agents, self.queues)
 
     @staticmethod
     def connections() -> int:
@@ -132,9 +140,12 @@ class Worker:
                     ",".join(self.queues), self.concurrency, " (burst)" if self.burst else "",
                     extra={"worker_id": self.worker_id})
         self.store = self.executor.store = AttemptStore()
+        self.presence.start()
         self.keeper.start()
         if Listener.available():
-            self._listener = Listener(self.queues, self._wake, self._listener_stop)
+            self._listener = Listener(self.queues, self._wake, self._listener_stop,
+                                      worker_id=self.worker_id,
+                                      poll_interval=self.poll_interval)
             self._listener.start()
         try:
             self._serve()
@@ -158,6 +169,10 @@ class Worker:
         self.stop()
 
     @property
+    def agent_names(self) -> list[str]:
+        return list(self._agents)
+
+    @property
     def busy(self) -> int:
         return len(self.live)
 
@@ -172,6 +187,7 @@ class Worker:
             try:
                 close_old_connections()
                 self._maybe_reap()
+                self._ticker.tick()  # issue 18: schedules
                 claimed = self._claim()
                 errors = 0
             except Exception:
@@ -199,17 +215,21 @@ class Worker:
                 self.stopping.wait(contention_wait)
                 contention_wait = min(CONTENTION_MAX, contention_wait * 2)
                 continue
-            self._wake.wait(self.poll_interval if self.busy < self.concurrency else None)
+            # issue 18: wake for the next schedule tick too
+            tick = self._ticker.seconds_to_next()
+            idle = self.poll_interval if tick is None else min(self.poll_interval, tick)
+            self._wake.wait(idle if self.busy < self.concurrency else tick)
 
     def _claim(self) -> int:
         free = self.concurrency - self.busy
-        if free <= 0:
+        queues = self._paused.active(self.queues)  # issue 18: paused queues
+        if free <= 0 or not queues:
             return 0
         # Lapsed leases are looked for at most once a second: one statement less per claim.
         now = time.monotonic()
         include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
         runs = transitions.claim(
-            self.worker_id, self.queues, min(free, int(app_settings.CLAIM_BATCH)), self._scopes,
+            self.worker_id, queues, min(free, int(app_settings.CLAIM_BATCH)), self._scopes,
             self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed,
             agents=self._known)
         if include_lapsed:
@@ -331,6 +351,7 @@ class Worker:
         self.keeper.stop(timeout=5)
         if self._listener is not None:
             self._listener.thread.join(timeout=5)
+        self.presence.stop()
         self.executor.close()
         logger.info("worker %s stopped", self.worker_id, extra={"worker_id": self.worker_id})
 

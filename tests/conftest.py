@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator
 
@@ -9,6 +10,7 @@ from django.conf import settings
 from django.db import connection
 
 from tests import helpers
+from tests import pgbouncer as pgb
 
 
 def _engine_vendor() -> str:
@@ -49,3 +51,35 @@ def worker_env(transactional_db: None) -> Iterator[dict[str, str]]:
     leftovers = helpers.close_all_started()
     if leftovers:
         warnings.warn(f"killed subprocesses still running at teardown: {leftovers}", stacklevel=1)
+
+
+@pytest.fixture(scope="session")
+def pgbouncer() -> Iterator[pgb.PgBouncer]:
+    """A private PgBouncer in transaction mode in front of the test server (this session's).
+
+    Missing pgbouncer: the test is skipped with a loud reason, or fails in CI
+    (`REQUIRE_PGBOUNCER=1` or `CI` set), where `.ci/run` installs it.
+    """
+    if pgb.binary() is None:
+        message = f"PGBOUNCER MISSING: {pgb.INSTALL_HINT}"
+        if pgb.required():
+            pytest.fail(message)
+        warnings.warn(message, stacklevel=1)
+        pytest.skip(message)
+    db = settings.DATABASES["default"]
+    bouncer = pgb.PgBouncer(str(db.get("HOST") or "127.0.0.1"), int(db.get("PORT") or 5432))
+    with bouncer:
+        yield bouncer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _release_pooled_test_database(request: pytest.FixtureRequest) -> Iterator[None]:
+    """When the whole session goes through a PgBouncer (scripts/test-pgbouncer.sh), drop
+    its server connections to the test database before pytest-django drops it."""
+    port = os.environ.get("AGENTRUNS_TEST_PGBOUNCER_PORT")
+    if not port:
+        yield
+        return
+    request.getfixturevalue("django_db_setup")
+    yield
+    pgb.PgBouncer.kill_on(int(port), str(connection.settings_dict["NAME"]))

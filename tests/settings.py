@@ -35,6 +35,16 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
             "NAME": str(TMP_DIR / f"test-{stem}-{os.getpid()}.sqlite3"),
         }
 
+# Set when DATABASE_URL goes through a transaction pooler (tests.pgbouncer; host:port of the
+# server behind it): a "listen" alias then reaches the same database directly, as
+# docs/deployment.md recommends, and server-side cursors are off for the pooled alias.
+DIRECT = os.environ.get("AGENTRUNS_TEST_DIRECT", "")
+if DIRECT:
+    host, _, port = DIRECT.rpartition(":")
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
+    DATABASES["listen"] = {**DATABASES["default"], "HOST": host, "PORT": port,
+                           "DISABLE_SERVER_SIDE_CURSORS": False, "TEST": {"MIRROR": "default"}}
+
 SECRET_KEY = "agentruns-tests-not-a-secret"
 DEBUG = False
 ALLOWED_HOSTS = ["testserver", "localhost", "127.0.0.1"]
@@ -83,13 +93,15 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast admin logins
 
 # Short timings so lease expiry, reaping and retries happen within a test's patience.
-AGENTRUNS = {
+AGENTRUNS: dict[str, object] = {
     "LEASE_TTL": 2.0,
     "POLL_INTERVAL": 0.05,
     "REAP_INTERVAL": 0.5,
     "BACKOFF_BASE": 0.0,
     "BACKOFF_CAP": 0.0,
 }
+if DIRECT:
+    AGENTRUNS["LISTEN_DATABASE"] = "listen"
 # A test can hand a worker subprocess different values (e.g. a longer LEASE_TTL) as JSON;
 # `settings` fixture overrides do not reach another process.
 AGENTRUNS.update(json.loads(os.environ.get("AGENTRUNS_TEST_SETTINGS", "{}")))

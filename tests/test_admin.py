@@ -253,10 +253,13 @@ def test_event_timeline_is_paginated(admin_client: Client,
     add_events(run, 250)
     with django_assert_max_num_queries(8):
         first = admin_client.get(run_url(run))
-    assert [e.seq for e, _ in first.context["event_rows"]] == list(range(1, 101))
+    # Newest first: the events that explain how it ended are on the first page.
+    assert [e.seq for e, _ in first.context["event_rows"]] == list(range(250, 150, -1))
     last = admin_client.get(run_url(run) + "?events_page=3")
-    assert [e.seq for e, _ in last.context["event_rows"]] == list(range(201, 251))
+    assert [e.seq for e, _ in last.context["event_rows"]] == list(range(50, 0, -1))
     assert "Events 201\u2013250 of 250" in last.content.decode()
+    oldest = admin_client.get(run_url(run) + "?events_order=oldest&events_page=3")
+    assert [e.seq for e, _ in oldest.context["event_rows"]] == list(range(201, 251))
     for bogus in ("abc", "-1", "999", "1e9"):
         assert admin_client.get(run_url(run) + f"?events_page={bogus}").status_code == 200
 
@@ -336,7 +339,7 @@ def test_operator_sees_the_actions_and_the_buttons_that_apply(operator: Client) 
     html = operator.get(run_url(running)).content.decode()
     assert 'id="agentruns-cancel"' in html
     assert 'id="agentruns-retry"' not in html
-    assert "Retry all 1" in operator.get(reverse(OVERVIEW)).content.decode()
+    assert "Retry 1…" in operator.get(reverse(OVERVIEW)).content.decode()
 
 
 def test_forged_posts_without_the_permissions_are_forbidden(viewer: Client) -> None:
@@ -403,7 +406,7 @@ def test_bulk_cancel_cancels_queued_and_asks_running_runs_to_stop(operator: Clie
     selection = [queued.pk, running.pk, asked.pk, finished.pk]
     confirm = operator.post(changelist(), {"action": "cancel_runs", "index": "0",
                                            "_selected_action": selection})
-    assert "Cancel <strong>3</strong> queued or running runs?" in confirm.content.decode()
+    assert "Cancel <strong>3</strong> queued, running or waiting runs?" in confirm.content.decode()
     done = operator.post(changelist(), {"action": "cancel_runs", "post": "yes",
                                         "_selected_action": selection})
     assert messages_of(operator, done) == [
@@ -434,7 +437,7 @@ def test_select_across_retries_every_run_the_filter_matches(operator: Client) ->
 
 def test_run_page_retry_button_requeues_a_failed_run(operator: Client) -> None:
     failed = make_run(Status.FAILED)
-    response = operator.post(run_url(failed, "retry"))
+    response = operator.post(run_url(failed, "retry"), {"post": "yes"})
     assert response.status_code == 302
     assert response["Location"] == run_url(failed)
     assert status_of(failed) == Status.QUEUED
@@ -444,7 +447,7 @@ def test_run_page_retry_button_requeues_a_failed_run(operator: Client) -> None:
 
 def test_run_page_cancel_button_cancels_a_queued_run(operator: Client) -> None:
     queued = make_run(Status.QUEUED)
-    response = operator.post(run_url(queued, "cancel"))
+    response = operator.post(run_url(queued, "cancel"), {"post": "yes"})
     assert response.status_code == 302
     assert status_of(queued) == Status.CANCELLED
     event = RunEvent.objects.get(run=queued)
@@ -452,11 +455,16 @@ def test_run_page_cancel_button_cancels_a_queued_run(operator: Client) -> None:
     assert "operator" in event.payload["reason"]
 
 
-def test_run_page_buttons_are_post_only(operator: Client) -> None:
-    failed = make_run(Status.FAILED)
-    assert operator.get(run_url(failed, "retry")).status_code == 405
-    assert operator.get(run_url(failed, "cancel")).status_code == 405
-    assert status_of(failed) == Status.FAILED
+def test_run_page_buttons_ask_first(operator: Client) -> None:
+    failed, queued = make_run(Status.FAILED), make_run(Status.QUEUED)
+    for url in (run_url(failed, "retry"), run_url(queued, "cancel")):
+        for response in (operator.get(url), operator.post(url)):
+            assert response.status_code == 200
+            assert 'id="agentruns-confirm"' in response.content.decode()
+    assert "Retry <strong>1</strong> failed or cancelled run?" in operator.get(
+        run_url(failed, "retry")).content.decode()
+    assert operator.put(run_url(failed, "retry")).status_code == 405
+    assert (status_of(failed), status_of(queued)) == (Status.FAILED, Status.QUEUED)
 
 
 # --------------------------------------------------------------------------- bad requests
@@ -465,18 +473,18 @@ def test_run_page_buttons_are_post_only(operator: Client) -> None:
 def test_a_stale_button_gets_a_message_and_no_transition(operator: Client) -> None:
     succeeded = make_run(Status.SUCCEEDED)
     cancelled = make_run(Status.CANCELLED)
-    response = operator.post(run_url(succeeded, "retry"))
+    response = operator.post(run_url(succeeded, "retry"), {"post": "yes"})
     assert response.status_code == 302
     assert messages_of(operator, response) == [
         f"Run #{succeeded.pk} was not retried: it is not failed or cancelled."]
-    response = operator.post(run_url(cancelled, "cancel"))
+    response = operator.post(run_url(cancelled, "cancel"), {"post": "yes"})
     assert messages_of(operator, response) == [
         f"Run #{cancelled.pk} was not cancelled: it has already finished."]
     assert (status_of(succeeded), status_of(cancelled)) == (Status.SUCCEEDED, Status.CANCELLED)
 
 
 def test_unknown_run_ids_get_a_message_not_an_error(operator: Client) -> None:
-    response = operator.post(run_url(987654, "retry"))
+    response = operator.post(run_url(987654, "retry"), {"post": "yes"})
     assert response.status_code == 302
     assert response["Location"] == changelist()
     assert messages_of(operator, response) == ["Run #987654 does not exist: nothing was changed."]
@@ -511,7 +519,7 @@ def test_list_filters_no_database_can_hold_are_dropped(operator: Client) -> None
 
 
 def test_huge_run_ids_are_unknown_runs(operator: Client) -> None:
-    response = operator.post(run_url(10**20, "retry"))
+    response = operator.post(run_url(10**20, "retry"), {"post": "yes"})
     assert response.status_code == 302
     assert messages_of(operator, response) == [
         f"Run #{10**20} does not exist: nothing was changed."]
@@ -575,9 +583,11 @@ def test_overview_counts_runs_and_groups_dead_letters_by_class(viewer: Client) -
     response = viewer.get(reverse(OVERVIEW))
     assert response.status_code == 200
     counts = {value: n for value, _, n in response.context["statuses"]}
-    assert counts == {"queued": 1, "running": 0, "succeeded": 0, "failed": 4, "cancelled": 0}
-    classes = [(row["error_type"], row["n"]) for row in response.context["classes"]]
-    assert classes == [("TimeoutError", 2), ("PermissionError", 1)]
+    assert counts == {"queued": 1, "running": 0, "waiting": 0, "succeeded": 0, "failed": 4,
+                      "cancelled": 0}
+    groups = [(g.agent, g.error_type, g.reason, g.count) for g in response.context["groups"]]
+    assert groups == [("tests.noop", "TimeoutError", "not_retryable", 2),
+                      ("tests.noop", "PermissionError", "retries_exhausted", 1)]
 
 
 def test_overview_links_list_the_dead_letters_of_a_class(viewer: Client) -> None:
@@ -585,7 +595,8 @@ def test_overview_links_list_the_dead_letters_of_a_class(viewer: Client) -> None
     make_run(Status.FAILED, error_type="PermissionError")
     make_run(Status.SUCCEEDED, error_type="TimeoutError")  # an old error of a later success
     html = viewer.get(reverse(OVERVIEW)).content.decode()
-    link = "?attention=dead_letter&amp;error_type=TimeoutError"
+    link = ("?attention=dead_letter&amp;agent=tests.noop&amp;error_type=TimeoutError"
+            "&amp;reason=not_retryable")
     assert link in html
     assert listed(viewer.get(changelist(link.replace("&amp;", "&")))) == [timeout.pk]
 

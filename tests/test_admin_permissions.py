@@ -47,6 +47,9 @@ def test_an_operation_permission_alone_is_forbidden_everywhere(codename: str) ->
                                         "up_to": str(failed.pk)}),
         ("post", run_url(failed, "retry"), {}),
         ("post", run_url(queued, "cancel"), {}),
+        ("get", run_url(failed, "retry"), {}),
+        ("post", run_url(failed, "retry"), {"post": "yes"}),
+        ("post", run_url(queued, "cancel"), {"post": "yes"}),
         ("post", changelist(), {"action": "retry_runs", "_selected_action": [failed.pk]}),
         ("post", changelist(), {"action": "cancel_runs", "_selected_action": [queued.pk]}),
         ("post", changelist(), {"action": "retry_runs", "_selected_action": [failed.pk],
@@ -81,7 +84,8 @@ def test_view_and_one_operation_get_that_operation_only() -> None:
     failed, queued = secret_run(), secret_run(Status.QUEUED)
     assert 'id="agentruns-retry"' in client.get(run_url(failed)).content.decode()
     assert client.post(run_url(queued, "cancel")).status_code == 403
-    assert client.post(run_url(failed, "retry")).status_code == 302
+    assert client.get(run_url(queued, "cancel")).status_code == 403
+    assert client.post(run_url(failed, "retry"), {"post": "yes"}).status_code == 302
     assert (status_of(failed), status_of(queued)) == (Status.QUEUED, Status.QUEUED)
 
 

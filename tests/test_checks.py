@@ -160,7 +160,7 @@ def test_every_check_id_is_exercised() -> None:
     exercised = {c[2] for c in BAD_SETTINGS} | {checks.W001_SQLITE_DEFERRED,
                                                  checks.W002_SQLITE_NOT_WAL,
                                                  checks.W004_RECONNECT_PER_RUN,
-                                                 checks.W005_CONNECTIONS}
+                                                 checks.W008_CONNECTIONS}
     assert exercised == CHECK_IDS
     assert len(CHECK_IDS) >= 7
 
@@ -251,7 +251,7 @@ def test_postgresql_reconnecting_per_run_warns(db: dict[str, Any], warns: bool) 
 def test_runworker_warns_when_sync_agents_could_pass_max_connections(
         concurrency: int, sync_agents: bool, max_connections: int | None, warns: bool) -> None:
     messages = checks.check_worker_connections(concurrency, 5, sync_agents, max_connections)
-    assert [m.id for m in messages] == ([checks.W005_CONNECTIONS] if warns else [])
+    assert [m.id for m in messages] == ([checks.W008_CONNECTIONS] if warns else [])
     if warns:
         assert f"may hold {concurrency + 5} connections" in messages[0].msg
 
@@ -267,4 +267,41 @@ def test_runworker_prints_its_connections_and_the_warning(
     postgres = worker_env["DATABASE_URL"].startswith("postgres")
     own = 3 + 2 + (1 if postgres else 0)
     assert f"concurrency 100000, {own} database connections" in done.stdout, done.stdout
-    assert (checks.W005_CONNECTIONS in done.stderr) is postgres, done.stderr
+    assert (checks.W008_CONNECTIONS in done.stderr) is postgres, done.stderr
+
+
+# --------------------------------------------------------------------------- a fresh project
+
+
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
+def test_a_fresh_sqlite_project_hears_both_warnings_from_check_as_from_migrate(
+        tmp_path: Any) -> None:
+    fresh = {"default": {"ENGINE": "django.db.backends.sqlite3",
+                         "NAME": str(tmp_path / "db.sqlite3")}}
+    with override_settings(DATABASES=fresh):
+        plain = [m for m in run_checks() if m.id.startswith("agentruns.")]  # manage.py check
+        with_db = [m for m in run_checks(databases=["default"])  # migrate
+                   if m.id.startswith("agentruns.")]
+    assert sorted(m.id for m in plain) == sorted(m.id for m in with_db) == [
+        checks.W001_SQLITE_DEFERRED, checks.W002_SQLITE_NOT_WAL]
+    for message in plain:  # one fix, with the values SQLITE_OPTIONS and the README use
+        assert "'timeout': 30" in (message.hint or "")
+        assert "SQLITE_OPTIONS" in (message.hint or "")
+    assert not (tmp_path / "db.sqlite3").exists()  # nothing was opened
+
+
+def test_the_journal_mode_is_read_from_the_file_header(tmp_path: Any) -> None:
+    import sqlite3
+
+    path = tmp_path / "db.sqlite3"
+    assert checks.file_journal_mode(str(path)) == ""
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE t (x)")
+    assert checks.file_journal_mode(str(path)) == "delete"
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA journal_mode=WAL")
+    assert checks.file_journal_mode(str(path)) == "wal"
+    assert checks.file_journal_mode(":memory:") == "memory"
+    with override_settings(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3",
+                                                  "NAME": str(path)}}):
+        assert checks.check_sqlite_journal() == []

@@ -166,7 +166,7 @@ def make_backlog() -> None:
 def test_the_backlog_is_four_grouped_counts(
         db: None, django_assert_num_queries: Any) -> None:
     make_backlog()
-    with django_assert_num_queries(4):
+    with django_assert_num_queries(5):  # and the (few) paused queues
         backlog = metrics.read_backlog()
     assert backlog.due == {"default": 2, "mail": 1}
     assert backlog.scheduled == {"default": 1, "mail": 0}
@@ -207,6 +207,21 @@ def test_due_runs_of_agents_this_process_lacks_are_counted_by_queue_and_agent(
         ("agentruns_unknown_agent_runs", "mail", "tests.also_new"): 1}
 
 
+def test_the_backlog_counts_lapsed_leases_in_the_running_count(
+        db: None, django_assert_num_queries: Any) -> None:
+    now = timezone.now()
+    for queue, expires in [("default", now - timedelta(seconds=5)), ("default", now +
+                           timedelta(seconds=30)), ("mail", now + timedelta(seconds=30))]:
+        AgentRun.objects.create(agent="tests.noop", queue=queue, status=Status.RUNNING,
+                                lease_expires=expires)
+    with django_assert_num_queries(5):
+        backlog = metrics.read_backlog()
+    assert backlog.running == {"default": 2, "mail": 1}
+    assert backlog.lapsed == {"default": 1, "mail": 0}
+    collector = metrics.BacklogCollector(read=lambda: backlog)
+    assert gauges(collector)[("agentruns_leases_lapsed", "default")] == 1
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -225,7 +240,7 @@ def test_the_collector_reads_once_per_ttl_and_keeps_drained_queues_at_zero(
     make_backlog()
     clock = FakeClock()
     collector = metrics.BacklogCollector(ttl=15, clock=clock)
-    with django_assert_num_queries(4):
+    with django_assert_num_queries(5):  # and the paused queues
         first = gauges(collector)
     assert first[("agentruns_queue_depth", "default")] == 2
     assert first[("agentruns_queue_scheduled", "default")] == 1
@@ -238,12 +253,27 @@ def test_the_collector_reads_once_per_ttl_and_keeps_drained_queues_at_zero(
     with django_assert_num_queries(0):
         assert gauges(collector) == first  # N scrapers in a TTL cost one reading
     clock.now += 0.2
-    with django_assert_num_queries(4):
+    with django_assert_num_queries(5):
         drained = gauges(collector)
     assert drained[("agentruns_queue_depth", "mail")] == 0  # reported, not gone
     assert drained[("agentruns_running", "mail")] == 0
     assert drained[("agentruns_dead_letters", "retries_exhausted")] == 0
     assert drained[("agentruns_queue_depth", "default")] == 2
+
+
+def test_the_collector_shows_paused_queues(db: None) -> None:
+    from django_agentruns import pause_queue, resume_queue
+
+    make_backlog()
+    pause_queue("mail")
+    clock = FakeClock()
+    collector = metrics.BacklogCollector(ttl=15, clock=clock)
+    reading = gauges(collector)
+    assert reading[("agentruns_queue_paused", "mail")] == 1
+    assert reading[("agentruns_queue_paused", "default")] == 0
+    resume_queue("mail")
+    clock.now += 16
+    assert gauges(collector)[("agentruns_queue_paused", "mail")] == 0
 
 
 def test_the_collector_serves_its_last_reading_when_the_database_fails(

@@ -15,15 +15,16 @@ from django.core.management import call_command
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
-from django_agentruns import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
+from django_agentruns import RunRequest, cancel, enqueue, enqueue_many, notify, retry, run_now
 from django_agentruns.models import AgentRun, Status
-from django_agentruns.notify import CHANNEL, Listener
+from django_agentruns.notify import CHANNEL, Listener, probe_channel
 from tests import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 T = TypeVar("T")
-TRIGGERS = ["agentruns_notify_insert", "agentruns_notify_retry"]
+TRIGGERS = ["agentruns_notify_finish", "agentruns_notify_insert", "agentruns_notify_resume",
+            "agentruns_notify_retry"]  # finish and resume: migration 0005 (waiting runs)
 
 
 @pytest.fixture
@@ -187,11 +188,95 @@ def test_the_trigger_migration_reverses_and_reapplies() -> None:
 
 @pytest.mark.postgres_only
 def test_without_the_trigger_nothing_notifies(listener: Any) -> None:
+    # Migration 0002's own statements drop and recreate its triggers: migrating back to 0001
+    # would also drop the columns later migrations add, which enqueue writes.
+    from importlib import import_module
+
+    triggers_op = import_module("django_agentruns.migrations.0002_notify_trigger").NotifyTriggers
+    table = connection.ops.quote_name(AgentRun._meta.db_table)
     try:
-        call_command("migrate", "django_agentruns", "0001", verbosity=0)
+        with connection.cursor() as cursor:
+            for statement in triggers_op.drop(table):
+                cursor.execute(statement)
         enqueue("tests.noop", queue="q-untriggered")
         assert sent_before_sentinel(listener, "reversed") == []
     finally:
-        call_command("migrate", "django_agentruns", verbosity=0)
+        with connection.cursor() as cursor:
+            for statement in triggers_op.create(table):
+                cursor.execute(statement)
     enqueue("tests.noop", queue="q-triggered")
     assert sent_before_sentinel(listener, "reapplied") == ["q-triggered"]
+
+
+@pytest.mark.postgres_only
+def test_a_listener_checks_itself_on_a_channel_of_its_own() -> None:
+    from django_agentruns import metrics
+
+    assert probe_channel("host:1:aa") != probe_channel("host:1:ab")
+    wake, stopping = threading.Event(), threading.Event()
+    listening = Listener(["q"], wake, stopping, worker_id="host:1:aa")
+    assert listening.channel == probe_channel("host:1:aa")
+    listening.start()
+    try:
+        assert listening.connected.wait(10), "the self-check did not pass"
+        assert not listening.degraded.is_set()
+        if metrics.AVAILABLE:
+            assert metrics.WAKEUPS_DEGRADED._value.get() == 0
+    finally:
+        stopping.set()
+        listening.thread.join(10)
+
+
+@pytest.mark.postgres_only
+def test_a_listener_checks_itself_again_whenever_it_reconnects(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    checks: list[bool] = []
+
+    def counted(*args: Any, **kwargs: Any) -> bool:
+        checks.append(real(*args, **kwargs))
+        return checks[-1]
+
+    real = notify.self_check
+    monkeypatch.setattr(notify, "self_check", counted)
+    wake, stopping = threading.Event(), threading.Event()
+    listening = Listener(["q"], wake, stopping, worker_id="host:2:reconnect")
+    listening.start()
+    try:
+        assert listening.connected.wait(10)
+        assert checks == [True]
+        with connection.cursor() as cursor:  # the server ends the listener's session
+            cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                           "WHERE query = %s", [f"LISTEN {listening.channel}"])
+        helpers.wait_until(lambda: checks == [True, True] and listening.connected.is_set(),
+                           timeout=20, message="a second self-check after reconnecting")
+    finally:
+        stopping.set()
+        listening.thread.join(10)
+
+
+@pytest.mark.postgres_only
+def test_a_failed_self_check_warns_once_polls_and_recovers(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from django_agentruns import metrics
+
+    answers = iter([False, False, True])
+    monkeypatch.setattr(notify, "self_check", lambda *a, **k: next(answers, True))
+    monkeypatch.setattr(notify, "PROBE_RETRY", 0.05)
+    wake, stopping = threading.Event(), threading.Event()
+    listening = Listener(["q"], wake, stopping, worker_id="host:3:degraded", poll_interval=7)
+    caplog.set_level("INFO", logger="django_agentruns.worker")
+    listening.start()
+    try:
+        assert listening.degraded.is_set()
+        if metrics.AVAILABLE:
+            assert metrics.WAKEUPS_DEGRADED._value.get() == 1
+        assert listening.connected.wait(10), "the third self-check passes"
+        assert not listening.degraded.is_set()
+    finally:
+        stopping.set()
+        listening.thread.join(10)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings  # one per episode, not one per retry
+    assert "LISTEN_DATABASE" in warnings[0]
+    assert "every POLL_INTERVAL (7 s)" in warnings[0]
+    assert any("wake-ups restored" in r.getMessage() for r in caplog.records)

@@ -128,7 +128,8 @@ def test_timeouts_and_connection_errors_are_retryable(exc: BaseException) -> Non
     assert policy.classify(exc) == Failure(retryable=True)
 
 
-@pytest.mark.parametrize("exc", [ImproperlyConfigured("no key"), InvalidInputError("bad")],
+@pytest.mark.parametrize("exc", [ImproperlyConfigured("no key"), InvalidInputError("bad"),
+                                 PermissionError(13, "Permission denied", "/srv/keys")],
                          ids=type)
 def test_configuration_errors_are_not_retryable(exc: BaseException) -> None:
     assert policy.classify(exc) == Failure(retryable=False)

@@ -157,10 +157,13 @@ def test_awaited_leaves_out_runs_held_by_a_backoff_or_a_blocking_dead_letter() -
     backing_off = row(agent=ORDERED, scope="d", fired_seq=1, available_at=AT + timedelta(hours=1))
     behind_backoff = row(agent=ORDERED, scope="d", fired_seq=2)
     free = row()
+    # A waiting run holds its scope until someone delivers: no worker gets past it alone.
+    _, behind_waiting = scope(ORDERED, Status.WAITING, Status.QUEUED, scope="e")
 
     awaited = ids(AgentRun.objects.awaited(["default"], AT, SCOPES))
     assert awaited == {behind_running.pk, behind_plain_dead.pk, free.pk}
-    assert not awaited & {behind_dead.pk, backing_off.pk, behind_backoff.pk}
+    assert not awaited & {behind_dead.pk, backing_off.pk, behind_backoff.pk,
+                          behind_waiting.pk}
 
 
 def test_ahead_of_and_holding_find_the_scopes_holder() -> None:
@@ -171,8 +174,9 @@ def test_ahead_of_and_holding_find_the_scopes_holder() -> None:
     assert ids(ahead) == {done.pk, dead.pk, first_queued.pk}
     assert ids(ahead.holding(True)) == {dead.pk, first_queued.pk}
     assert ids(ahead.holding(False)) == {first_queued.pk}
-    assert holding_statuses(False) == [Status.QUEUED, Status.RUNNING]
-    assert holding_statuses(True) == [Status.QUEUED, Status.RUNNING, Status.FAILED]
+    assert holding_statuses(False) == [Status.QUEUED, Status.RUNNING, Status.WAITING]
+    assert holding_statuses(True) == [Status.QUEUED, Status.RUNNING, Status.WAITING,
+                                      Status.FAILED]
 
 
 def test_the_registrys_scope_policy_is_the_split_these_reads_take() -> None:

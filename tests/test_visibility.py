@@ -14,7 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_agentruns import enqueue, policy, transitions
-from django_agentruns.models import AgentRun, Status
+from django_agentruns.models import AgentRun, Status, WorkerRecord
 from django_agentruns.outcomes import AttemptRef
 from django_agentruns.registry import scope_policy
 from django_agentruns.visibility import (
@@ -72,6 +72,8 @@ def dead_letter(run: AgentRun) -> None:
 
 def test_a_due_run_has_no_reason() -> None:
     run = enqueue("tests.noop")
+    WorkerRecord.objects.create(worker_id="w1", host="h", pid=1, queues=["default"],
+                                agents=["tests.noop"])  # a live worker that will take it
     assert why(run) == []
     assert "is due now: nothing holds it back" in why_command(run.pk)
     assert "'default'" in why_command(run.pk)

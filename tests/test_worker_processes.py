@@ -159,5 +159,6 @@ def test_worker_logs_one_info_line_per_transition(worker_env: dict[str, str]) ->
     dead = AgentRun.objects.get(agent="tests.not_retryable")
     assert {what for (run, _, what) in logged if run == dead.pk} == {"started", "dead_lettered"}
     # The dead letter's line says why.
-    assert re.search(rf"run {dead.pk} tests\.not_retryable attempt 1 dead_lettered: "
+    assert re.search(rf"run {dead.pk} tests\.not_retryable attempt 1 dead_lettered "
+                     r"\(not_retryable\): "
                      r"NotRetryable: bad credentials", done.stderr)

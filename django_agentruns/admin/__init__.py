@@ -2,7 +2,9 @@
 
 Laid out as Django lays out its own admin: `options` (the ModelAdmin and its URLs),
 `filters` (list filters), `display` (rendering), `actions` (retry/cancel through the API,
-bulk actions), `views` (buttons, overview). Django's admin autodiscovery imports this
+bulk actions), `views` (buttons, overview, fork, queue pause), `chart` (the overview's SVG),
+`workers` (the workers page), `schedules` (the schedules' own admin). Django's admin
+autodiscovery imports this
 package, which registers the run admin. Nobody adds, edits or deletes a run or an event
 here; status changes only through `api`.
 """
@@ -11,9 +13,13 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from ..models import AgentRun
+from ..models import AgentRun, Schedule, WorkerRecord
 from .options import AgentRunAdmin
+from .schedules import ScheduleAdmin
+from .workers import WorkerRecordAdmin
 
 admin.site.register(AgentRun, AgentRunAdmin)
+admin.site.register(WorkerRecord, WorkerRecordAdmin)
+admin.site.register(Schedule, ScheduleAdmin)
 
-__all__ = ["AgentRunAdmin"]
+__all__ = ["AgentRunAdmin", "ScheduleAdmin", "WorkerRecordAdmin"]

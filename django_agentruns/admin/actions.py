@@ -14,21 +14,26 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
+from django.contrib.admin.models import CHANGE, LogEntry
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.utils.text import capfirst
 
 from .. import api
-from ..exceptions import RunNotFoundError
-from ..models import AgentRun, Status
+from ..exceptions import InvalidInputError, RunNotFoundError
+from ..models import AgentRun, Reason, Status
 
 CONFIRM_SAMPLE = 50
+LOG_BATCH = 500
 MISSING = "missing"
 
 
 def _retry(run_id: int, user: str) -> str:
-    return "retried" if api.retry(run_id, by=user) else "skipped"
+    try:
+        return "retried" if api.retry(run_id, by=user) else "skipped"
+    except InvalidInputError:  # its dedupe key is held by another unfinished run
+        return "skipped"
 
 
 def _cancel(run_id: int, user: str) -> str:
@@ -46,6 +51,10 @@ class Operation:
     changed: tuple[str, ...]  # the outcomes that changed a run
 
     @property
+    def past(self) -> str:
+        return {"retry": "Retried", "cancel": "Cancelled"}.get(self.name, self.title)
+
+    @property
     def title(self) -> str:
         return capfirst(self.name)
 
@@ -58,6 +67,21 @@ class Operation:
 
     def apply(self, run_ids: Iterable[int], user: str) -> Counter[str]:
         return Counter(self.apply_one(run_id, user) for run_id in run_ids)
+
+    def apply_logged(self, request: HttpRequest, run_ids: Iterable[int]) -> Counter[str]:
+        """`apply`, and a `LogEntry` (the admin's History) for each run it changed."""
+        tally: Counter[str] = Counter()
+        changed: list[int] = []
+        for run_id in run_ids:
+            outcome = self.apply_one(run_id, username(request))
+            tally[outcome] += 1
+            if outcome in self.changed:
+                changed.append(run_id)
+            if len(changed) >= LOG_BATCH:
+                log_changes(request, changed, self)
+                changed = []
+        log_changes(request, changed, self)
+        return tally
 
     def describe_one(self, run_id: int, outcome: str) -> tuple[str, int]:
         level = messages.SUCCESS if outcome in self.changed else messages.WARNING
@@ -93,8 +117,8 @@ RETRY = Operation(
 )
 CANCEL = Operation(
     name="cancel",
-    eligible=(Status.QUEUED, Status.RUNNING),
-    eligible_text="queued or running",
+    eligible=(Status.QUEUED, Status.RUNNING, Status.WAITING),
+    eligible_text="queued, running or waiting",
     call=_cancel,
     outcomes={
         "cancelled": "queued run{s} cancelled",
@@ -113,6 +137,15 @@ CANCEL = Operation(
     changed=("cancelled", "requested"),
 )
 OPERATIONS = {op.name: op for op in (RETRY, CANCEL)}
+
+
+def log_changes(request: HttpRequest, run_ids: list[int], op: Operation) -> None:
+    """History entries for runs an operation changed: who did what, from the admin."""
+    if not run_ids:
+        return
+    runs = AgentRun.objects.filter(pk__in=run_ids).only("id", "agent", "status")
+    LogEntry.objects.log_actions(int(request.user.pk or 0), runs, CHANGE,
+                                 f"{op.past} from the admin")
 
 
 def username(request: HttpRequest) -> str:
@@ -139,22 +172,27 @@ def bulk(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentRun],
     selected = selected_ids(request) or []
     across = request.POST.get("select_across") == "1"
     if request.POST.get("post") != "yes":
-        return _confirmation(model_admin, request, queryset, op, action, selected, across)
+        return confirmation(model_admin, request, queryset, op, action=action,
+                            selected=selected, across=across)
     found = list(queryset.values_list("pk", flat=True).iterator())
-    tally = op.apply(found, username(request))
+    tally = op.apply_logged(request, found)
     if not across:
         tally[MISSING] += len(set(selected) - set(found))
     model_admin.message_user(request, *op.describe(tally))
     return None
 
 
-def _confirmation(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentRun],
-                  op: Operation, action: str, selected: list[int],
-                  across: bool) -> TemplateResponse:
+def confirmation(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentRun],
+                 op: Operation, *, action: str = "", selected: list[int] | None = None,
+                 across: bool = False, single: str | None = None) -> TemplateResponse:
+    """The page that asks first: for a bulk action, or (`single`: the run page's URL) for
+    the run page's button, whose form then posts back to the button's own URL."""
+    selected = selected or []
     eligible = queryset.filter(status__in=op.eligible)
     total, count = queryset.count(), eligible.count()
     sample = list(eligible.only("id", "agent", "scope", "status", "reason", "error_type",
                                 "cancel_requested_at")[:CONFIRM_SAMPLE])
+    hopeless = eligible.filter(reason=Reason.NOT_RETRYABLE).count() if op is RETRY else 0
     context = {
         **model_admin.admin_site.each_context(request),
         "title": f"{op.title} {count} run{'' if count == 1 else 's'}?",
@@ -169,6 +207,8 @@ def _confirmation(model_admin: Any, request: HttpRequest, queryset: QuerySet[Age
         "sample": sample,
         "more": max(0, count - len(sample)),
         "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+        "not_retryable_count": hopeless,
+        "single": single,
     }
     return TemplateResponse(request, "django_agentruns/admin/confirm_action.html", context)
 

@@ -11,15 +11,18 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from django.db.models import TextField
+from django.db.models.functions import Cast, Substr
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from ..models import AgentRun, Status
+from ..models import AgentRun, RunCheckpoint, Status
 
 BADGE_COLOURS: dict[str, str] = {
     Status.QUEUED: "#5b6b7a",
     Status.RUNNING: "#1f6fb2",
+    Status.WAITING: "#6a4fb3",
     Status.SUCCEEDED: "#2e7d32",
     Status.FAILED: "#c62828",
     Status.CANCELLED: "#8a6d3b",
@@ -70,6 +73,9 @@ def duration_or_age(run: AgentRun) -> str:
         return f"took {short_duration(_since(run.created_at, run.finished_at))}"
     if run.status == Status.RUNNING and run.started_at is not None:
         return f"running {short_duration(_since(run.started_at))}"
+    if run.status == Status.WAITING:  # for what, not since when: the run page has the time
+        return "waiting for child runs" if run.wait_key.startswith("~") \
+            else f"waiting for {run.wait_key!r}"
     if run.available_at > timezone.now():
         return f"due in {short_duration(-_since(run.available_at))}"
     return f"waiting {short_duration(_since(run.available_at))}"
@@ -141,3 +147,26 @@ def explanation(holds: Any, link: Callable[[int], str]) -> SafeString:
             '{} (<a href="{}">#{}</a>)', hold, link(blocker), blocker))
     return format_html("<ul>{}</ul>", format_html_join("", "<li>{}</li>",
                                                        ((line,) for line in lines)))
+
+
+CHECKPOINTS_SHOWN = 50
+STATE_PREVIEW = 200
+
+
+def checkpoints(run: AgentRun) -> dict[str, Any]:
+    """The run's latest checkpoints, each with the start of its state: at most
+    CHECKPOINTS_SHOWN rows and STATE_PREVIEW characters each, cut in the database, so a
+    run with thousands of large states costs the page no more than a few."""
+    rows = list(RunCheckpoint.objects.filter(run=run).order_by("-number").annotate(
+        preview=Substr(Cast("state", TextField()), 1, STATE_PREVIEW + 1))
+        .values("number", "created_at", "preview")[:CHECKPOINTS_SHOWN])
+    for row in rows:
+        text = row["preview"] or "null"
+        row["preview"] = text if len(text) <= STATE_PREVIEW else text[:STATE_PREVIEW] + "…"
+    return {"rows": rows, "total": run.checkpoint_count, "shown": len(rows)}
+
+
+def run_link(run_id: int | None, url: Callable[[int], str]) -> SafeString:
+    if run_id is None:
+        return format_html("{}", "—")
+    return format_html('<a href="{}">#{}</a>', url(run_id), run_id)

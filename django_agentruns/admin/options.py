@@ -14,17 +14,23 @@ from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db.models import QuerySet
+from django.db.models.functions import Substr
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
-from django.utils.safestring import SafeString
+from django.utils.html import format_html
+from django.utils.safestring import SafeString, mark_safe
 
+from ..diagnosis import short_error
 from ..models import AgentRun, RunEvent, Status
+from . import approvals, views
 from . import display as show
-from . import views
 from .actions import CANCEL, RETRY, cancel_runs, has_permission, retry_runs, selected_ids
 from .filters import AgentFilter, AttentionFilter, QueueFilter
+from .summary import summary
 
 EVENTS_PER_PAGE = 100
+ERROR_HEAD = 200  # characters of the error message the list loads
+ERROR_SHOWN = 48  # and shows (the rest on hover)
 # Never loaded for the list: a page of 100 runs would otherwise carry 100 inputs,
 # outputs and tracebacks.
 HEAVY_FIELDS = ("input", "output", "checkpoint_state", "error_message", "error_traceback",
@@ -39,7 +45,10 @@ else:  # ModelAdmin is generic only in django-stubs
 
 class RunChangeList(ChangeList):
     def get_queryset(self, request: HttpRequest, *args: Any, **kwargs: Any) -> QuerySet[AgentRun]:
-        return super().get_queryset(request, *args, **kwargs).defer(*HEAVY_FIELDS)
+        # The list shows the error's first words: a prefix, never the whole message.
+        runs: QuerySet[AgentRun] = super().get_queryset(request, *args, **kwargs)
+        return runs.defer(*HEAVY_FIELDS).annotate(
+            error_head=Substr("error_message", 1, ERROR_HEAD))
 
 
 def visibility() -> Any:
@@ -51,10 +60,12 @@ def visibility() -> Any:
 
 
 class AgentRunAdmin(ModelAdminBase):
-    list_display = ("short_id", "agent", "scope", "status_badge", "reason_text", "attempt",
-                    "requeues_used", "queue", "created", "duration")
+    # Sized for a 1400 px laptop screen with the sidebar and the filters open (about 750 px
+    # for the table): related values share a cell, one above the other.
+    list_display = ("short_id", "run_name", "state", "attempts", "queue", "when")
     list_display_links = ("short_id",)
-    list_filter = ("status", "reason", AttentionFilter, AgentFilter, QueueFilter)
+    list_filter = ("status", "reason", AttentionFilter, approvals.WaitingFilter, AgentFilter,
+                   QueueFilter)
     search_fields = ("scope", "agent")  # and the run id: see get_search_results
     search_help_text = "A run id, or part of a scope or an agent name."
     date_hierarchy = "created_at"
@@ -65,20 +76,22 @@ class AgentRunAdmin(ModelAdminBase):
     change_list_template = "django_agentruns/admin/change_list.html"
     change_form_template = "django_agentruns/admin/change_form.html"
     fieldsets = (
-        (None, {"fields": (("status_badge", "reason_text"), ("agent", "queue", "priority"),
+        (None, {"fields": (("status_badge", "reason_text", "cancel_request"),
+                           ("agent", "queue", "priority"),
                            ("scope", "fired_seq"), ("attempt", "requeues"),
                            ("created_at", "available_at"),
                            ("started_at", "finished_at", "duration"))}),
-        ("Lease", {"fields": ("lease", "cancel_request")}),
+        ("Lease", {"fields": ("lease",)}),
         ("Data", {"fields": (("input_json", "output_json"),
-                             ("checkpoint_count", "checkpoint_json"))}),
+                             ("checkpoint_count", "checkpoint_json"),
+                             ("dedupe_key", "forked_from_link"))}),
         ("Last error", {"fields": ("last_error",)}),
     )
     readonly_fields = ("status_badge", "reason_text", "agent", "queue", "priority", "scope",
                        "fired_seq", "attempt", "requeues", "created_at", "available_at",
                        "started_at", "finished_at", "duration", "lease", "cancel_request",
                        "input_json", "output_json", "checkpoint_count", "checkpoint_json",
-                       "last_error", "waiting_for")
+                       "last_error", "waiting_for", "dedupe_key", "forked_from_link")
 
     # ------------------------------------------------------------------ permissions
 
@@ -145,9 +158,33 @@ class AgentRunAdmin(ModelAdminBase):
     def reason_text(self, run: AgentRun) -> SafeString:
         return show.reason(run)
 
-    @admin.display(description="requeues", ordering="requeue_count")
-    def requeues_used(self, run: AgentRun) -> int:
-        return run.requeue_count
+    @admin.display(description="attempts", ordering="attempt")
+    def attempts(self, run: AgentRun) -> str:
+        """Attempts started, and the requeues they took if any: "3 (2 requeues)"."""
+        if not run.requeue_count:
+            return str(run.attempt)
+        return f"{run.attempt} ({run.requeue_count} req.)"
+
+    @admin.display(description="agent / scope", ordering="agent")
+    def run_name(self, run: AgentRun) -> SafeString:
+        return format_html('{}<br><span class="agentruns-muted">{}</span>', run.agent,
+                           run.scope)
+
+    @admin.display(description="status / reason / error", ordering="status")
+    def state(self, run: AgentRun) -> SafeString:
+        """The badge; under it the reason (and error class), then the error's first words."""
+        head = getattr(run, "error_head", "") or ""
+        error = format_html('<br><span class="agentruns-error-short" title="{}">{}</span>',
+                            head, short_error(head, ERROR_SHOWN)) \
+            if head and run.status == Status.FAILED else mark_safe("")
+        reason = show.reason(run)
+        return format_html("{}{}{}", show.status_badge(run),
+                           format_html("<br>{}", reason) if reason else "", error)
+
+    @admin.display(description="created / duration", ordering="created_at")
+    def when(self, run: AgentRun) -> SafeString:
+        return format_html('{}<br><span class="agentruns-muted">{}</span>',
+                           show.timestamp(run.created_at), show.duration_or_age(run))
 
     @admin.display(description="created", ordering="created_at")
     def created(self, run: AgentRun) -> str:
@@ -183,6 +220,10 @@ class AgentRunAdmin(ModelAdminBase):
     def checkpoint_json(self, run: AgentRun) -> SafeString:
         return show.pretty_json(run.checkpoint_state)
 
+    @admin.display(description="forked from")
+    def forked_from_link(self, run: AgentRun) -> SafeString:
+        return show.run_link(run.forked_from_id, self._run_url)
+
     @admin.display(description="error")
     def last_error(self, run: AgentRun) -> SafeString:
         return show.last_error(run)
@@ -205,14 +246,24 @@ class AgentRunAdmin(ModelAdminBase):
                            add: bool = False, change: bool = False, form_url: str = "",
                            obj: Any = None) -> HttpResponse:
         if obj is not None:
-            events = Paginator(RunEvent.objects.filter(run=obj).order_by("seq"),
-                               EVENTS_PER_PAGE).get_page(request.GET.get("events_page"))
+            # Newest first by default: the event that explains a dead letter, or a running
+            # run's latest progress, is on screen without paging.
+            oldest_first = request.GET.get("events_order") == "oldest"
+            events = Paginator(RunEvent.objects.filter(run=obj).order_by(
+                "seq" if oldest_first else "-seq"), EVENTS_PER_PAGE).get_page(
+                request.GET.get("events_page"))
             context.update(
+                summary=summary(obj),
+                oldest_first=oldest_first,
                 events=events,
                 event_rows=[(e, show.compact_json(e.payload)) for e in events],
                 can_retry=obj.status in RETRY.eligible and self.has_retry_permission(request),
                 can_cancel=obj.status in CANCEL.eligible and obj.cancel_requested_at is None
                 and self.has_cancel_permission(request),
+                **approvals.page_context(self, request, obj),
+                # issue 18: the checkpoint history, each one a "fork from here"
+                checkpoints=show.checkpoints(obj),
+                can_fork=self.has_retry_permission(request),
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 
@@ -229,5 +280,12 @@ class AgentRunAdmin(ModelAdminBase):
                  name=f"{name}_retry"),
             path("<int:run_id>/cancel/", wrap(views.operate(self, CANCEL)),
                  name=f"{name}_cancel"),
+            path("<int:run_id>/approval/", wrap(approvals.answer(self)),
+                 name=f"{name}_approval"),
+            path("<int:run_id>/fork/", wrap(views.fork_run(self)), name=f"{name}_fork"),
+            path("queues/pause/", wrap(views.pause_or_resume(self, True)),
+                 name=f"{name}_pause_queue"),
+            path("queues/resume/", wrap(views.pause_or_resume(self, False)),
+                 name=f"{name}_resume_queue"),
         ]
         return own + super().get_urls()

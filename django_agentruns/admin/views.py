@@ -1,4 +1,5 @@
-"""The console's own pages: the run page's buttons, and the overview with its dead letters.
+"""The console's own pages: the run page's buttons (retry, cancel, fork from a checkpoint),
+and the overview with its dead letters and its queues (pause, resume).
 
 The buttons and the retry-a-class form are POST only, permission-checked and CSRF-checked
 (the admin site wraps every view here); anything else gets 405 or 403. Every view needs
@@ -7,6 +8,7 @@ view_agentrun, an operation its own permission too: each page or message names r
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from django.contrib import messages
@@ -15,10 +17,16 @@ from django.db.models import Count, Max, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
-from django.views.decorators.http import require_GET, require_POST
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from ..models import AgentRun, Status
-from .actions import MISSING, RETRY, Operation, has_permission, username
+from .. import api, queues, triage
+from ..exceptions import AgentRunsError, InvalidInputError, RunNotFoundError
+from ..models import AgentRun, Reason, Status
+from ..workers import Coverage
+from . import display as show
+from .actions import MISSING, RETRY, Operation, confirmation, has_permission, username
+from .chart import svg
 
 NO_CLASS = "(no error type)"
 
@@ -28,13 +36,21 @@ def _url(name: str, *args: Any) -> str:
 
 
 def operate(model_admin: Any, op: Operation) -> Any:
-    """The run page's Retry / Cancel button: one run, through the API, then back to it."""
+    """The run page's Retry / Cancel: a confirmation page (GET, or a POST without `post=yes`),
+    then the operation on one run through the API, and back to the run."""
 
-    @require_POST
+    @require_http_methods(["GET", "POST"])
     def view(request: HttpRequest, run_id: int) -> HttpResponse:
         if not has_permission(model_admin, request, op):
             raise PermissionDenied
-        outcome = op.apply_one(run_id, username(request))
+        if request.method == "GET" or request.POST.get("post") != "yes":
+            runs = AgentRun.objects.filter(pk=run_id)
+            if not runs.exists():
+                model_admin.message_user(request, op.describe_one(run_id, MISSING)[0],
+                                         messages.WARNING)
+                return HttpResponseRedirect(_url("changelist"))
+            return confirmation(model_admin, request, runs, op, single=_url("change", run_id))
+        outcome = op.apply_logged(request, [run_id]).most_common(1)[0][0]
         model_admin.message_user(request, *op.describe_one(run_id, outcome))
         if outcome == MISSING:
             return HttpResponseRedirect(_url("changelist"))
@@ -43,27 +59,50 @@ def operate(model_admin: Any, op: Operation) -> Any:
     return view
 
 
+WINDOWS = {"1h": timedelta(hours=1), "3h": timedelta(hours=3), "24h": timedelta(hours=24)}
+DEFAULT_WINDOW = "3h"
+
+
 def overview(model_admin: Any) -> Any:
-    """Counts by status, and the dead letters grouped by failure class."""
+    """The triage page: agents over a window, queues now, stuck runs, dead letters, a chart."""
 
     @require_GET
     def view(request: HttpRequest) -> HttpResponse:
         if not model_admin.has_view_permission(request):
             raise PermissionDenied
+        at = timezone.now()
+        window = request.GET.get("window", DEFAULT_WINDOW)
+        window = window if window in WINDOWS else DEFAULT_WINDOW
+        since = at - WINDOWS[window]
         counts = dict(AgentRun.objects.order_by().values_list("status")
                       .annotate(n=Count("id")).values_list("status", "n"))
-        classes = [{**row, "label": row["error_type"] or NO_CLASS}
-                   for row in AgentRun.objects.dead_letters().order_by().values("error_type")
-                   .annotate(n=Count("id"), last=Max("finished_at")).order_by("-n")]
+        coverage = Coverage.read(at)
+        agents, sampled = triage.agent_stats(since)
+        stuck, stuck_total = triage.stuck(at)
+        groups = triage.dead_letter_groups()
         context = {
             **model_admin.admin_site.each_context(request),
             "title": "Agent runs overview",
             "opts": AgentRun._meta,
             "statuses": [(s.value, s.label, counts.get(s.value, 0)) for s in Status],
             "total": sum(counts.values()),
-            "classes": classes,
-            "dead_letter_total": sum(row["n"] for row in classes),
+            "window": window,
+            "windows": list(WINDOWS),
+            "agents": agents,
+            "sampled": sampled,
+            "sample_size": triage.SAMPLE,
+            "queues": triage.queue_stats(coverage, at),
+            "live_workers": coverage.workers,
+            "uncovered": triage.uncovered(coverage, at),
+            "stuck": [(run, show.short_duration((at - run.lease_expires).total_seconds()))
+                      for run in stuck if run.lease_expires is not None],
+            "stuck_total": stuck_total,
+            "groups": groups,
+            "dead_letter_total": sum(g.count for g in groups),
+            "chart": svg(triage.throughput(since, at)),
             "can_retry": has_permission(model_admin, request, RETRY),
+            "can_pause": request.user.has_perm("django_agentruns.add_pausedqueue"),
+            "can_resume": request.user.has_perm("django_agentruns.delete_pausedqueue"),
         }
         return TemplateResponse(request, "django_agentruns/admin/overview.html", context)
 
@@ -86,38 +125,112 @@ def retry_class(model_admin: Any) -> Any:
             model_admin.message_user(request, "No valid failure class given: nothing was retried.",
                                      messages.ERROR)
             return HttpResponseRedirect(_url("overview"))
-        runs = _class_runs(error_type)
+        agent, reason = request.POST.get("agent"), request.POST.get("reason")
+        if "\x00" in (agent or "") + (reason or ""):
+            agent = reason = None
+        runs = _class_runs(error_type, agent, reason)
         if request.POST.get("confirm") != "yes":
-            return _confirm_class(model_admin, request, error_type, runs)
+            return _confirm_class(model_admin, request, error_type, runs, agent, reason)
         up_to = request.POST.get("up_to", "")
         if not (up_to.isascii() and up_to.isdigit() and len(up_to) < 19):
             model_admin.message_user(request, "Malformed confirmation: nothing was retried.",
                                      messages.ERROR)
             return HttpResponseRedirect(_url("overview"))
         ids = runs.filter(pk__lte=int(up_to)).values_list("pk", flat=True).iterator()
-        text, level = RETRY.describe(RETRY.apply(ids, username(request)))
-        label = error_type or NO_CLASS
+        text, level = RETRY.describe(RETRY.apply_logged(request, ids))
+        label = _label(error_type, agent, reason)
         model_admin.message_user(request, f"Dead letters of class {label}: {text}", level)
         return HttpResponseRedirect(_url("overview"))
 
     return view
 
 
-def _class_runs(error_type: str) -> QuerySet[AgentRun]:
-    return AgentRun.objects.dead_letters().order_by("pk").filter(error_type=error_type)
+def _class_runs(error_type: str, agent: str | None = None,
+                reason: str | None = None) -> QuerySet[AgentRun]:
+    """The dead letters of a failure class, of one agent and reason if given (a group)."""
+    runs = AgentRun.objects.dead_letters().order_by("pk").filter(error_type=error_type)
+    if agent is not None:
+        runs = runs.filter(agent=agent)
+    return runs if reason is None else runs.filter(reason=reason)
+
+
+def _label(error_type: str, agent: str | None, reason: str | None) -> str:
+    label = error_type or NO_CLASS
+    return label + "".join(f" ({what})" for what in (agent, reason) if what)
 
 
 def _confirm_class(model_admin: Any, request: HttpRequest, error_type: str,
-                   runs: QuerySet[AgentRun]) -> TemplateResponse:
+                   runs: QuerySet[AgentRun], agent: str | None,
+                   reason: str | None) -> TemplateResponse:
     summary = runs.aggregate(n=Count("id"), up_to=Max("id"))
     context = {
         **model_admin.admin_site.each_context(request),
         "title": f"Retry {summary['n']} dead letter{'' if summary['n'] == 1 else 's'}?",
         "opts": AgentRun._meta,
         "error_type": error_type,
-        "label": error_type or NO_CLASS,
+        "label": _label(error_type, agent, reason),
+        "agent": agent,
+        "reason": reason,
+        "not_retryable_count": runs.filter(reason=Reason.NOT_RETRYABLE).count(),
         "count": summary["n"],
         "up_to": summary["up_to"] or 0,
         "sample": list(runs.only("id", "agent", "scope", "reason", "error_message")[:50]),
     }
     return TemplateResponse(request, "django_agentruns/admin/confirm_retry_class.html", context)
+
+
+def fork_run(model_admin: Any) -> Any:
+    """The run page's "fork from here": a new run from one of its checkpoints (retry
+    permission, as replaying the tail of a failed run is a retry of sorts)."""
+
+    @require_POST
+    def view(request: HttpRequest, run_id: int) -> HttpResponse:
+        if not has_permission(model_admin, request, RETRY):
+            raise PermissionDenied
+        number = request.POST.get("checkpoint", "")
+        if not (number.isascii() and number.isdigit() and len(number) < 10):
+            model_admin.message_user(request, "Malformed checkpoint number: nothing was "
+                                     "forked.", messages.ERROR)
+            return HttpResponseRedirect(_url("change", run_id))
+        try:
+            run = api.fork(run_id, checkpoint=int(number), by=username(request))
+        except RunNotFoundError:
+            model_admin.message_user(request, f"Run #{run_id} no longer exists.",
+                                     messages.ERROR)
+            return HttpResponseRedirect(_url("changelist"))
+        except AgentRunsError as exc:
+            model_admin.message_user(request, f"Run #{run_id} was not forked: {exc}",
+                                     messages.ERROR)
+            return HttpResponseRedirect(_url("change", run_id))
+        model_admin.message_user(request, f"Run #{run.pk} forked from run #{run_id} at "
+                                 f"checkpoint {number}.", messages.SUCCESS)
+        return HttpResponseRedirect(_url("change", run.pk))
+
+    return view
+
+
+def pause_or_resume(model_admin: Any, pause: bool) -> Any:
+    """The overview's Pause / Resume buttons: the paused-queue model's add / delete
+    permission."""
+
+    @require_POST
+    def view(request: HttpRequest) -> HttpResponse:
+        action = "add" if pause else "delete"
+        if not request.user.has_perm(f"django_agentruns.{action}_pausedqueue"):
+            raise PermissionDenied
+        name = request.POST.get("queue", "")
+        try:
+            call = queues.pause_queue if pause else queues.resume_queue
+            done = call(name, by=username(request))
+        except InvalidInputError as exc:
+            model_admin.message_user(request, str(exc), messages.ERROR)
+            return HttpResponseRedirect(_url("overview"))
+        verb = "paused" if pause else "resumed"
+        model_admin.message_user(
+            request, f"Queue {name!r} {verb}." if done else
+            f"Queue {name!r} was {'paused already' if pause else 'not paused'}.",
+            messages.SUCCESS if done else messages.WARNING)
+        return HttpResponseRedirect(_url("overview"))
+
+    return view
+

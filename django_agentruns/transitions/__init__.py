@@ -9,11 +9,12 @@ Attempt writes (renew, emit, checkpoint, settle) are fenced by
 `status='running' AND claimed_by=<worker> AND attempt=<n>`: a worker that lost its
 lease cannot touch the run's new attempt.
 
-One module per moment of a run: `enqueue` (new runs), `due` (what may be claimed),
+One module per moment of a run: `enqueue` (new runs and forks), `due` (what may be claimed),
 `claiming`, `attempts` (writes while it runs), `settling` (how it ends, and the reaper's
 reclaim), `operators` (cancel, retry, interactive runs); `batched` (an attempt's writes
 as values, many applied in one transaction); `events` appends the story;
-`rawsql` builds the hot path's statements once per shape.
+`rawsql` builds the hot path's statements once per shape; `waiting` (the wait, deliveries,
+resumes, wait timeouts, child runs).
 
 Import direction (docs/architecture.md, enforced by tests/test_layers.py): UI/commands ->
 api and queries -> transitions -> models; worker -> executor -> transitions. This package
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from .. import policy
 from ..outcomes import AttemptRef, CancelResult, ErrorInfo, Renewal, ScopePolicy, Settlement
+from . import waiting
 from .attempts import checkpoint, emit, renew, renew_many
 from .batched import (
     CheckpointWrite,
@@ -39,13 +41,14 @@ from .batched import (
 )
 from .claiming import claim
 from .due import awaited, due_elsewhere, due_queued, lapsed
-from .enqueue import NewRun, insert_runs
+from .enqueue import NewRun, insert_fork, insert_runs
 from .events import (
     ABANDONED,
     CANCEL_REQUESTED,
     CANCELLED,
     CHECKPOINT,
     DEAD_LETTERED,
+    FORKED,
     INTERRUPTED,
     RETRIED,
     RETRYING,
@@ -68,13 +71,15 @@ from .settling import (
 )
 
 __all__ = [
-    "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "INTERRUPTED",
+    "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "FORKED",
+    "INTERRUPTED",
     "RETRIED", "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult",
     "CheckpointWrite", "EmitWrite", "ErrorInfo", "NewRun", "RenewWrite", "Renewal", "Result",
     "ScopePolicy", "SettleWrite", "Settlement", "SucceedWrite", "Write", "abandon",
     "apply_alone", "apply_writes", "awaited",
     "cancel", "checkpoint", "claim", "due_elsewhere", "due_queued", "emit", "emitted_event_id",
-    "find_stale", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "now",
+    "find_stale", "insert_fork", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "now",
     "operator_retry", "policy", "reap_one", "renew", "renew_many", "settle_cancelled",
     "settle_failed", "settle_succeeded", "settle_succeeded_many", "start_interactive",
+    "waiting",
 ]

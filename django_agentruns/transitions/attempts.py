@@ -17,7 +17,7 @@ from django.db.models import Q
 from ..conf import SETTING_NAME
 from ..db import retry_on_lock
 from ..exceptions import LimitExceeded
-from ..models import AgentRun, Status
+from ..models import AgentRun, RunCheckpoint, Status
 from ..outcomes import AttemptRef, Renewal
 from .events import CHECKPOINT, append_one, event_exists, lifecycle, now
 
@@ -119,6 +119,9 @@ def checkpoint(
             checkpoint_state=state, checkpoint_count=count, lease_expires=ref.lease_until(at))
         if not updated:
             return _renew_locked(ref, at)
+        # The history `fork` starts from: same transaction, so it holds every checkpoint.
+        RunCheckpoint.objects.create(run_id=ref.run_id, number=count, state=state,
+                                     created_at=at)
         append_one(lifecycle(ref.run_id, CHECKPOINT, ref.attempt, count=count), at,
                    below=max_events)
     return Renewal.OK

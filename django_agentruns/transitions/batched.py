@@ -33,6 +33,7 @@ from . import rawsql
 from .attempts import checkpoint, emit, renew
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded, settle_succeeded
+from .waiting import children_settled
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,12 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
         events.append(lifecycle(write.ref.run_id, CHECKPOINT, write.ref.attempt,
                                 count=write.count))
         caps.append(write.max_events)
+    if saved:
+        # Every checkpoint's state is kept (`fork` starts from one), in this transaction.
+        sql, params = rawsql.insert_checkpoints(
+            [(writes[i].ref.run_id, *_state(writes[i])) for i in saved], at)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
     # A checkpoint not saved may be a replay (its number stored already): it only renews.
     replays = [i for i in pointing if i not in saved and results[i] is Renewal.OK]
     _fenced(writes, replays, results, [(LEASE, TIMESTAMP)], lambda w: (w.ref.lease_until(at),))
@@ -235,6 +242,7 @@ def _succeed(writes: Sequence[Write], positions: list[int], results: list[Result
             done = {row[0] for row in cursor.fetchall()}
         ended += [(run_id, SUCCEEDED, {}, attempt, event_id)
                   for run_id, attempt, _, event_id in rows if run_id in done]
+        children_settled(done, at)
         _announce_succeeded(items, done)
         for i, (ref, _) in zip(group, items, strict=True):
             results[i] = Settlement.SUCCEEDED if ref.run_id in done else Settlement.LOST

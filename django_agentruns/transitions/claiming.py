@@ -15,7 +15,7 @@ from ..models import AgentRun, RunEvent, Status
 from ..outcomes import DecisionAction, ScopePolicy
 from ..signals import send_after_commit
 from . import rawsql
-from .due import claim_row, compiled_due, lapsed, recheck_order
+from .due import claim_row, compiled_due, recheck_order
 from .events import STARTED, append_events, lifecycle, now
 from .settling import abandon_locked
 
@@ -85,8 +85,10 @@ def _claim_lapsed(
     worker_id: str, queues: tuple[str, ...], limit: int, lease_ttls: dict[str, float],
     default_ttl: float, at: datetime, agents: frozenset[str] | None,
 ) -> list[AgentRun]:
-    """Lapsed runs, their lost attempt recorded as abandoned, then started again."""
-    locked = _lock(lapsed(queues, at, agents).order_by("id"), limit)
+    """Lapsed runs, their lost attempt recorded as abandoned, then started again (not from
+    a paused queue: the reaper requeues those, to wait for the resume)."""
+    locked = _lock(AgentRun.objects.lapsed(at, queues).of_agents(agents).unpaused()
+                   .order_by("id"), limit)
     ids = []
     for run in locked:
         decision = abandon_locked(claim_row(run), Q(lease_expires__lt=at), at,

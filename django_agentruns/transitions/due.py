@@ -24,8 +24,8 @@ def due_queued(
     agents: frozenset[str] | None = None,
 ) -> QuerySet[AgentRun]:
     """Queued runs that can start now, in claim order: priority, due time, firing order;
-    given `agents`, only theirs (see `RunQuerySet.of_agents`)."""
-    qs = AgentRun.objects.due(queues, at).of_agents(agents)
+    given `agents`, only theirs (see `RunQuerySet.of_agents`); none of a paused queue."""
+    qs = AgentRun.objects.due(queues, at).of_agents(agents).unpaused()
     return qs.startable(scopes).order_by("-priority", "available_at", "fired_seq", "id")
 
 
@@ -36,7 +36,7 @@ def awaited(
     """Queued runs due by time that a worker will get to without outside help (see
     `RunQuerySet.awaited`); given `agents`, all but runs of other agents (a worker that
     has them takes those)."""
-    return AgentRun.objects.of_agents(agents).awaited(queues, at, scopes)
+    return AgentRun.objects.of_agents(agents).awaited(queues, at, scopes).unpaused()
 
 
 def lapsed(

@@ -1,4 +1,4 @@
-"""New runs: one INSERT for any number of them (enqueue is transactional)."""
+"""New runs: one INSERT for any number of them (enqueue is transactional), and forks."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 
 from ..conf import app_settings
-from ..models import AgentRun, Status
+from ..exceptions import InvalidInputError
+from ..models import AgentRun, RunCheckpoint, Status
 from . import rawsql
+from .events import FORKED, append_events, lifecycle
 
 
 class NewRun(NamedTuple):
@@ -27,11 +29,15 @@ class NewRun(NamedTuple):
     input_json: str  # `input` as the JSON text to store
     max_requeues: int
     available_at: datetime
+    dedupe_key: str = ""  # "": none; else an unfinished run of the agent with it is returned
 
 
 # What each element of insert_runs' JSON array holds, in order (input as its JSON text).
 _PER_RUN = ("agent", "queue", "priority", "scope", "fired_seq", "input", "max_requeues",
-            "available_at")
+            "available_at", "dedupe_key")
+# A dedupe key taken by a run that finished before its holder could be read: insert again,
+# at most this many times (each round needs another run to finish at that very moment).
+DEDUPE_ROUNDS = 5
 
 
 # The rows travel as one JSON text per statement, and PostgreSQL takes at most 255 MB of
@@ -49,33 +55,77 @@ def insert_runs(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
     never applies), and one short plan. Ids are drawn in array order, so the RETURNING
     ids, sorted, are the rows' in order. Rows too large for one statement go in several,
     in one transaction: still all or nothing.
+
+    A row with a dedupe key that an unfinished run of its agent holds is not inserted
+    (ON CONFLICT DO NOTHING against the partial unique index `agentruns_dedupe`, which
+    waits for a concurrent insert of the same key to commit or roll back): that run is
+    read and returned in its place, with `deduplicated` True.
     """
+    runs: list[AgentRun | None] = [None] * len(new)
+    pending = list(range(len(new)))
+    for _ in range(DEDUPE_ROUNDS):
+        inserted = _insert_rows([new[i] for i in pending], at)
+        pending = _place(new, pending, inserted, at, runs)
+        if not pending:
+            return [r for r in runs if r is not None]
+    raise OperationalError("dedupe keys kept changing hands while enqueueing; try again")
+
+
+def _insert_rows(rows: Sequence[NewRun], at: datetime) -> list[tuple[int, str, str]]:
+    """INSERT `rows`; (id, agent, dedupe_key) of those inserted, in array order."""
     at_text = _json_time(at)
-    rows = [[r.agent, r.queue, r.priority, r.scope, r.fired_seq, r.input_json, r.max_requeues,
-             at_text if r.available_at is at else _json_time(r.available_at)] for r in new]
+    data = [[r.agent, r.queue, r.priority, r.scope, r.fired_seq, r.input_json, r.max_requeues,
+             at_text if r.available_at is at else _json_time(r.available_at), r.dedupe_key]
+            for r in rows]
     # Escaping at most doubles a row's text: below half the cap, one statement surely does.
-    if sum(len(r.input_json) + 1000 for r in new) * 2 <= MAX_STATEMENT_BYTES:
-        ids = _insert(json.dumps(rows), at)
-    else:
-        with transaction.atomic():
-            ids = [pk for chunk in _chunks(rows) for pk in _insert(chunk, at)]
+    if sum(len(r.input_json) + 1000 for r in rows) * 2 <= MAX_STATEMENT_BYTES:
+        return _insert(json.dumps(data), at)
+    with transaction.atomic():
+        return [row for chunk in _chunks(data) for row in _insert(chunk, at)]
+
+
+def _place(new: Sequence[NewRun], pending: list[int], inserted: list[tuple[int, str, str]],
+           at: datetime, runs: list[AgentRun | None]) -> list[int]:
+    """Fill `runs` at the `pending` positions from what the INSERT returned, and each skipped
+    row with the run holding its key; the positions still without a run (its holder
+    finished meanwhile) are returned, to insert again."""
+    by_key = {(agent, key): pk for pk, agent, key in inserted if key}
+    keyless = iter(pk for pk, _, key in inserted if not key)
     fields = AgentRun._meta.concrete_fields
     names, alias = [f.attname for f in fields], connection.alias
     shared = {f.attname: f.get_default() for f in fields}
-    shared.update(status=Status.QUEUED, created_at=at)
-    runs = []
-    for r, pk in zip(new, ids, strict=True):
-        values = {**shared, **r._asdict(), "id": pk}
-        runs.append(AgentRun.from_db(alias, names, [values[n] for n in names]))
-    return runs
+    shared.update(status=Status.QUEUED, created_at=at, forked_from_id=None)
+    taken: set[int] = set()
+    again = []
+    for i in pending:
+        r = new[i]
+        pk = by_key.get((r.agent, r.dedupe_key)) if r.dedupe_key else next(keyless)
+        if pk is not None and pk not in taken:
+            taken.add(pk)
+            values = {**shared, **r._asdict(), "id": pk}
+            runs[i] = AgentRun.from_db(alias, names, [values[n] for n in names])
+            continue
+        # An earlier row of this call holds the key, or an unfinished run does.
+        if pk is None:
+            existing = AgentRun.objects.holding_key(r.agent, r.dedupe_key).first()
+        else:
+            existing = next(x for x in runs if x is not None and x.pk == pk)
+            existing = AgentRun.from_db(alias, names, [getattr(existing, n) for n in names])
+        if existing is None:
+            again.append(i)
+            continue
+        existing.deduplicated = True
+        runs[i] = existing
+    return again
 
 
-def _insert(rows: str, at: datetime) -> list[int]:
-    """One INSERT of the JSON array `rows`; the new ids in array order."""
+def _insert(rows: str, at: datetime) -> list[tuple[int, str, str]]:
+    """One INSERT of the JSON array `rows`; (id, agent, dedupe_key) of the rows inserted,
+    in array order."""
     sql, fixed = _insert_statement(connection.vendor)
     with rawsql.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
         cursor.execute(sql, [*fixed, connection.ops.adapt_datetimefield_value(at), rows])
-        return sorted(pk for (pk,) in cursor.fetchall())
+        return sorted((pk, agent, key) for pk, agent, key in cursor.fetchall())
 
 
 def _chunks(rows: list[list[Any]]) -> list[str]:
@@ -116,11 +166,57 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
         source = "jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS rows(r, n) ORDER BY n"
     else:
         picks = [f"json_extract(value, '$[{i}]')" for i in range(len(_PER_RUN))]
-        source = "json_each(%s) ORDER BY key"
+        # WHERE true: SQLite needs a WHERE in an INSERT ... SELECT with an upsert clause.
+        source = "json_each(%s) WHERE true ORDER BY key"
     columns = ", ".join(qn(str(fields[name].column))
                         for name in (*_PER_RUN, *fixed, "created_at"))
     values = ", ".join([*picks, *["%s"] * (len(fixed) + 1)])
     sql = (f"INSERT INTO {qn(AgentRun._meta.db_table)} ({columns}) SELECT {values} "
-           f"FROM {source} RETURNING {qn(str(AgentRun._meta.pk.column))}")
+           f"FROM {source} ON CONFLICT DO NOTHING "
+           f"RETURNING {qn(str(AgentRun._meta.pk.column))}, {qn('agent')}, {qn('dedupe_key')}")
     return sql, tuple(fields[name].get_db_prep_save(value, connection)
                       for name, value in fixed.items())
+
+
+def insert_fork(
+    origin_id: int, number: int | None, input: Any, by: str, at: datetime,
+) -> AgentRun | None:
+    """Queue a new run of `origin_id`'s agent starting from its checkpoint `number` (None:
+    its last; with none saved, from the start), with `input` (None: the origin's).
+
+    One transaction: the new run, a copy of the origin's checkpoints 1..N (so the fork's
+    own numbers go on from N, as its `checkpoint_count` does, and a fork of the fork can
+    start from any of them) and a `run.forked` event opening its timeline. The origin and
+    its timeline are not touched. None: no such run; `InvalidInputError` for a checkpoint
+    the run never reached (nothing written).
+    """
+    with transaction.atomic():
+        origin = AgentRun.objects.filter(pk=origin_id).first()
+        if origin is None:
+            return None
+        n = origin.checkpoint_count if number is None else number
+        state = None
+        if n:
+            saved = origin.checkpoints.filter(number=n).values_list("state", flat=True)
+            if n > origin.checkpoint_count or not saved:
+                raise InvalidInputError(
+                    f"Run {origin_id} has no checkpoint {n}: it saved "
+                    f"{origin.checkpoint_count}" + ("" if n > origin.checkpoint_count
+                                                    else " (its history is incomplete)"))
+            state = saved[0]
+        run = AgentRun.objects.create(
+            agent=origin.agent, queue=origin.queue, priority=origin.priority,
+            scope=origin.scope, fired_seq=origin.fired_seq,
+            input=origin.input if input is None else input, max_requeues=origin.max_requeues,
+            status=Status.QUEUED, available_at=at, created_at=at, checkpoint_state=state,
+            checkpoint_count=n, forked_from=origin)
+        if n:
+            table = connection.ops.quote_name(RunCheckpoint._meta.db_table)
+            with connection.cursor() as cursor:  # copied in the database: no state loaded
+                cursor.execute(
+                    f"INSERT INTO {table} (run_id, number, state, created_at) "
+                    f"SELECT %s, number, state, created_at FROM {table} "
+                    f"WHERE run_id = %s AND number <= %s", [run.pk, origin_id, n])
+        append_events([lifecycle(run.pk, FORKED, 0, origin=origin_id, checkpoint=n, by=by,
+                                 input_replaced=input is not None)], at)
+    return run

@@ -30,6 +30,7 @@ ABANDONED = "run.abandoned"
 RETRIED = "run.retried"
 CHECKPOINT = "run.checkpoint"
 INTERRUPTED = "run.interrupted"
+FORKED = "run.forked"
 
 
 def now() -> datetime:

@@ -4,45 +4,61 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from .. import signals
 from ..db import is_postgres, retry_on_lock
+from ..exceptions import InvalidInputError
 from ..models import AgentRun, Reason, Status
 from ..outcomes import CancelResult
 from ..signals import send_after_commit
+from . import waiting
 from .events import CANCEL_REQUESTED, CANCELLED, RETRIED, STARTED, append_events, lifecycle, now
 
 
 @retry_on_lock()
 def cancel(run_id: int, reason: str = "", at: datetime | None = None) -> CancelResult | None:
-    """Cancel a queued run now, or ask a running one to stop. None: no such run."""
+    """Cancel a queued or waiting run now, or ask a running one to stop. None: no such run.
+
+    Its unfinished child runs (`ctx.spawn`) are cancelled with it, in the same transaction.
+    """
     at = at or now()
     with transaction.atomic():
-        qs = AgentRun.objects.filter(pk=run_id)
-        if is_postgres():
-            qs = qs.select_for_update()
-        row = qs.values("status", "attempt", "cancel_requested_at", "agent").first()
-        if row is None:
-            return None
-        if row["status"] == Status.QUEUED:
-            AgentRun.objects.filter(pk=run_id, status=Status.QUEUED).update(
-                status=Status.CANCELLED, reason=Reason.CANCELLED, finished_at=at,
-                cancel_requested_at=at, cancel_reason=reason)
-            append_events([lifecycle(run_id, CANCELLED, row["attempt"], reason=reason)], at)
-            send_after_commit(signals.run_cancelled, run_id=run_id, agent=row["agent"],
-                              attempt=row["attempt"], reason=reason)
-            return CancelResult.CANCELLED
-        if row["status"] == Status.RUNNING:
-            if row["cancel_requested_at"] is not None:
-                return CancelResult.ALREADY_REQUESTED
-            AgentRun.objects.filter(pk=run_id, status=Status.RUNNING,
-                                    cancel_requested_at__isnull=True).update(
-                cancel_requested_at=at, cancel_reason=reason)
-            append_events([lifecycle(run_id, CANCEL_REQUESTED, row["attempt"],
-                                       reason=reason)], at)
-            return CancelResult.REQUESTED
-        return CancelResult.NOT_CANCELLABLE
+        result = _cancel_one(run_id, reason, at)
+        if result in (CancelResult.CANCELLED, CancelResult.REQUESTED):
+            for child in waiting.unfinished_children(run_id):
+                cancel(child, reason or f"parent run {run_id} cancelled", at)
+        return result
+
+
+def _cancel_one(run_id: int, reason: str, at: datetime) -> CancelResult | None:
+    """Inside `cancel`'s transaction: this run alone."""
+    qs = AgentRun.objects.filter(pk=run_id)
+    if is_postgres():
+        qs = qs.select_for_update()
+    row = qs.values("status", "attempt", "cancel_requested_at", "agent").first()
+    if row is None:
+        return None
+    if row["status"] in (Status.QUEUED, Status.WAITING):
+        AgentRun.objects.filter(pk=run_id, status=row["status"]).update(
+            status=Status.CANCELLED, reason=Reason.CANCELLED, finished_at=at,
+            cancel_requested_at=at, cancel_reason=reason, wait_key="",
+            wait_until=None)
+        append_events([lifecycle(run_id, CANCELLED, row["attempt"], reason=reason)], at)
+        waiting.children_settled([run_id], at)
+        send_after_commit(signals.run_cancelled, run_id=run_id, agent=row["agent"],
+                          attempt=row["attempt"], reason=reason)
+        return CancelResult.CANCELLED
+    if row["status"] == Status.RUNNING:
+        if row["cancel_requested_at"] is not None:
+            return CancelResult.ALREADY_REQUESTED
+        AgentRun.objects.filter(pk=run_id, status=Status.RUNNING,
+                                cancel_requested_at__isnull=True).update(
+            cancel_requested_at=at, cancel_reason=reason)
+        append_events([lifecycle(run_id, CANCEL_REQUESTED, row["attempt"],
+                                   reason=reason)], at)
+        return CancelResult.REQUESTED
+    return CancelResult.NOT_CANCELLABLE
 
 
 @retry_on_lock()
@@ -50,17 +66,27 @@ def operator_retry(run_id: int, by: str = "", at: datetime | None = None) -> boo
     """Send a failed or cancelled run back to the queue with a fresh requeue budget.
 
     None: no such run; False: it is not failed or cancelled (nothing written).
+    `InvalidInputError`: its dedupe key is held by another unfinished run of its agent.
     """
     at = at or now()
     with transaction.atomic():
-        row = AgentRun.objects.filter(pk=run_id).values("status", "attempt", "reason").first()
+        row = AgentRun.objects.filter(pk=run_id).values(
+            "status", "attempt", "reason", "agent", "dedupe_key").first()
         if row is None:
             return None
-        updated = AgentRun.objects.filter(
-            pk=run_id, status__in=(Status.FAILED, Status.CANCELLED)).update(
-            status=Status.QUEUED, reason=Reason.NONE, requeue_count=0, available_at=at,
-            claimed_by="", lease_expires=None, finished_at=None, cancel_requested_at=None,
-            cancel_reason="")
+        try:
+            with transaction.atomic():  # a savepoint: the unique index may refuse the row
+                updated = AgentRun.objects.filter(
+                    pk=run_id, status__in=(Status.FAILED, Status.CANCELLED)).update(
+                    status=Status.QUEUED, reason=Reason.NONE, requeue_count=0,
+                    available_at=at, claimed_by="", lease_expires=None, finished_at=None,
+                    cancel_requested_at=None, cancel_reason="")
+        except IntegrityError:
+            holder = AgentRun.objects.holding_key(row["agent"], row["dedupe_key"]) \
+                .values_list("pk", flat=True).first()
+            raise InvalidInputError(
+                f"Run {run_id} cannot be retried: its dedupe key {row['dedupe_key']!r} is "
+                f"held by unfinished run {holder}") from None
         if not updated:
             return False
         append_events([lifecycle(run_id, RETRIED, row["attempt"], by=by,

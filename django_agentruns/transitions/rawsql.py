@@ -19,7 +19,7 @@ from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import Field, QuerySet
 from django.db.models.sql import Query
 
-from ..models import AgentRun, RunEvent
+from ..models import AgentRun, RunCheckpoint, RunEvent
 
 # Stands for "now" while a queryset is compiled; swapped for the real time per call.
 SENTINEL_TIME = datetime(1999, 12, 31, 23, 59, 58, 424242, tzinfo=UTC)
@@ -186,6 +186,23 @@ def insert_new_events(
                  prep(RunEvent, "created_at", at)]
 
 
+_CHECKPOINT = (("run_id", "bigint"), ("number", "integer"), ("state", "jsonb"))
+
+
+def insert_checkpoints(
+    rows: Sequence[tuple[int, Any, int]], at: datetime,
+) -> tuple[str, list[Any]]:
+    """One INSERT of (run_id, state, number) rows into the checkpoint history, for
+    checkpoints whose fenced UPDATE just held (so each number is new for its run)."""
+    table = qn(RunCheckpoint._meta.db_table)
+    values = [(run_id, number, state) for run_id, state, number in rows]
+    sql = (f"WITH v AS {json_rows(_CHECKPOINT)} "
+           f"INSERT INTO {table} (run_id, number, state, created_at) "
+           f"SELECT v.run_id, v.number, v.state, %s FROM v")
+    return sql, [json_values(values, [t for _, t in _CHECKPOINT]),
+                 prep(RunEvent, "created_at", at)]
+
+
 def settle_succeeded(
     items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
     completed: str, event_type: str, at: datetime, *, with_events: bool,
@@ -308,7 +325,11 @@ def _row_shape(columns: tuple[str, ...]) -> tuple[
                                                       connection.alias)
     converters = compiler.get_converters(
         [f.get_col(AgentRun._meta.db_table) if f else None for f in fields])  # type: ignore[misc]
-    return ([f.attname for f in fields if f is not None],
-            [i for i, f in enumerate(fields) if f is not None],
+    # In the model's field order, which `from_db` expects: a table's columns come in the
+    # order migrations added them, which need not be the model's.
+    position = {f.column: i for i, f in enumerate(fields) if f is not None}
+    kept = [position[f.column] for f in AgentRun._meta.concrete_fields if f.column in position]
+    return ([str(fields[i].attname) for i in kept],  # type: ignore[union-attr]
+            kept,
             [i for i, f in enumerate(fields) if f is None],
             sorted(converters.items()))

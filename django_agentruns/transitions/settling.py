@@ -17,7 +17,7 @@ from ..db import is_postgres, retry_on_lock
 from ..models import AgentRun, Reason, RunEvent, Status
 from ..outcomes import AttemptRef, DecisionAction, ErrorInfo, Settlement
 from ..signals import send_after_commit
-from . import rawsql
+from . import rawsql, waiting
 from .due import CLAIM_FIELDS, lapsed
 from .events import (
     ABANDONED,
@@ -68,8 +68,12 @@ def settle_succeeded_many(
                 done = {row[0] for row in cursor.fetchall()}
             append_events([(run_id, SUCCEEDED, {}, attempt, event_id)
                             for run_id, attempt, _, event_id in rows if run_id in done], at)
+            waiting.children_settled(done, at)
             _announce_succeeded(items, done)
     else:
+        # Committed already: parents waiting on these runs are resumed just after (and by
+        # the reaper, should this worker die in between).
+        waiting.resume_parents(done, at)
         _announce_succeeded(items, done)
     return {ref: Settlement.SUCCEEDED if ref.run_id in done else Settlement.LOST
             for ref, _ in items}
@@ -241,6 +245,8 @@ def _apply(
     if not AgentRun.objects.filter(guard).update(**fields):
         return Settlement.LOST
     append_events(events, at)
+    if settlement is not Settlement.REQUEUED:
+        waiting.children_settled([run_id], at)
     announce = {"run_id": run_id, "agent": row["agent"], "attempt": attempt}
     error_type = error.type if error else ""
     if settlement is Settlement.REQUEUED:

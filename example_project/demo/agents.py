@@ -96,3 +96,35 @@ async def async_summarise(ctx: RunContext) -> dict[str, Any]:
     summary = "; ".join(point.split(",")[0] for point in state["outline"])
     await ctx.aemit("summary", {"chars": len(summary)})
     return {"summary": summary, "points": len(state["outline"])}
+
+
+@agent("demo.refund", queue="default", max_requeues=3)
+def refund(ctx: RunContext) -> dict[str, Any]:
+    """Propose a refund and wait for an operator to approve it in the admin.
+
+    While it waits the run is `waiting`: no worker slot, no lease, nothing to reap. The
+    approval may change the amount; a rejection ends the run without refunding.
+    """
+    state: dict[str, Any] = dict(ctx.state or {})
+    if "proposal" not in state:
+        _call_model(f"should order {ctx.input.get('order')} be refunded?")
+        state["proposal"] = {"order": ctx.input.get("order"),
+                             "amount": ctx.input.get("amount", 0), "reason": "late delivery"}
+        ctx.emit("proposed", state["proposal"])
+        ctx.checkpoint(state)  # the next attempt resumes here, and asks again: same key
+    answer = ctx.request_approval("refund", state["proposal"], timeout=7 * 24 * 3600)
+    if not answer.approved:
+        return {"refunded": 0, "rejected_by": answer.by, "note": answer.note}
+    time.sleep(0.05)  # stands in for the payment provider's refund call
+    return {"refunded": answer.proposal["amount"], "approved_by": answer.by}
+
+
+@agent("demo.digest", every=300)
+def digest(ctx: RunContext) -> dict[str, Any]:
+    """A scheduled agent: every five minutes (ticks aligned to the epoch), one run however
+    many workers serve its queue; the tick's time is in its input (`manage.py schedules`)."""
+    from django_agentruns.models import AgentRun, Status
+
+    finished = AgentRun.objects.filter(status=Status.SUCCEEDED).exclude(agent=ctx.agent)
+    _call_model(f"Summarise the last {finished.count()} runs")
+    return {"tick": ctx.input["tick"], "runs_done": finished.count()}

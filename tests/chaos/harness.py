@@ -9,8 +9,11 @@ until every run has settled (or the chaos phase is over):
 - runs ``manage.py reap`` in a loop, as cron would;
 - SIGTERMs one busy worker (graceful stop) and expects it to exit 0;
 - restarts PostgreSQL once (``pg_ctlcluster ... restart``), closing this process's own
-  connections around it and waiting until the server answers again;
-- cancels a few runs, queued or running;
+  connections around it and waiting until the server answers again; or, in "pgbouncer"
+  mode, restarts the PgBouncer the workers connect through (`tests.pgbouncer`);
+- cancels a few runs, queued, running or waiting;
+- runs a deliverer process (`manage.py chaos_deliver`) that sends the waiting runs
+  (`tests.chaos_waits`) their payloads at random times, before, during or after their wait;
 - enqueues more runs as it goes.
 
 Then it kills what is left, drains the backlog with fresh workers, stops them with SIGTERM
@@ -42,7 +45,14 @@ from django_agentruns.models import TERMINAL, AgentRun, RunEvent, Status
 from django_agentruns.registry import get_agent
 from tests import helpers
 from tests.chaos.invariants import Checker, PlannedRun, check_all
-from tests.testapp.chaos_agents import CHAOS, CHAOS_ASYNC, CHAOS_ORDERED, CHAOS_SLOW
+from tests.pgbouncer import PgBouncer
+from tests.testapp.chaos_agents import (
+    CHAOS,
+    CHAOS_ASYNC,
+    CHAOS_ORDERED,
+    CHAOS_SLOW,
+    CHAOS_WAITS,
+)
 
 T = TypeVar("T")
 
@@ -60,7 +70,7 @@ class ChaosConfig:
     kill_every: float = 1.0  # mean seconds between SIGKILLs
     freeze_every: float = 6.0  # mean seconds between freezes; 0: none
     cancel_every: float = 4.0  # mean seconds between cancels; 0: none
-    pg_restart: str = "cluster"  # cluster | terminate | none (PostgreSQL only)
+    pg_restart: str = "cluster"  # cluster | terminate | pgbouncer | none (PostgreSQL only)
     sigterm: bool = True
     trickle: float = 0.25  # fraction of the runs enqueued during the chaos, not up front
     drain_workers: int = 2
@@ -88,6 +98,7 @@ class ChaosReport:
     statuses: dict[str, int] = field(default_factory=dict)
     abandoned: int = 0
     fenced: int = 0  # attempts whose worker logged "lease lost ... nothing recorded"
+    waited: int = 0  # run.waiting events: attempts that ended waiting for their delivery
     checker: Checker = field(default_factory=Checker)
     problems: list[str] = field(default_factory=list)  # harness-level violations
     harness_checks: int = 0
@@ -110,7 +121,7 @@ class ChaosReport:
                 f"{self.workers_started} workers started, freezes={self.freezes} "
                 f"cancels={self.cancels} reaps={self.reaps} (failed {self.reap_failures}), "
                 f"abandoned attempts={self.abandoned}, stale attempts fenced off="
-                f"{self.fenced}, outcomes={self.statuses}")
+                f"{self.fenced}, waits={self.waited}, outcomes={self.statuses}")
 
 
 def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
@@ -130,7 +141,7 @@ def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
         plan.append(PlannedRun("ordered", CHAOS_ORDERED, spec, scope=f"scope-{i // scope_size}",
                                fired_seq=i % scope_size))
     kinds = (["flaky"] * 14 + ["fatal"] * 6 + ["doomed"] * 4 + ["slow"] * 5
-             + ["plain"] * 51)
+             + ["waits"] * 8 + ["plain"] * 43)
     for _ in range(runs - n_ordered):
         kind = rng.choice(kinds)
         spec = base()
@@ -143,13 +154,16 @@ def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
             spec |= {"fail": "fatal", "fail_at": rng.randrange(spec["steps"])}
         elif kind == "doomed":
             spec |= {"fail": "transient", "fail_at": 0, "fail_attempts": 1000}
+        elif kind == "waits":
+            agent = CHAOS_WAITS
+            spec |= {"wait_at": rng.randrange(spec["steps"])}
         elif kind == "slow":
             agent = CHAOS_SLOW
             # Waits for the takeover; gives up (and is stopped or fenced off) after 10 s.
             spec |= {"steps": 3, "sleep": 0.02, "slow_at": rng.choice([1, 3]), "slow": 10,
                      "finish": 0.5}
             priority = 10  # taken over at once by whichever worker has a free slot
-        if kind != "slow" and rng.random() < 0.3:
+        if kind not in ("slow", "waits") and rng.random() < 0.3:
             agent = CHAOS_ASYNC  # the same run as a coroutine, writing through the store
         plan.append(PlannedRun(kind, agent, spec, priority=priority))
     return plan
@@ -166,8 +180,12 @@ def guarded(func: Callable[[], T], default: T) -> T:
 
 class Chaos:
     def __init__(self, config: ChaosConfig, env: dict[str, str],
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None,
+                 bouncer: PgBouncer | None = None) -> None:
+        if (config.pg_restart == "pgbouncer") != (bouncer is not None):
+            raise ValueError("pg_restart='pgbouncer' goes with a bouncer, and only it")
         self.config = config
+        self.bouncer = bouncer
         self.rng = random.Random(config.seed)
         self.env = {**env, "AGENTRUNS_TEST_SETTINGS": json.dumps(config.worker_settings())}
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -182,6 +200,7 @@ class Chaos:
         self.frozen: dict[helpers.ManageProcess, threading.Timer] = {}
         self.stopping: list[helpers.ManageProcess] = []  # SIGTERMed, must exit 0
         self.reaper: helpers.ManageProcess | None = None
+        self.deliverer: helpers.ManageProcess | None = None
         self.next_reap = 0.0
         self.logs: list[str] = []
         # pid -> until when (monotonic) SIGKILL spares it: a worker running a slow attempt 1,
@@ -215,13 +234,14 @@ class Chaos:
             timeouts={name: get_agent(name).timeout for name in self._lease_ttls()})
         self.report.statuses = _outcomes()
         self.report.abandoned = RunEvent.objects.filter(type="run.abandoned").count()
+        self.report.waited = RunEvent.objects.filter(type="run.waiting").count()
         self.report.fenced = sum(text.count("nothing recorded") for text in self.logs)
         SUMMARIES.extend([self.report.summary(), self.report.details()])
         return self.report
 
     def _lease_ttls(self) -> dict[str, float]:
         return {name: float(get_agent(name).lease_ttl or self.config.lease_ttl)
-                for name in (CHAOS, CHAOS_ORDERED, CHAOS_SLOW, CHAOS_ASYNC)}
+                for name in (CHAOS, CHAOS_ORDERED, CHAOS_SLOW, CHAOS_ASYNC, CHAOS_WAITS)}
 
     def _enqueue(self, runs: list[PlannedRun]) -> None:
         created = enqueue_many([RunRequest(p.agent, p.input, scope=p.scope, priority=p.priority,
@@ -242,6 +262,7 @@ class Chaos:
 
     def _chaos_phase(self) -> None:
         cfg = self.config
+        self.deliverer = helpers.start_manage(["chaos_deliver"], self.env)
         for _ in range(cfg.workers):
             self._start_worker()
         begin = time.monotonic()
@@ -437,7 +458,14 @@ class Chaos:
 
     def _restart_postgres(self) -> None:
         """Restart the server (or, in "terminate" mode, end every session on this database)."""
-        self.log(f"restarting PostgreSQL ({self.config.pg_restart})")
+        self.log(f"restarting {'PgBouncer' if self.bouncer else 'PostgreSQL'} "
+                 f"({self.config.pg_restart})")
+        if self.bouncer is not None:
+            # The workers' connections (all but their direct LISTEN) die with it; the
+            # server and this process's direct connections carry on.
+            self.bouncer.restart()
+            self.report.restarts += 1
+            return
         params = _connection_params()
         connections.close_all()  # this process's own sessions die with the server
         if self.config.pg_restart == "cluster":
@@ -477,6 +505,10 @@ class Chaos:
             time.sleep(0.2)
         else:
             self.log(f"drain: not every run settled within {self.config.drain_timeout}s")
+        self.report.harness_checks += 1
+        if self.deliverer is not None and self.deliverer.returncode is not None:
+            self.report.problems.append(f"the deliverer exited {self.deliverer.returncode}:\n"
+                                        f"{self.deliverer.stderr[-3000:]}")
         self.stopping.extend(drainers)
         for worker in drainers:
             worker.terminate()
@@ -492,6 +524,9 @@ class Chaos:
         if self.reaper is not None:
             self.reaper.close()
             self.reaper = None
+        if self.deliverer is not None:
+            self.deliverer.close()
+            self.deliverer = None
 
 
 def _pids(worker_ids: Iterable[str]) -> set[int]:
@@ -547,7 +582,8 @@ def wait_for_postgres(params: dict[str, Any], timeout: float = 60) -> None:
 
 
 def default_restart_mode() -> str:
-    """``CHAOS_PG_RESTART`` = cluster (default) | terminate | none.
+    """``CHAOS_PG_RESTART`` = cluster (default) | terminate | none ("pgbouncer" is chosen by
+    the test that puts a PgBouncer in front, not by this variable).
 
     "terminate" ends only this database's sessions instead of restarting the server: use
     it on a server shared with other work, where a restart would break that work too.

@@ -28,6 +28,7 @@ from typing import Any
 
 from django_agentruns import transitions as t
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from tests.chaos.waits import check_waits
 from tests.testapp.chaos_agents import EFFECT_NOTE
 from tests.testapp.models import SideEffect
 
@@ -39,6 +40,9 @@ SETTLING = {t.SUCCEEDED, t.RETRYING, t.DEAD_LETTERED, t.CANCELLED, t.INTERRUPTED
 TERMINAL_EVENTS = {t.SUCCEEDED: Status.SUCCEEDED, t.DEAD_LETTERED: Status.FAILED,
                    t.CANCELLED: Status.CANCELLED}
 ATTEMPT_WRITES = {"step", t.CHECKPOINT, t.CANCEL_REQUESTED}
+# Waiting (tests/chaos/waits.py checks them): a delivery and a resume may come at any time,
+# a live attempt or none; run.waiting ends the live attempt without a settlement.
+WAIT_STORY = {t.waiting.DELIVERED, t.waiting.RESUMED, t.waiting.WAIT_TIMED_OUT}
 WORKER_PID = re.compile(r":(\d+):[0-9a-f]+$")
 ATTEMPT_IN_MESSAGE = re.compile(r"\battempt (\d+)\b")
 TIMEOUT_ERROR = "django_agentruns.exceptions.AttemptTimeout"
@@ -48,7 +52,7 @@ TIMEOUT_ERROR = "django_agentruns.exceptions.AttemptTimeout"
 class PlannedRun:
     """What the harness asked of one run, so the outcome can be judged."""
 
-    kind: str  # plain | flaky | fatal | doomed | slow | ordered
+    kind: str  # plain | flaky | fatal | doomed | slow | ordered | waits
     agent: str
     input: dict[str, Any]
     scope: str = ""
@@ -127,6 +131,7 @@ def check_all(
         check_outcome(checker, run, planned, cancels.get(run_id))
         check_effects(checker, run, planned, events[run_id], effects[run_id], attempts[run_id])
     check_firing_order(checker, plan, events)
+    check_waits(checker, {pk: p for pk, p in plan.items() if p.kind == "waits"}, runs, events)
     for text in log_text:
         checker.check("IntegrityError" not in text,
                       f"a worker met an IntegrityError (an event collision?):\n{_excerpt(text)}")
@@ -183,7 +188,9 @@ def check_lifecycle(
             attempts[event.attempt] = live
             continue
         if event.type == t.CANCELLED and live is None:
-            terminal = event  # cancelled while queued
+            terminal = event  # cancelled while queued or waiting
+            continue
+        if event.type in WAIT_STORY:
             continue
         if not checker.check(live is not None and event.attempt == live.number,
                              f"{where}: written while attempt "
@@ -200,6 +207,11 @@ def check_lifecycle(
                 live.last_renewal = event.created_at
             if event.type == t.CHECKPOINT:
                 checkpoints.append(int(event.payload.get("count", -1)))
+        elif event.type == t.waiting.WAITING:
+            checker.check(not abandoned and not cancel_requested,
+                          f"{where}: waits though abandoned or asked to cancel")
+            live.ended_by = event.type
+            live = None
         elif event.type == t.ABANDONED:
             abandoned = True
             if event.payload.get("why") == "lease lapsed":

@@ -8,8 +8,10 @@ pytest's terminal summary and fails, listing them, if any violation was found.
 from __future__ import annotations
 
 import pytest
+from django.db import connection
 
 from tests.chaos.harness import Chaos, ChaosConfig, ChaosReport, default_restart_mode
+from tests.pgbouncer import PgBouncer
 
 
 def assert_no_violations(report: ChaosReport) -> None:
@@ -33,6 +35,25 @@ def test_chaos_on_postgresql(worker_env: dict[str, str]) -> None:
     assert report.restarts == (0 if config.pg_restart == "none" else 1), report.summary()
     assert report.sigterms == 1, report.summary()
     assert report.abandoned >= 10, report.details()
+    assert report.waited >= 10, report.details()
+
+
+@pytest.mark.slow
+@pytest.mark.postgres_only
+def test_chaos_through_pgbouncer(worker_env: dict[str, str], pgbouncer: PgBouncer) -> None:
+    """Production's topology: every worker and reaper connection through PgBouncer in
+    transaction mode, the listener direct (LISTEN_DATABASE); PgBouncer restarts mid-run."""
+    db = connection.settings_dict
+    env = {**worker_env, "DATABASE_URL": pgbouncer.route(worker_env["DATABASE_URL"]),
+           "AGENTRUNS_TEST_DIRECT": f"{db.get('HOST') or '127.0.0.1'}:{db.get('PORT') or 5432}"}
+    config = ChaosConfig(runs=200, workers=3, concurrency=4, seed=3, pg_restart="pgbouncer",
+                         chaos_seconds=60.0, drain_workers=3)
+    report = Chaos(config, env, bouncer=pgbouncer).run()
+    assert_no_violations(report)
+    assert report.runs == 200
+    assert report.restarts == 1, report.summary()
+    assert report.kills >= 5, report.summary()
+    assert report.sigterms == 1, report.summary()
 
 
 @pytest.mark.slow
@@ -46,3 +67,4 @@ def test_chaos_on_sqlite(worker_env: dict[str, str]) -> None:
     assert report.kills >= 5, report.summary()
     assert report.sigterms == 1, report.summary()
     assert report.abandoned >= 3, report.details()
+    assert report.waited >= 3, report.details()

@@ -311,7 +311,7 @@ async def async_traced(ctx: RunContext) -> dict[str, Any]:
     return {"traced": True}
 
 
-from . import chaos_agents, failure_agents, writer_agents  # noqa: E402,F401
+from . import chaos_agents, failure_agents, waiting_agents, writer_agents  # noqa: E402,F401
 
 
 @agent("tests.sized", max_requeues=1)
@@ -337,3 +337,9 @@ def emitter(ctx: RunContext) -> dict[str, Any]:
         if i < int(ctx.input.get("checkpoints", 0)):
             ctx.checkpoint({"i": i, "text": "y" * int(ctx.input.get("state", 0))})
     return {"emitted": int(ctx.input.get("events", 0))}
+
+
+@agent("tests.scheduled", queue="scheduled", every=3600, catch_up=True)
+def scheduled(ctx: RunContext) -> dict[str, Any]:
+    """Declares its schedule: workers serving queue "scheduled" tick it (test_schedules)."""
+    return {"tick": ctx.input.get("tick")}

@@ -1,10 +1,12 @@
 """Agents of the chaos suite (tests/chaos): multi-step runs whose side effects are fenced.
 
-One body serves three agents, steered by the run's input (and an async twin, a fourth,
+One body serves four agents, steered by the run's input (and an async twin, a fifth,
 whose attempts are coroutines on the worker's loop writing through its attempt store):
 
 - ``steps``: how many steps; each emits a ``step`` event, sleeps ``sleep`` seconds (the
   "model call"), then records its side effect and checkpoints, in ONE transaction;
+- ``wait_at`` (``tests.chaos_waits``): at that step the run waits for its delivery
+  (``ctx.receive``), which the chaos deliverer sends at a random time, before or after;
 - ``fail`` at step ``fail_at``: ``"transient"`` raises `Retryable` on the first
   ``fail_attempts`` attempts, ``"fatal"`` raises `NotRetryable`;
 - ``slow_at`` (``tests.chaos_slow`` only): before that step (or, if it is ``steps``,
@@ -40,6 +42,8 @@ CHAOS = "tests.chaos"
 CHAOS_ORDERED = "tests.chaos_ordered"
 CHAOS_SLOW = "tests.chaos_slow"
 CHAOS_ASYNC = "tests.chaos_async"
+CHAOS_WAITS = "tests.chaos_waits"
+WAIT_KEY = "chaos"
 CHAOS_MAX_REQUEUES = 8
 # The slow agent: its attempt times out after SLOW_TIMEOUT; the worker's lease keeper stops
 # renewing SLOW_LEASE_TTL/3 later, so the lease lapses within SLOW_LEASE_TTL after that.
@@ -63,6 +67,11 @@ def run_steps(ctx: RunContext) -> dict[str, Any]:
     for step in range(int(state["step"]), steps):
         ctx.emit("step", {"n": step})
         time.sleep(float(spec.get("sleep", 0)))
+        if step == spec.get("wait_at"):
+            # Waits for the deliverer (tests/chaos/deliverer.py), which sends {"run": id}.
+            payload = ctx.receive(WAIT_KEY)
+            if payload != {"run": ctx.run_id}:
+                raise NotRetryable(f"received {payload!r}, not this run's payload")
         if step == spec.get("fail_at"):
             if spec.get("fail") == "fatal":
                 raise NotRetryable(f"fatal failure at step {step}")
@@ -123,6 +132,11 @@ def chaos_ordered(ctx: RunContext) -> dict[str, Any]:
 @agent(CHAOS_SLOW, timeout=SLOW_TIMEOUT, lease_ttl=SLOW_LEASE_TTL,
        max_requeues=CHAOS_MAX_REQUEUES)
 def chaos_slow(ctx: RunContext) -> dict[str, Any]:
+    return run_steps(ctx)
+
+
+@agent(CHAOS_WAITS, max_requeues=CHAOS_MAX_REQUEUES)
+def chaos_waits(ctx: RunContext) -> dict[str, Any]:
     return run_steps(ctx)
 
 

@@ -10,7 +10,8 @@ from django_agentruns.reaper import reap
 
 
 class Command(BaseCommand):
-    help = "Take back running runs whose lease lapsed (their worker died). Safe on cron."
+    help = ("Take back running runs whose lease lapsed (their worker died), and queue again "
+            "waiting runs past their wait's deadline. Safe on cron.")
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--dry-run", action="store_true", help="Report, change nothing.")
@@ -25,3 +26,7 @@ class Command(BaseCommand):
             f"stale {len(report.stale)}: requeued {len(report.requeued)}, dead-lettered "
             f"{len(report.dead_lettered)}, cancelled {len(report.cancelled)}, skipped "
             f"{len(report.skipped)} (renewed or settled meanwhile)")
+        if report.wait_timeouts or report.parents_resumed:
+            self.stdout.write(
+                f"waits timed out {len(report.wait_timeouts)}, parents resumed "
+                f"{len(report.parents_resumed)}")

@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from django_agentruns import metrics
 from django_agentruns.checks import check_worker_connections, server_max_connections
+from django_agentruns.management import logs, reloading
 from django_agentruns.management.arguments import (
     non_negative_float,
     port_number,
@@ -26,19 +27,29 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--queues", type=queue_list, default=None,
-                            help="Comma-separated queues to serve (default: DEFAULT_QUEUE).")
+                            help="Comma-separated queues to serve (default: DEFAULT_QUEUE, "
+                                 "'default').")
         parser.add_argument("--concurrency", type=positive_int, default=1,
-                            help="Attempts run at once (sync in threads, async on a loop).")
+                            help="Attempts run at once (sync in threads, async on a loop; "
+                                 "default 1).")
         parser.add_argument("--burst", action="store_true",
-                            help="Exit once nothing is due (for scripts and tests).")
+                            help="Exit once nothing is due (for scripts and tests; default: "
+                                 "serve until stopped).")
         parser.add_argument("--worker-id", type=worker_id, default=None,
                             help="Worker id (default: host:pid:random, unique per start).")
-        parser.add_argument("--poll-interval", type=non_negative_float, default=None)
+        parser.add_argument("--poll-interval", type=non_negative_float, default=None,
+                            help="Seconds an idle worker waits before looking for due runs "
+                                 "again (default: POLL_INTERVAL, 1.0); PostgreSQL workers are "
+                                 "also woken at once by NOTIFY.")
+        parser.add_argument("--reload", action="store_true",
+                            help="Development: restart when code changes (Django's "
+                                 "autoreloader, as runserver), stopping gracefully first.")
         parser.add_argument("--grace", type=non_negative_float, default=None,
-                            help="Seconds attempts get to finish after SIGTERM (default 5).")
+                            help="Seconds attempts get to finish after SIGTERM (default: "
+                                 "GRACE, 5.0).")
         parser.add_argument("--metrics-port", type=port_number, default=None,
                             help="Serve Prometheus metrics on this port (0: any free port; "
-                                 "needs the `prometheus` extra).")
+                                 "needs the `prometheus` extra; default: none).")
         # Loopback by default: the metrics server has no authentication, so exposing it
         # beyond the host (0.0.0.0, a pod IP) is the operator's explicit choice.
         parser.add_argument("--metrics-addr", "--metrics-host", dest="metrics_addr",
@@ -48,12 +59,13 @@ class Command(BaseCommand):
                                  "has no authentication).")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        logging.getLogger("django_agentruns").setLevel(
-            logging.DEBUG if options["verbosity"] > 2 else logging.INFO)
-        if not logging.getLogger("django_agentruns").handlers and \
-                not logging.getLogger().handlers:
-            logging.basicConfig(level=logging.INFO,
-                                format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        logs.configure(options["verbosity"])
+        if options["reload"]:
+            reloading.run(lambda: self._serve(options))
+            return
+        self._serve(options)
+
+    def _serve(self, options: dict[str, Any]) -> None:
         try:
             worker = Worker(options["queues"], options["concurrency"], burst=options["burst"],
                             worker_id=options["worker_id"],
@@ -78,7 +90,7 @@ class Command(BaseCommand):
         for warning in check_worker_connections(worker.concurrency, own, sync_agents,
                                                 server_max_connections()):
             self.stderr.write(str(warning))
-        stats = worker.run()
+        stats = worker.run() if not options["reload"] else reloading.serve(worker)
         if options["verbosity"] > 0:
             self.stdout.write(f"claimed {stats.claimed} runs; settled {stats.settled or {}}")
         if worker.stuck_attempts:

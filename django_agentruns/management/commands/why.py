@@ -5,9 +5,11 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from django_agentruns.diagnosis import advice, short_error
 from django_agentruns.management.arguments import run_id
-from django_agentruns.models import AgentRun
+from django_agentruns.models import AgentRun, Status
 from django_agentruns.visibility import why_not_started
+from django_agentruns.workers import Coverage
 
 
 class Command(BaseCommand):
@@ -21,10 +23,24 @@ class Command(BaseCommand):
         if run is None:
             raise CommandError(f"No run with id {options['run_id']}")
         holds = why_not_started(run)
+        if run.status != Status.QUEUED:
+            # Not a question of starting: say what it is, and what to do about it.
+            state = str(holds[0]).removeprefix(f"run #{run.pk} ") if holds else run.status
+            self.stdout.write(f"run #{run.pk} ({run.agent}) {state}")
+            if run.error_type and run.status == Status.FAILED:
+                self.stdout.write(f"- last error: {run.error_type}: "
+                                  f"{short_error(run.error_message, 300)}")
+            if advice(run):
+                self.stdout.write(f"- {advice(run)}")
+            return
+        gap = Coverage.read().gap(run)
         if not holds:
+            if gap:
+                self.stdout.write(f"run #{run.pk} ({run.agent}) is due, but {gap}")
+                return
             self.stdout.write(f"run #{run.pk} ({run.agent}) is due now: nothing holds it back; "
                               f"a worker serving queue {run.queue!r} will claim it")
             return
         self.stdout.write(f"run #{run.pk} ({run.agent}) is not starting:")
-        for hold in holds:
+        for hold in [*holds, *([gap] if gap else [])]:
             self.stdout.write(f"- {hold}")

@@ -10,7 +10,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
 
-from django_agentruns import enqueue
+from django_agentruns import approve, enqueue
 from django_agentruns.models import AgentRun
 
 TOPICS = ["agent runs", "job queues"]
@@ -20,7 +20,7 @@ TEXTS = [
     "Retries are bounded, so a poisoned run ends as a dead letter.",
     "Ordered scopes run one at a time, in firing order. Cancelling a run stops it soon.",
 ]
-UNFINISHED = ("queued", "running")
+UNFINISHED = ("queued", "running", "waiting")
 
 
 def _short(value: Any, width: int = 72) -> str:
@@ -46,7 +46,9 @@ class Command(BaseCommand):
                 *(enqueue("demo.research", input={"topic": topic}) for topic in TOPICS),
                 *(enqueue("demo.flaky_tool", input={"city": city}) for city in CITIES),
                 *(enqueue("demo.async_summarise", input={"text": text}) for text in TEXTS),
+                enqueue("demo.refund", input={"order": 1042, "amount": 80}),
             ]
+        refund = runs[-1].pk
         ids = [run.pk for run in runs]
         self.stdout.write(f"Enqueued {len(ids)} runs: {', '.join(map(str, ids))}\n")
 
@@ -55,6 +57,14 @@ class Command(BaseCommand):
         deadline = time.monotonic() + timeout
         while True:
             call_command("runworker", "--burst", "--concurrency", "4")
+            if AgentRun.objects.filter(pk=refund, status="waiting").exists():
+                # In the admin, an operator with approve_agentrun would do this on the run's
+                # page; the demo plays the operator, lowering the amount.
+                self.stdout.write(f"Run {refund} waits for approval of its refund; "
+                                  "approving it as demo-operator (amount 80 -> 60).")
+                approve(refund, "refund", by="demo-operator", note="partial refund",
+                        proposal={"order": 1042, "amount": 60, "reason": "late delivery"})
+                continue
             if not AgentRun.objects.filter(pk__in=ids, status__in=UNFINISHED).exists():
                 break
             if time.monotonic() > deadline:

@@ -1,0 +1,303 @@
+"""The LLM-shaped workload: runs that wait on three model calls and write between them.
+
+A run makes three model calls of 0.4 s (sleeps), emits an event after each and saves a
+checkpoint after the second: 1.2 s of waiting and four writes, so one worker process at
+concurrency C can at best finish C / 1.2 runs a second. Each trial queues a few waves of
+C runs, starts one worker and times from the first claim until none is queued or running
+(or the cap); meanwhile a sampler records the worker's connections to the server and its
+RSS. procrastinate is the peer, with a job that writes one row per step into a table of
+its own through the ORM (`bench/benchapp/tasks.py`); django-tasks-db runs one task at a
+time and sits this one out.
+
+    python -m bench --only llm    # these rows alone; their section of results.md replaced
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import psutil
+import psycopg
+
+from bench.engines import OURS, PROCRASTINATE, Engine
+from bench.harness import PgTarget, client, log, run_trial, start_workers, stop_workers
+from bench.pg import SERVER_URL, Admin, db_url, django_env
+
+if TYPE_CHECKING:
+    from bench.run import Plan, Results
+
+RUN_SECONDS = 1.2
+"""Three model calls of 0.4 s: the shortest a run can take."""
+ENGINES = (OURS, PROCRASTINATE)
+EVENTS_SQL = {
+    "ours": "SELECT count(*) FROM django_agentruns_runevent WHERE type = 'llm.step'",
+    "procrastinate": "SELECT count(*) FROM bench_step",
+}
+POLL = 0.02  # seconds between two looks at the queue
+SAMPLE = 0.025  # seconds between two samples of the worker's connections and RSS
+START_TIMEOUT = 60.0  # seconds a worker gets to claim its first run
+BEGIN, END = "<!-- llm:begin -->", "<!-- llm:end -->"
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What issue 14 asks of ours in a row."""
+
+    ratio: float
+    connections: int
+    rss_mb: float | None = None
+
+
+GOALS = {("llm_async", 1000): Goal(0.8, 8, 300), ("llm_sync", 200): Goal(0.85, 8)}
+
+
+class Sampler(threading.Thread):
+    """Peak connections and RSS of one worker process (with its children), every 25 ms.
+
+    Connections are the `pg_stat_activity` rows carrying the worker's application name,
+    which libpq takes from ``PGAPPNAME`` in the worker's environment, so every library's
+    connections (Django's, procrastinate's pool) carry it; cross-checked with the worker's
+    TCP sockets to the server's port in case a library names its own. Past `limit`
+    connections `over` is set and the harness stops the trial, rather than exhaust the
+    connections of a server others use.
+    """
+
+    def __init__(self, pid: int, app: str, limit: int) -> None:
+        super().__init__(daemon=True)
+        self.process = psutil.Process(pid)
+        self.app = app
+        self.limit = limit
+        self.port = urlsplit(SERVER_URL).port or 5432
+        self.connections = 0
+        self.named = 0  # the peak of pg_stat_activity alone
+        self.sockets = 0  # the peak of the socket scan alone
+        self.rss = 0
+        self.over = False
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        with psycopg.connect(db_url("postgres"), autocommit=True) as conn:
+            tick = 0
+            while not self._stop_event.is_set():
+                row = conn.execute("SELECT count(*) FROM pg_stat_activity "
+                                   "WHERE application_name = %s", [self.app]).fetchone()
+                named = int(row[0]) if row else 0
+                sockets = 0
+                processes = [self.process]
+                with contextlib.suppress(psutil.Error):
+                    processes += self.process.children(recursive=True)
+                rss = 0
+                for p in processes:
+                    with contextlib.suppress(psutil.Error):
+                        rss += p.memory_info().rss
+                        if tick % 8 == 0:  # a socket scan costs more: every 200 ms
+                            sockets += sum(1 for c in p.net_connections("tcp")
+                                           if c.raddr and c.raddr.port == self.port)
+                seen = max(named, sockets)
+                self.named = max(self.named, named)
+                self.sockets = max(self.sockets, sockets)
+                self.connections = max(self.connections, seen)
+                self.rss = max(self.rss, rss)
+                self.over = self.over or seen > self.limit
+                tick += 1
+                self._stop_event.wait(SAMPLE)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(10)
+
+
+def connection_limit(admin: Admin) -> int:
+    """Connections a worker may hold before its trial is stopped: a quarter of the server's
+    `max_connections` unless ``BENCH_MAX_WORKER_CONNECTIONS`` says otherwise."""
+    configured = os.environ.get("BENCH_MAX_WORKER_CONNECTIONS")
+    if configured:
+        return int(configured)
+    return int(admin.value("SHOW max_connections")) // 4
+
+
+def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: int,
+          cap: float, limit: int, logs: Path) -> dict[str, Any]:
+    """`runs` queued runs of `kind`, one worker at `concurrency`; timed from its first claim
+    until none is queued or running, or `cap` seconds."""
+    client(target.url, engine, "prefill", kind, str(runs))
+    target.analyze()
+    target.settle()
+    app = f"agentruns-bench-{engine.key}-{os.getpid()}"
+    env = django_env(target.url, PGAPPNAME=app, **dict(engine.env))
+    queued_sql = f"SELECT count(*) FROM {engine.table} WHERE status = '{engine.pending[0]}'"
+    logfile = logs / f"{engine.key}-{kind}-{concurrency}.log"
+    target.open_poller()
+    launched = time.perf_counter()
+    workers = start_workers(engine, 1, concurrency, True, env, logfile)
+    sampler = Sampler(workers[0].pid, app, limit)
+    sampler.start()
+    remaining, start = runs, None
+    try:
+        while True:
+            now = time.perf_counter()
+            exited = workers[0].poll() is not None
+            if start is None:
+                if target.count(queued_sql) < runs:
+                    start = now  # the first claim, give or take one poll
+                elif exited or now - launched > START_TIMEOUT:
+                    break
+            else:
+                remaining = target.count(engine.pending_sql())
+                if remaining == 0 or now - start >= cap or sampler.over or exited:
+                    break
+            time.sleep(POLL)
+        events = target.count(EVENTS_SQL[engine.key])
+        # Exit codes before the stop: a worker stopped at the cap may be killed in the end.
+        failed = workers[0].poll() not in (0, None)
+    finally:
+        if remaining:  # measured: no need to wait for the runs in flight
+            with contextlib.suppress(ProcessLookupError):
+                workers[0].kill()
+        stop_workers(workers, wait_first=30.0)
+        sampler.stop()
+        target.close_poller()
+    if start is None or failed or (remaining == runs and not sampler.over):
+        tail = logfile.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{engine.key} {kind}: no run finished "
+                           f"(exit {workers[0].returncode}):\n{tail}")
+    elapsed = now - start
+    rate = (runs - remaining) / elapsed
+    return {"runs_per_s": rate, "ratio": rate / (concurrency / RUN_SECONDS),
+            "events_per_s": events / elapsed, "connections": sampler.connections,
+            "named": sampler.named, "sockets": sampler.sockets,
+            "rss_mb": sampler.rss / 2**20, "done": runs - remaining, "elapsed": elapsed,
+            "capped": remaining > 0 and elapsed >= cap, "over": sampler.over,
+            "incomplete": remaining > 0 and elapsed < cap and not sampler.over}
+
+
+METRICS = ("runs_per_s", "ratio", "events_per_s", "connections", "rss_mb")
+
+
+def key(kind: str, concurrency: int, metric: str) -> str:
+    return f"{kind}@{concurrency}_{metric}"  # kinds start with llm_
+
+
+def run_llm(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
+            started: float) -> None:
+    """One repetition of every LLM row, the engines' order rotated by repetition."""
+    limit = connection_limit(admin)
+    order = ENGINES[rep % 2:] + ENGINES[:rep % 2]
+    for kind, concurrency in plan.llm_configs:
+        for engine in order:
+            r = run_trial(admin, f"{kind} c={concurrency} {engine.key}", trial, engine, kind,
+                          concurrency, concurrency * plan.llm_waves, plan.llm_cap, limit, logs)
+            for metric in METRICS:
+                results.add(key(kind, concurrency, metric), engine, float(r[metric]))
+            results.flag(key(kind, concurrency, "runs_per_s"), engine, r)
+            if r["over"]:
+                results.capped.add(f"{key(kind, concurrency, 'over')}:{engine.key}")
+            log(f"[rep {rep + 1}/{plan.reps} {time.monotonic() - started:6.0f}s] "
+                f"{kind:<14} {engine.key:<13} c={concurrency:<5} {r['runs_per_s']:7.1f} runs/s "
+                f"({r['ratio']:.2f} of {concurrency / RUN_SECONDS:.0f})  "
+                f"{r['events_per_s']:7.1f} events/s  {r['connections']} connections "
+                f"({r['named']} named, {r['sockets']} sockets)  "
+                f"RSS {r['rss_mb']:.0f} MB  {r['done']} in {r['elapsed']:.1f}s"
+                f"{'  (stopped: over the connection limit)' if r['over'] else ''}")
+
+
+def table(results: Results, plan: Plan) -> str:
+    lines = ["| agent | concurrency | engine | runs/s ↑ | of possible ↑ | events/s ↑ | "
+             "peak connections ↓ | peak RSS (MB) ↓ | target (ours) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    for kind, c in plan.llm_configs:
+        for engine in ENGINES:
+            med = {m: results.median(key(kind, c, m), engine) for m in METRICS}
+            if med["runs_per_s"] is None:
+                continue
+            flag = ""
+            if f"{key(kind, c, 'runs_per_s')}:{engine.key}" in results.capped:
+                flag += "*"
+            if f"{key(kind, c, 'runs_per_s')}:{engine.key}" in results.incomplete:
+                flag += "†"
+            if f"{key(kind, c, 'over')}:{engine.key}" in results.capped:
+                flag += "‡"
+            goal = GOALS.get((kind, c)) if engine is OURS else None
+            lines.append(
+                f"| {kind.replace('llm_', '')} | {c:,} | {engine.label} | "
+                f"{rate(med['runs_per_s'])}{flag} | {med['ratio']:.2f} of {c / RUN_SECONDS:,.0f} | "
+                f"{rate(med['events_per_s'])} | {med['connections']:.0f} | "
+                f"{med['rss_mb']:.0f} | {verdict(goal, med)} |")
+    return "\n".join(lines)
+
+
+def rate(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def verdict(goal: Goal | None, med: dict[str, float | None]) -> str:
+    if goal is None:
+        return ""
+    wanted = [f"≥ {goal.ratio:.2f}", f"≤ {goal.connections} connections"]
+    met = (med["ratio"] or 0) >= goal.ratio and (med["connections"] or 0) <= goal.connections
+    if goal.rss_mb is not None:
+        wanted.append(f"≤ {goal.rss_mb:.0f} MB")
+        met = met and (med["rss_mb"] or 0) <= goal.rss_mb
+    return f"{', '.join(wanted)}: {'met' if met else '**not met**'}"
+
+
+def section(results: Results, plan: Plan, info: dict[str, str], command: str) -> str:
+    """The results.md section of these rows, between markers so `--only llm` can replace
+    it alone."""
+    raw = {k: {e: [round(x, 3) for x in xs] for e, xs in v.items()}
+           for k, v in results.values.items() if k.startswith("llm_")}
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return "\n".join([
+        BEGIN,
+        "## LLM-shaped agents (one worker process)",
+        "",
+        f"Run {when} with `{command}`: {plan.reps} repetition(s), medians. A run makes three "
+        f"model calls of 0.4 s (sleeps), emits an event after each and checkpoints after the "
+        f"second; procrastinate's job writes one row per step to a table of its own through "
+        f"the ORM (it has no checkpoint). {plan.llm_waves} waves of runs (the concurrency times "
+        f"{plan.llm_waves}), timed from the first claim until none is queued or running, cap "
+        f"{plan.llm_cap:g} s. *Of possible*: runs/s over concurrency / 1.2 s. *Events/s*: the "
+        "agent's events (procrastinate: its step rows) over the same time. Connections: the "
+        "worker's rows in `pg_stat_activity` (application name from `PGAPPNAME`), sampled "
+        f"every 25 ms; RSS with its children. Server {server()}: PostgreSQL "
+        f"{info.get('PostgreSQL', '?')}, max_connections "
+        f"{info.get('max_connections (server-wide)', '?')}, "
+        f"CPUs {info.get('CPUs (nproc)', '?')}, load average {info.get('load', '?')}.",
+        "",
+        table(results, plan),
+        "",
+        "`*` the cap struck first: runs finished / time. `†` the worker exited with runs "
+        "unfinished. `‡` stopped when the worker held more connections than "
+        "`BENCH_MAX_WORKER_CONNECTIONS` (default a quarter of the server's `max_connections`).",
+        "",
+        "```json",
+        json.dumps(raw)[:8000],
+        "```",
+        END,
+    ])
+
+
+def server() -> str:
+    parts = urlsplit(SERVER_URL)
+    return f"{parts.hostname}:{parts.port or 5432}"
+
+
+def merge(path: Path, text: str) -> None:
+    """Replace the LLM section of `path` (or append it), keeping the rest."""
+    old = path.read_text() if path.exists() else ""
+    if BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        new = head + text + rest.split(END, 1)[1]
+    else:
+        new = old.rstrip("\n") + ("\n\n" if old else "") + text + "\n"
+    path.write_text(new)
+

@@ -1,0 +1,278 @@
+"""Every status write of a waiting run: the wait, deliveries, resumes, timeouts, children.
+
+The race that matters is a delivery against the wait it answers. Both lock the run's row
+first (SELECT ... FOR UPDATE on PostgreSQL; SQLite's IMMEDIATE transactions serialise every
+writer), and each reads the other's trace after it: the wait looks for a stored payload,
+the delivery for a recorded wait. Whichever commits second sees the first, so a payload is
+never left unread by a run that waits for it. A child that finishes locks its parent the
+same way before counting its siblings, so the last of them to finish resumes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+
+from ..db import is_postgres, retry_on_lock
+from ..models import TERMINAL, AgentRun, RunWait, Status
+from ..outcomes import AttemptRef, Renewal
+from ..wait_results import RESERVED_PREFIX, DeliverResult, RunResult, Waited, WaitState
+from .enqueue import NewRun, insert_runs
+from .events import append_events, lifecycle, now
+
+WAITING = "run.waiting"
+DELIVERED = "run.delivered"
+RESUMED = "run.resumed"
+WAIT_TIMED_OUT = "run.wait_timed_out"
+SPAWNED = "run.spawned"
+
+RUNS_PREFIX = f"{RESERVED_PREFIX}runs:"
+
+
+def runs_key(ids: Iterable[int]) -> str:
+    """The key of a wait for these child runs: the same for the same set, in any order."""
+    text = ",".join(str(i) for i in sorted(set(ids)))
+    return RUNS_PREFIX + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _locked(*guard: Any, **filters: Any) -> dict[str, Any] | None:
+    """The run's row, locked against other writers until the transaction ends."""
+    qs = AgentRun.objects.filter(*guard, **filters)
+    if is_postgres():
+        qs = qs.select_for_update(of=("self",))
+    row = qs.values(
+        "id", "agent", "status", "attempt", "wait_key", "cancel_requested_at").first()
+    return None if row is None else dict(row)
+
+
+def _renew(ref: AttemptRef, at: datetime) -> None:
+    AgentRun.objects.filter(ref.guard()).update(lease_expires=ref.lease_until(at))
+
+
+def _resume(run_id: int, attempt: int, at: datetime, **why: Any) -> bool:
+    """waiting -> queued, due now. The requeue budget is left alone: waiting is no failure."""
+    if not AgentRun.objects.filter(pk=run_id, status=Status.WAITING).update(
+            status=Status.QUEUED, available_at=at, wait_key="", wait_until=None):
+        return False
+    append_events([lifecycle(run_id, RESUMED, attempt, **why)], at)
+    return True
+
+
+# --------------------------------------------------------------------------- the wait
+
+
+@retry_on_lock()
+def wait_for(
+    ref: AttemptRef, key: str, *, kind: str, prompt: Any = None,
+    deadline: datetime | None = None, children: list[int] | None = None,
+    at: datetime | None = None,
+) -> Waited:
+    """The attempt's fenced wait for `key` (or for `children` to finish), in one transaction.
+
+    What is already there is returned without waiting (the lease renewed); otherwise the
+    run becomes `waiting` and its lease is released. An interactive run (no lease) never
+    waits: WOULD_WAIT, nothing written.
+    """
+    at = at or now()
+    with transaction.atomic():
+        row = _locked(ref.guard())
+        if row is None:
+            return Waited(WaitState.LOST)
+        if row["cancel_requested_at"] is not None:
+            return Waited(WaitState.CANCEL_REQUESTED)
+        wait = RunWait.objects.filter(run_id=ref.run_id, key=key).first()
+        if children is not None:
+            results = _children(ref.run_id, children)
+            if all(r.status in TERMINAL for r in results.values()):
+                _renew(ref, at)
+                return Waited(WaitState.READY, runs=results)
+        elif wait is not None and wait.delivered_at is not None:
+            _renew(ref, at)
+            return Waited(WaitState.READY, payload=wait.payload, by=wait.delivered_by)
+        if wait is not None and wait.timed_out_at is not None:
+            _renew(ref, at)
+            return Waited(WaitState.TIMED_OUT)
+        if ref.lease_ttl is None:
+            return Waited(WaitState.WOULD_WAIT)
+        fields = {"kind": kind, "prompt": prompt, "deadline": deadline, "waited_at": at}
+        if wait is None:
+            RunWait.objects.create(run_id=ref.run_id, key=key, **fields)
+        else:
+            RunWait.objects.filter(pk=wait.pk).update(**fields)
+        AgentRun.objects.filter(ref.guard()).update(
+            status=Status.WAITING, claimed_by="", lease_expires=None, wait_key=key,
+            wait_until=deadline)
+        story: dict[str, Any] = {"key": key, "kind": kind}
+        if deadline is not None:
+            story["deadline"] = deadline.isoformat()
+        if children is not None:
+            story["runs"] = sorted(set(children))
+        append_events([lifecycle(ref.run_id, WAITING, ref.attempt, **story)], at)
+    return Waited(WaitState.WAITING)
+
+
+def _children(parent_id: int, ids: list[int]) -> dict[int, RunResult]:
+    from ..exceptions import InvalidInputError
+
+    rows = {r["id"]: r for r in AgentRun.objects.filter(pk__in=ids, parent_id=parent_id)
+            .values("id", "status", "reason", "output", "error_type", "error_message")}
+    strangers = sorted(set(ids) - set(rows))
+    if strangers:
+        raise InvalidInputError(f"wait_for_runs takes child runs of run {parent_id} "
+                                f"(ctx.spawn); not its children: {strangers[:10]}")
+    return {pk: RunResult(
+        status=r["status"], reason=r["reason"],
+        output=r["output"] if r["status"] == Status.SUCCEEDED else None,
+        error={"type": r["error_type"], "message": r["error_message"]}
+        if r["status"] == Status.FAILED else None) for pk, r in rows.items()}
+
+
+# --------------------------------------------------------------------------- deliveries
+
+
+@retry_on_lock()
+def deliver(run_id: int, key: str, payload: Any, by: str,
+            at: datetime | None = None) -> DeliverResult:
+    """Store the payload for `key` and, if the run waits for it, queue it again.
+
+    In the caller's transaction when there is one (like `enqueue`): roll back and the
+    delivery never happened.
+    """
+    at = at or now()
+    with transaction.atomic():
+        row = _locked(pk=run_id)
+        if row is None:
+            return DeliverResult.NOT_FOUND
+        wait = RunWait.objects.filter(run_id=run_id, key=key).values(
+            "pk", "delivered_at").first()
+        if wait is not None and wait["delivered_at"] is not None:
+            return DeliverResult.ALREADY_DELIVERED
+        if row["status"] in TERMINAL:
+            return DeliverResult.FINISHED
+        given = {"payload": payload, "delivered_at": at, "delivered_by": by}
+        if wait is None:
+            RunWait.objects.create(run_id=run_id, key=key, **given)
+        else:
+            RunWait.objects.filter(pk=wait["pk"]).update(**given)
+        append_events([lifecycle(run_id, DELIVERED, row["attempt"], key=key, by=by)], at)
+        if row["status"] == Status.WAITING and row["wait_key"] == key:
+            _resume(run_id, row["attempt"], at, key=key, by=by)
+            return DeliverResult.DELIVERED
+    return DeliverResult.STORED
+
+
+# --------------------------------------------------------------------------- timeouts
+
+
+def expired(at: datetime, limit: int) -> list[int]:
+    """Waiting runs whose deadline passed (the partial index agentruns_wait_until)."""
+    return list(AgentRun.objects.filter(status=Status.WAITING, wait_until__lt=at)
+                .order_by("wait_until").values_list("pk", flat=True)[:limit])
+
+
+@retry_on_lock()
+def expire(run_id: int, at: datetime | None = None) -> bool:
+    """Queue a run whose wait's deadline passed; its next `receive` raises WaitTimedOut.
+    The deadline is re-checked under the lock: a delivery that just resumed it wins."""
+    at = at or now()
+    with transaction.atomic():
+        row = _locked(pk=run_id, status=Status.WAITING, wait_until__lt=at)
+        if row is None:
+            return False
+        RunWait.objects.filter(run_id=run_id, key=row["wait_key"]).update(timed_out_at=at)
+        append_events([lifecycle(run_id, WAIT_TIMED_OUT, row["attempt"],
+                                 key=row["wait_key"])], at)
+        return _resume(run_id, row["attempt"], at, key=row["wait_key"], timed_out=True)
+
+
+# --------------------------------------------------------------------------- children
+
+
+@retry_on_lock()
+def spawn(ref: AttemptRef, key: str, new: NewRun,
+          at: datetime | None = None) -> tuple[Renewal, int | None]:
+    """Enqueue a child run in the attempt's fenced write; the same key gives the same child
+    in any later attempt (the unique constraint agentruns_spawn_key backs it)."""
+    at = at or now()
+    with transaction.atomic():
+        row = _locked(ref.guard())
+        if row is None:
+            return Renewal.LOST, None
+        if row["cancel_requested_at"] is not None:
+            return Renewal.CANCEL_REQUESTED, None
+        _renew(ref, at)
+        known = AgentRun.objects.filter(parent_id=ref.run_id, spawn_key=key).values_list(
+            "pk", flat=True).first()
+        if known is not None:
+            return Renewal.OK, known
+        (child,) = insert_runs([new], at)
+        AgentRun.objects.filter(pk=child.pk).update(parent_id=ref.run_id, spawn_key=key)
+        append_events([lifecycle(ref.run_id, SPAWNED, ref.attempt, key=key, run=child.pk,
+                                 agent=child.agent)], at)
+    return Renewal.OK, child.pk
+
+
+def children_settled(run_ids: Iterable[int], at: datetime) -> None:
+    """Inside the transaction that finished `run_ids`: resume each parent whose wait for
+    children they ended. One indexed read; nothing more for runs without a parent."""
+    for parent_id in _parents_of(run_ids):
+        _resume_if_children_done(parent_id, at)
+
+
+def _parents_of(run_ids: Iterable[int]) -> list[int]:
+    ids = list(run_ids)
+    if not ids:
+        return []
+    parents = AgentRun.objects.filter(pk__in=ids, parent__isnull=False).values_list(
+        "parent_id", flat=True)
+    return sorted({p for p in parents if p is not None})
+
+
+@retry_on_lock()
+def resume_parents(run_ids: Iterable[int], at: datetime | None = None) -> None:
+    """`children_settled` after a one-statement settle that committed on its own: the read
+    first, and a transaction only for runs that have a parent."""
+    parents = _parents_of(run_ids)
+    if parents:
+        with transaction.atomic():
+            for parent_id in parents:
+                _resume_if_children_done(parent_id, at or now())
+
+
+def _resume_if_children_done(parent_id: int, at: datetime) -> bool:
+    row = _locked(pk=parent_id, status=Status.WAITING, wait_key__startswith=RUNS_PREFIX)
+    if row is None:
+        return False
+    prompt = RunWait.objects.filter(run_id=parent_id, key=row["wait_key"]).values_list(
+        "prompt", flat=True).first() or {}
+    ids = list(prompt.get("runs", []))
+    if AgentRun.objects.filter(pk__in=ids).exclude(status__in=TERMINAL).exists():
+        return False
+    RunWait.objects.filter(run_id=parent_id, key=row["wait_key"]).update(
+        delivered_at=at, delivered_by="children")
+    return _resume(parent_id, row["attempt"], at, key=row["wait_key"], runs=len(ids))
+
+
+def parents_behind(limit: int) -> list[int]:
+    """Waiting parents whose children are all finished: none, unless a worker died between
+    a one-statement settle and `resume_parents` (the reaper resumes them)."""
+    unfinished = AgentRun.objects.exclude(status__in=TERMINAL).filter(parent_id__isnull=False)
+    waiting = AgentRun.objects.filter(status=Status.WAITING,
+                                      wait_key__startswith=RUNS_PREFIX)
+    stuck = waiting.exclude(pk__in=unfinished.values("parent_id"))
+    return list(stuck.order_by("pk").values_list("pk", flat=True)[:limit])
+
+
+@retry_on_lock()
+def resume_parent(parent_id: int, at: datetime | None = None) -> bool:
+    with transaction.atomic():
+        return _resume_if_children_done(parent_id, at or now())
+
+
+def unfinished_children(run_id: int) -> list[int]:
+    return list(AgentRun.objects.filter(parent_id=run_id).exclude(status__in=TERMINAL)
+                .order_by("pk").values_list("pk", flat=True))
