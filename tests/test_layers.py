@@ -16,7 +16,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "django_agentruns"
 # Modules (or packages) the layer on the left must never import.
 HIGHER = ["admin", "api", "worker", "executor", "lease_keeper", "live", "management",
           "tasks", "views", "urls", "stream", "fanout", "reaper", "recording", "store",
-          "context"]
+          "context", "control", "receiving", "waiting", "schedules", "triage", "pooling"]
+# The worker side's inner roles, which the public calls and the UI never import.
+WORKER_SIDE = ["worker", "executor", "lease_keeper", "live", "store", "recording"]
 FORBIDDEN: dict[str, list[str]] = {
     "transitions": HIGHER,
     "models.py": ["transitions", *HIGHER],  # queries sits with models (the manager)
@@ -30,6 +32,21 @@ FORBIDDEN: dict[str, list[str]] = {
     "live.py": ["worker", "lease_keeper", "admin", "api"],
     "lease_keeper.py": ["worker", "executor", "admin", "api"],
     "store.py": ["worker", "executor", "admin", "api"],
+    "wait_results.py": ["transitions", "models", "queries", *HIGHER],
+    "ticks.py": ["transitions", "models", "queries", *HIGHER],
+    "diagnosis.py": ["transitions", *HIGHER],
+    "workers.py": ["transitions", *HIGHER],
+    "queues.py": ["transitions", *HIGHER],
+    "triage.py": ["transitions", *HIGHER],
+    "pooling.py": ["transitions", "models", *HIGHER],
+    "control.py": [*WORKER_SIDE[:-2], "admin", "api", "management", "context", "recording"],
+    "context.py": [*WORKER_SIDE, "admin", "api", "management"],
+    "receiving.py": [*WORKER_SIDE, "admin", "management"],
+    "waiting.py": [*WORKER_SIDE, "admin", "management", "control"],
+    "schedules.py": [*WORKER_SIDE, "admin", "management", "transitions"],
+    "admin": ["transitions", *WORKER_SIDE, "control"],
+    "management": ["transitions", "executor", "lease_keeper", "live", "store", "recording",
+                   "control", "admin"],
 }
 
 
@@ -78,3 +95,13 @@ def test_the_checker_sees_relative_and_deferred_imports() -> None:
     tree_file = PACKAGE / "transitions" / "settling.py"
     assert {"models", "outcomes", "policy", "signals"} <= imported(tree_file)
     assert "transitions" in imported(PACKAGE / "worker.py")
+
+
+def test_every_module_is_in_the_architecture_doc() -> None:
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    missing = sorted(
+        str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+        if "migrations" not in path.parts and path.name != "__init__.py"
+        and f"`{path.stem}`" not in doc and f"`{path.name}`" not in doc
+        and f"**`{path.name}`**" not in doc)
+    assert missing == []
