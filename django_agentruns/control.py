@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from asgiref.sync import sync_to_async
 from django.db import DatabaseError, close_old_connections, connection
 
-from .db import storage_unreachable
+from .db import close_all_connections, storage_unreachable
 from .exceptions import AttemptStopped
 from .outcomes import AttemptRef, Renewal, StopReason
 from .store import AttemptStore, StoreUnreachable
@@ -185,9 +185,12 @@ async def in_thread(control: AttemptControl, func: Callable[..., T], *args: Any)
 
 
 def _storage_call(func: Callable[..., T], *args: Any) -> T:
-    """One call on an executor thread, whose connection obeys CONN_MAX_AGE like any other."""
+    """One call on a thread of the loop's default executor (a wait, a spawn, a task's
+    bookkeeping). Its connection is closed after it, whatever CONN_MAX_AGE says: those
+    threads are not the worker's, and a worker's attempts hold no connection between
+    calls (its connections stay the few `Worker.connections()` counts)."""
     close_old_connections()
     try:
         return func(*args)
     finally:
-        close_old_connections()
+        close_all_connections()

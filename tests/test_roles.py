@@ -242,3 +242,25 @@ def test_a_worker_closes_the_connection_an_agent_opened_when_its_attempt_ends(
     assert len(QUERIED_ON) == 3
     assert all(wrapper.connection is None for wrapper in QUERIED_ON)
     assert AgentRun.objects.filter(status=Status.SUCCEEDED).count() == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_agents_off_loop_calls_keep_no_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`receive`, `spawn` and `wait_for_runs` of an async agent run on the loop's executor
+    threads (never blocking the loop): those threads keep no connection after the call,
+    even with persistent connections, so the worker's count of its connections holds."""
+    from django.db import connections
+
+    from django_agentruns import enqueue
+    from django_agentruns.worker import Worker
+    from tests.testapp.writer_agents import QUERIED_ON
+
+    monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", None)
+    QUERIED_ON.clear()
+    for _ in range(3):
+        enqueue("tests.async_queries")
+    Worker(concurrency=2, burst=True, reap_interval=0).run(install_signals=False)
+    assert len(QUERIED_ON) == 3
+    assert all(wrapper.connection is None for wrapper in QUERIED_ON)
+    assert AgentRun.objects.filter(status=Status.SUCCEEDED).count() == 3

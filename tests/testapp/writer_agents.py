@@ -48,3 +48,21 @@ def queries(ctx: RunContext) -> dict[str, Any]:
     count = SideEffect.objects.count()
     QUERIED_ON.append(connections["default"])
     return {"count": count}
+
+
+@agent("tests.async_queries")
+async def async_queries(ctx: RunContext) -> dict[str, Any]:
+    """An async agent's database call off the loop (as its waits and spawns run): the
+    thread it ran on is the loop's executor's, and must not keep the connection."""
+    from django.db import connections
+
+    from django_agentruns.context import storage_call
+
+    from .models import SideEffect
+
+    def query() -> int:
+        count = SideEffect.objects.count()
+        QUERIED_ON.append(connections["default"])
+        return count
+
+    return {"count": await storage_call(ctx, query)}
