@@ -1,7 +1,8 @@
 """django-agentruns: durable agent runs on your Django database.
 
 Public API (stable): `agent`, `RunContext`, `Retryable`, `NotRetryable`, `enqueue`,
-`enqueue_many`, `RunRequest`, `cancel`, `retry`, `run_now`, `CancelResult`.
+`enqueue_many`, `RunRequest`, `cancel`, `retry`, `run_now`, `CancelResult`,
+`stream_chunks`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .registry import agent
 
 if TYPE_CHECKING:
     from .api import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
+    from .chunks import stream_chunks
     from .context import RunContext
     from .transitions import CancelResult
 
@@ -45,11 +47,12 @@ __all__ = [
     "enqueue_many",
     "retry",
     "run_now",
+    "stream_chunks",
 ]
 
 _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "enqueue_many": "api", "cancel": "api", "retry": "api", "run_now": "api",
-         "RunRequest": "api"}
+         "RunRequest": "api", "stream_chunks": "chunks"}
 
 
 def __getattr__(name: str) -> Any:

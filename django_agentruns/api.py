@@ -13,7 +13,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from . import execution, signals, transitions
+from . import chunks, execution, signals, transitions
 from .context import AttemptControl, capped_json, storable_text, unstorable_text
 from .exceptions import InvalidInputError, RunNotFoundError
 from .models import AgentRun
@@ -224,6 +224,7 @@ def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
     ref = AttemptRef(run.pk, 1, worker_id, lease_ttl=None, agent=run.agent)
     control = AttemptControl(ref, spec.timeout, checkpoints=0)
     outcome = execution.call_agent(spec, execution.make_context(run, control), control, None)
+    chunks.finish(control, store=outcome.stop_reason != "lease_lost")
     execution.record(spec, ref, outcome, interactive=True)
     if outcome.kind == "failed":
         assert outcome.error is not None

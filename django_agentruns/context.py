@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from asgiref.sync import sync_to_async
 from django.db import DatabaseError, close_old_connections, connection
 
-from . import transitions
+from . import chunks, transitions
 from .conf import SETTING_NAME, app_settings
 from .db import storage_unreachable
 from .exceptions import AttemptStopped, InvalidInputError, LimitExceeded
@@ -258,6 +258,7 @@ class RunContext:
                                     f"NUL or surrogate, not {type!r:.120}")
         payload = {} if payload is None else payload
         capped_json(payload, f"Payload of event {type!r}", "MAX_EVENT_BYTES")
+        self._coalesce()
         event_id = transitions.emitted_event_id(self.run_id, control.checkpoints, control.position)
         control.position += 1
         renewal = control.call(functools.partial(
@@ -270,6 +271,7 @@ class RunContext:
         control = self._control
         control.check()
         capped_json(state, "Checkpoint state", "MAX_STATE_BYTES")
+        self._coalesce()
         renewal = control.call(functools.partial(
             transitions.checkpoint, max_events=int(app_settings.MAX_EVENTS_PER_RUN)),
             control.ref, state, control.checkpoints + 1)
@@ -284,6 +286,23 @@ class RunContext:
         control.check()
         renewal = control.call(transitions.renew, control.ref)
         control.apply(renewal)
+
+    # ----------------------------------------------------- live output (django_agentruns.chunks)
+
+    def stream(self, text: str, *, channel: str = "output") -> None:
+        """Send `text` live to whoever watches the run; it is stored, with the rest of the
+        channel's text, as one `stream` event at the next step boundary."""
+        if chunks.stream(self._control, text, channel):
+            self._coalesce()
+
+    async def astream(self, text: str, *, channel: str = "output") -> None:
+        if chunks.stream(self._control, text, channel):  # sends without blocking the loop
+            await _in_thread(self._control, self._coalesce)
+
+    def _coalesce(self) -> None:
+        """Store each channel's text streamed since the last boundary (fenced, like emit)."""
+        write = chunks.event_writer(self._control)
+        chunks.coalesce(self._control, lambda *event: self._control.apply(write(*event)))
 
     async def aemit(self, type: str, payload: dict[str, Any] | None = None) -> None:
         await _in_thread(self._control, self.emit, type, payload)

@@ -28,7 +28,7 @@ from typing import Any
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from . import execution, metrics, reaper, tracing, transitions, visibility
+from . import chunks, execution, metrics, reaper, tracing, transitions, visibility
 from .conf import app_settings
 from .context import AttemptControl, StopReason
 from .exceptions import AgentRunsError, UnknownAgentError
@@ -274,6 +274,8 @@ class Worker:
             # Current while the agent runs, so the agent's own spans nest in the attempt's.
             with tracing.attempt_span(run, self.worker_id) as span:
                 outcome = self._outcome(live)
+                # Streamed text not yet stored is, before the outcome (not if fenced).
+                chunks.finish(control, store=outcome.stop_reason != StopReason.LEASE_LOST)
                 # The agent may have left this thread's connection broken (the database
                 # restarted mid-run): replace it before the outcome is written.
                 close_old_connections()
