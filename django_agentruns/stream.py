@@ -6,8 +6,9 @@ event once the run is terminal, and closes. In between, live chunks the agent st
 (`ctx.stream`) arrive as `event: chunk` messages (`channel`, `text`, `attempt`, `first`,
 `end`), with no `id`; the stored `stream` event that later coalesces them covers the
 chunks whose `end` is at most its own, so a client drops those if it still holds them.
-Each event's SSE `id` is its `seq`, so a browser that reconnects (its EventSource does so by itself) sends `Last-Event-ID` and
-resumes where it was; `?after=<seq>` sets the first position. Needs `view_agentrun`.
+Each event's SSE `id` is its `seq`, so a browser that reconnects (its EventSource does so
+by itself) sends `Last-Event-ID` and resumes where it was; `?after=<seq>` sets the first
+position. Needs `view_agentrun`.
 
 A stream first catches up on its own (the request's connection, a batch at a time), then
 gives that connection back and waits on the process's `hub` (django_agentruns.fanout):
