@@ -39,6 +39,9 @@ PAYLOAD_BYTES = 7000
 """Largest NOTIFY payload the sender builds (PostgreSQL refuses 8000 bytes or more)."""
 IDLE_CLOSE = 5.0
 """Seconds without chunks after which the sender closes its connection."""
+PRUNE_DELAY = 2.0
+"""SQLite: seconds coalesced chunk rows are kept, so the web poller (every 0.2 s) still
+reads the last ones of a run before they go."""
 CHANNEL_PREFIX = "agentruns_run_"
 
 Chunk = dict[str, Any]
@@ -111,17 +114,19 @@ class Sender:
     def __init__(self, alias: str = DEFAULT_DB_ALIAS) -> None:
         self.alias = alias
         self._items: list[_Item] = []
-        self._prunes: list[tuple[int, int, str, int]] = []
+        self._prunes: list[tuple[float, tuple[int, int, str, int]]] = []  # (due, prune)
+        self._queued = 0  # chunks queued so far
+        self._delivered = 0  # of them, those sent (or dropped)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._conn: Any = None  # PostgreSQL: the psycopg connection NOTIFY goes through
         self.sent = 0  # messages sent, for tests and the bench
-        self._busy = False  # a batch is on its way
 
     def send(self, ref: AttemptRef, channel: str, first: int, text: str,
              lost: Callable[[], bool]) -> None:
         with self._cond:
             self._items.append(_Item(ref, channel, first, first + 1, text, lost))
+            self._queued += 1
             self._start()
             self._cond.notify()
 
@@ -131,16 +136,17 @@ class Sender:
         if connections[self.alias].vendor != "sqlite":
             return
         with self._cond:
-            self._prunes.append((run_id, attempt, channel, end))
+            self._prunes.append((time.monotonic() + PRUNE_DELAY, (run_id, attempt, channel, end)))
             self._start()
             self._cond.notify()
 
-    def flush(self, timeout: float = 2.0) -> None:
-        """Wait until everything queued so far is sent (tests, the bench)."""
+    def flush(self, timeout: float = 1.0) -> None:
+        """Wait until the chunks queued so far are sent: the end of an attempt sends its
+        last ones before the run ends, so open streams get them live."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while (self._items or self._prunes or self._busy) \
-                    and time.monotonic() < deadline:
+            ticket = self._queued
+            while self._delivered < ticket and time.monotonic() < deadline:
                 self._cond.wait(0.01)
 
     def _start(self) -> None:
@@ -149,19 +155,28 @@ class Sender:
                                             daemon=True)
             self._thread.start()
 
+    def _due_prunes(self) -> list[tuple[int, int, str, int]]:
+        """Under the lock: the prunes whose delay is over, taken off the list."""
+        now = time.monotonic()
+        due = [prune for at, prune in self._prunes if at <= now]
+        self._prunes = [(at, prune) for at, prune in self._prunes if at > now]
+        return due
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self._items and not self._prunes:
-                    self._cond.wait(IDLE_CLOSE)
+                if not self._items:
+                    wait = min([IDLE_CLOSE, *(at - time.monotonic() for at, _ in self._prunes)])
+                    self._cond.wait(max(0.0, wait))
                     if not self._items and not self._prunes:
                         self._close()
                         continue
-            time.sleep(BATCH_INTERVAL)  # gather: one message for what comes meanwhile
+            if self._items:
+                time.sleep(BATCH_INTERVAL)  # gather: one message for what comes meanwhile
             with self._cond:
                 items, self._items = self._items, []
-                prunes, self._prunes = self._prunes, []
-                self._busy = True
+                prunes = self._due_prunes()
+                taken = self._queued
             try:
                 self._deliver([it for it in items if not it.lost()], prunes)
             except Exception:  # chunks are ephemeral: the coalesced event still stores them
@@ -170,7 +185,7 @@ class Sender:
                 self._close()
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._delivered = max(self._delivered, taken)
                     self._cond.notify_all()
 
     def _deliver(self, items: list[_Item], prunes: list[tuple[int, int, str, int]]) -> None:
@@ -179,7 +194,8 @@ class Sender:
             if merged:
                 self._notify(merged)
             return
-        _write_rows(merged, prunes)
+        if merged or prunes:
+            _write_rows(merged, prunes)
 
     def _notify(self, merged: dict[AttemptRef, list[Chunk]]) -> None:
         import psycopg

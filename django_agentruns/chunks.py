@@ -26,6 +26,7 @@ from typing import Any
 
 from .chunk_transport import Chunk, sender
 from .exceptions import InvalidInputError
+from .outcomes import Renewal
 
 STREAM = "stream"
 """The type of the stored event a boundary coalesces a channel's chunks into."""
@@ -173,7 +174,8 @@ def coalesce(control: Any, write: Write) -> None:
         for number, payload in enumerate(_fitting(pending.payload)):
             event_id = pending.event_id if number == 0 else \
                 uuid.uuid5(pending.event_id, str(number))
-            write(event_id, STREAM, payload)
+            if write(event_id, STREAM, payload) is Renewal.LOST:
+                return  # fenced: nothing was stored, and nothing more will be
         sender().prune(ref.run_id, ref.attempt, pending.channel, pending.payload["end"])
 
 
@@ -183,6 +185,8 @@ def finish(control: Any, *, store: bool) -> None:
     outcome is what must be recorded."""
     try:
         if store:
+            if _buffers.get(control) is not None:
+                sender().flush()  # the last chunks go out live before the run ends
             coalesce(control, event_writer(control))
     except Exception:
         logger.warning("run %s: storing the streamed text at the end of the attempt failed",

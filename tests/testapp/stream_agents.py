@@ -1,0 +1,46 @@
+"""Agents that stream live output (`ctx.stream`), for tests/test_stream_chunks.py and the
+live page's browser test."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from django_agentruns import RunContext, agent
+
+from .agents import _until_gate, gate_open, record
+
+
+@agent("tests.streamer")
+def streamer(ctx: RunContext) -> dict[str, Any]:
+    """Streams input["n"] words ("w0 ", "w1 ", ...) on input["channel"]; with input["gate"]
+    then waits for its gate (no step boundary: the words are only live meanwhile) and
+    streams input["after"] more ("a0 ", ...); input["emit"] emits a step in between."""
+    channel = ctx.input.get("channel", "output")
+    for i in range(int(ctx.input.get("n", 10))):
+        ctx.stream(f"w{i} ", channel=channel)
+    if ctx.input.get("emit"):
+        ctx.emit("step", {"n": 0})
+    if ctx.input.get("gate"):
+        _until_gate(ctx, beat=False)
+    for i in range(int(ctx.input.get("after", 0))):
+        ctx.stream(f"a{i} ", channel=channel)
+    return {"streamed": True}
+
+
+@agent("tests.async_streamer")
+async def async_streamer(ctx: RunContext) -> dict[str, Any]:
+    """The async twin: `await ctx.astream`, then waits for its gate, then one more word."""
+    for i in range(int(ctx.input.get("n", 10))):
+        await ctx.astream(f"w{i} ")
+    while not await asyncio.to_thread(gate_open, ctx.run_id):
+        await asyncio.sleep(0.02)
+    await ctx.astream("last")
+    return {"streamed": True}
+
+
+@agent("tests.stream_bad")
+def stream_bad(ctx: RunContext) -> None:
+    """Streams input["text"] on input["channel"] (a bad one, in the tests)."""
+    record(ctx)
+    ctx.stream(ctx.input["text"], channel=ctx.input.get("channel", "output"))
