@@ -96,3 +96,22 @@ async def async_summarise(ctx: RunContext) -> dict[str, Any]:
     summary = "; ".join(point.split(",")[0] for point in state["outline"])
     await ctx.aemit("summary", {"chars": len(summary)})
     return {"summary": summary, "points": len(state["outline"])}
+
+
+_REPLY = (
+    "A run is claimed with a lease, so one worker owns it at a time. Its steps are stored "
+    "as events, and its checkpoints let a retry resume where the last attempt stopped. "
+    "This reply is streamed word by word: each word reaches the page at once, and the "
+    "whole text is stored once, when the step ends."
+)
+
+
+@agent("demo.chat_reply", queue="default", max_requeues=3, timeout=60)
+async def chat_reply(ctx: RunContext) -> dict[str, Any]:
+    """Stream a reply token by token, as an LLM client library hands it over."""
+    question = str(ctx.input.get("question", "How does a run survive a crash?"))
+    await ctx.aemit("question", {"text": question})
+    for word in _REPLY.split(" "):
+        await asyncio.sleep(0.05)  # stands in for the model producing the next token
+        await ctx.astream(word + " ")
+    return {"question": question, "words": len(_REPLY.split(" "))}
