@@ -44,3 +44,23 @@ def stream_bad(ctx: RunContext) -> None:
     """Streams input["text"] on input["channel"] (a bad one, in the tests)."""
     record(ctx)
     ctx.stream(ctx.input["text"], channel=ctx.input.get("channel", "output"))
+
+
+@agent("tests.stream_bench", lease_ttl=30.0)
+async def stream_bench(ctx: RunContext) -> dict[str, Any]:
+    """bench/streaming.py's agent: streams input["rate"] chunks a second for
+    input["seconds"], each its send time (`time.time()`) and a `;`; with input["quiet"] it
+    only sleeps as long (the same load without streaming)."""
+    import time
+
+    rate, seconds = float(ctx.input["rate"]), float(ctx.input["seconds"])
+    start = time.monotonic()
+    sent = 0
+    while (elapsed := time.monotonic() - start) < seconds:
+        due = int(elapsed * rate) + 1
+        while sent < due:
+            if not ctx.input.get("quiet"):
+                await ctx.astream(f"{time.time():.6f};")
+            sent += 1
+        await asyncio.sleep(max(0.0, sent / rate - (time.monotonic() - start)))
+    return {"sent": sent}
