@@ -61,7 +61,7 @@ def django(url: str, *args: str, app: str = "", wait: bool = True) -> Any:
 
 
 def python(url: str, code: str) -> str:
-    return str(django(url, "shell", "-c", code).stdout.strip())
+    return str(django(url, "shell", "-c", code).stdout.strip().splitlines()[-1])
 
 
 @contextmanager
@@ -105,7 +105,7 @@ class Streams:
         self._buffers: dict[socket.socket, bytes] = {}
         for run_id in run_ids:
             sock = socket.create_connection(("127.0.0.1", port))
-            sock.sendall(f"GET /agentruns/runs/{run_id}/events/ HTTP/1.1\r\nHost: x\r\n"
+            sock.sendall(f"GET /agentruns/runs/{run_id}/events/ HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                          f"Cookie: sessionid={session}\r\nConnection: close\r\n\r\n".encode())
             sock.setblocking(False)
             self._selector.register(sock, selectors.EVENT_READ)
@@ -151,19 +151,22 @@ def trial(url: str, runs: int, rate: float, seconds: float, quiet: bool = False
                           "c.force_login(u); print(c.cookies['sessionid'].value)")
     with processes(url, runs) as port:
         time.sleep(1.0)  # the worker is up and idle
-        ids = json.loads(python(url, (
-            "import json; from django_agentruns import enqueue_many, RunRequest; "
-            f"print(json.dumps([r.pk for r in enqueue_many([RunRequest('tests.stream_bench', "
-            f"{{'rate': {rate}, 'seconds': {seconds}, 'quiet': {quiet}}}) "
-            f"for _ in range({runs})])]))")))
+        # The runs start streaming together, once every stream is open and subscribed.
+        ids, start_at = json.loads(python(url, (
+            "import json, time; from django_agentruns import enqueue_many, RunRequest; "
+            f"at = time.time() + 2 + {runs} / 50; "
+            f"print(json.dumps([[r.pk for r in enqueue_many([RunRequest('tests.stream_bench', "
+            f"{{'rate': {rate}, 'seconds': {seconds}, 'quiet': {quiet}, "
+            f"'start_at': at}}) for _ in range({runs})])], at]))")))
         streams = Streams(port, session, ids)
-        peak = {WEB: 0, WORKER: 0}
-        start = time.monotonic()
-        while streams.ended < runs and time.monotonic() - start < seconds + 60:
+        peak = {WEB: 0, WORKER: 0}  # while the runs stream (streams open, caught up)
+        while streams.ended < runs and time.time() < start_at + seconds + 60:
+            streaming = start_at <= time.time() <= start_at + seconds
             for app in peak:
                 count = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE "
                                       "application_name = %s", [app]).fetchone()[0]
-                peak[app] = max(peak[app], count)
+                if streaming:
+                    peak[app] = max(peak[app], count)
             time.sleep(0.1)
         streams.thread.join(5)
     admin.close()

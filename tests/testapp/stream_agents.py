@@ -49,11 +49,14 @@ def stream_bad(ctx: RunContext) -> None:
 @agent("tests.stream_bench", lease_ttl=30.0)
 async def stream_bench(ctx: RunContext) -> dict[str, Any]:
     """bench/streaming.py's agent: streams input["rate"] chunks a second for
-    input["seconds"], each its send time (`time.time()`) and a `;`; with input["quiet"] it
-    only sleeps as long (the same load without streaming)."""
+    input["seconds"] from input["start_at"] (epoch seconds), each chunk its send time
+    (`time.time()`) and a `;`; with input["quiet"] it only sleeps as long (the same load
+    without streaming)."""
     import time
 
     rate, seconds = float(ctx.input["rate"]), float(ctx.input["seconds"])
+    # All runs start together, once the bench's streams are open.
+    await asyncio.sleep(max(0.0, float(ctx.input.get("start_at", 0)) - time.time()))
     start = time.monotonic()
     sent = 0
     while (elapsed := time.monotonic() - start) < seconds:
