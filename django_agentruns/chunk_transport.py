@@ -222,12 +222,13 @@ class Sender:
         self.sent += len(values)
 
     def _close(self) -> None:
+        """Give back this thread's connections while no chunk comes (never raises)."""
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 self._conn.close()
             self._conn = None
-        close_old_connections()
         with contextlib.suppress(Exception):
+            close_old_connections()
             connection.close()
 
 

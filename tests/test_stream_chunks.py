@@ -188,6 +188,43 @@ def test_a_stale_attempts_chunks_reach_no_client() -> None:
     connection.close()
 
 
+@pytest.mark.django_db(transaction=True)
+def test_the_sender_sends_nothing_for_an_attempt_that_lost_its_run() -> None:
+    run = enqueue("tests.noop")
+    AgentRun.objects.filter(pk=run.pk).update(status=Status.RUNNING, claimed_by="owner",
+                                              attempt=2)
+    stale, owner = AttemptRef(run.pk, 1, "owner", 60.0), AttemptRef(run.pk, 2, "owner", 60.0)
+    thief = AttemptRef(run.pk, 2, "thief", 60.0)
+    sender = chunk_transport.Sender()
+    heard: list[str] = []
+    listening = None
+    if connection.vendor == "postgresql":
+        import psycopg
+
+        from django_agentruns.notify import connect_params
+
+        listening = psycopg.connect(**connect_params("default"), autocommit=True)
+        listening.execute(f"LISTEN {chunk_transport.run_channel(run.pk)}")
+    try:
+        for ref, text in ((stale, "stale"), (thief, "thief"), (owner, "marker")):
+            sender.send(ref, "output", 0, text, lambda: False)
+            sender.flush()
+        if listening is not None:
+            def marker_heard() -> bool:
+                for note in listening.notifies(timeout=0.05):
+                    heard.extend(c["text"] for c in json.loads(note.payload))
+                return "marker" in heard
+            helpers.wait_until(marker_heard, message="the owner's chunk")
+        else:
+            heard = list(StreamChunk.objects.filter(run_id=run.pk).values_list("text",
+                                                                                 flat=True))
+    finally:
+        if listening is not None:
+            listening.close()
+        sender._close()
+    assert heard == ["marker"]
+
+
 def test_the_hub_drops_chunks_of_an_attempt_older_than_the_runs(db: None) -> None:
     run = enqueue("tests.noop")
     AgentRun.objects.filter(pk=run.pk).update(attempt=3)
