@@ -224,7 +224,8 @@ def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
     ref = AttemptRef(run.pk, 1, worker_id, lease_ttl=None, agent=run.agent)
     control = AttemptControl(ref, spec.timeout, checkpoints=0)
     outcome = execution.call_agent(spec, execution.make_context(run, control), control, None)
-    chunks.finish(control, store=outcome.stop_reason != "lease_lost")
+    chunks.finish(control, store=outcome.stop_reason != "lease_lost",
+                  succeeded=outcome.kind == "succeeded")
     execution.record(spec, ref, outcome, interactive=True)
     if outcome.kind == "failed":
         assert outcome.error is not None

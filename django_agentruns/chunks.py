@@ -163,23 +163,29 @@ def stream(control: Any, text: str, channel: str) -> bool:
     return full
 
 
-def coalesce(control: Any, write: Write) -> None:
-    """At a step boundary: each channel's buffered text as one stored `stream` event."""
+def coalesce(control: Any, write: Write, *, own_ids: bool = False) -> None:
+    """At a step boundary: each channel's buffered text as one stored `stream` event.
+
+    Its id is the one a retry resuming from the same checkpoint derives again, as `emit`'s
+    are; with `own_ids` (an attempt that ends without succeeding) it is the attempt's own,
+    so the text the retry streams in its place is stored too, not taken for a replay.
+    """
     with _buffers_lock:
         buffer = _buffers.get(control)
     if buffer is None:
         return
     ref = control.ref
     for pending in buffer.take(ref.run_id, ref.attempt, control.checkpoints):
+        base = uuid.uuid5(pending.event_id, f"attempt {ref.attempt}") if own_ids \
+            else pending.event_id
         for number, payload in enumerate(_fitting(pending.payload)):
-            event_id = pending.event_id if number == 0 else \
-                uuid.uuid5(pending.event_id, str(number))
+            event_id = base if number == 0 else uuid.uuid5(base, str(number))
             if write(event_id, STREAM, payload) is Renewal.LOST:
                 return  # fenced: nothing was stored, and nothing more will be
         sender().prune(ref.run_id, ref.attempt, pending.channel, pending.payload["end"])
 
 
-def finish(control: Any, *, store: bool) -> None:
+def finish(control: Any, *, store: bool, succeeded: bool = True) -> None:
     """At the end of the attempt, before it settles: coalesce what is left, unless the
     lease is lost (then nothing is written). Never raises: the text is live output, the
     outcome is what must be recorded."""
@@ -187,7 +193,7 @@ def finish(control: Any, *, store: bool) -> None:
         if store:
             if _buffers.get(control) is not None:
                 sender().flush()  # the last chunks go out live before the run ends
-            coalesce(control, event_writer(control))
+            coalesce(control, event_writer(control), own_ids=not succeeded)
     except Exception:
         logger.warning("run %s: storing the streamed text at the end of the attempt failed",
                        control.ref.run_id, exc_info=True)

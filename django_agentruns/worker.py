@@ -275,7 +275,8 @@ class Worker:
             with tracing.attempt_span(run, self.worker_id) as span:
                 outcome = self._outcome(live)
                 # Streamed text not yet stored is, before the outcome (not if fenced).
-                chunks.finish(control, store=outcome.stop_reason != StopReason.LEASE_LOST)
+                chunks.finish(control, store=outcome.stop_reason != StopReason.LEASE_LOST,
+                              succeeded=outcome.kind == "succeeded")
                 # The agent may have left this thread's connection broken (the database
                 # restarted mid-run): replace it before the outcome is written.
                 close_old_connections()

@@ -100,6 +100,21 @@ def test_two_thousand_chunks_store_a_handful_of_rows(worker_env: dict[str, str])
     assert stored_text(run.pk) == words(2000) + words(2000, "a")
 
 
+def test_a_retry_stores_its_own_text_and_replays_the_rest_as_emits_do(
+        worker_env: dict[str, str]) -> None:
+    run = enqueue("tests.stream_retry")
+    with helpers.start_manage(["runworker"], worker_env):
+        helpers.wait_until(lambda: finished(run.pk), message="the run to end")
+    stored = [(t, p.get("text"), p.get("attempt")) for t, p in RunEvent.objects.filter(
+        run_id=run.pk).order_by("seq").values_list("type", "payload")
+        if t in ("stream", "step")]
+    # Attempt 2 resumes from the same (no) checkpoint: the text before its emit, like the
+    # emit itself, is a replay and adds nothing; the text attempt 1 left when it failed
+    # does not stand in for attempt 2's.
+    assert stored == [("stream", "first1 ", 1), ("step", None, None),
+                      ("stream", "then1 ", 1), ("stream", "then2 ", 2)]
+
+
 def test_stream_chunks_gives_python_code_the_live_chunks(worker_env: dict[str, str]) -> None:
     run = enqueue("tests.async_streamer", {"n": 5})
     got: list[dict[str, Any]] = []

@@ -39,6 +39,19 @@ async def async_streamer(ctx: RunContext) -> dict[str, Any]:
     return {"streamed": True}
 
 
+@agent("tests.stream_retry", max_requeues=2)
+def stream_retry(ctx: RunContext) -> dict[str, Any]:
+    """Streams a word, reaches a boundary, streams one more; attempt 1 then fails."""
+    from django_agentruns import Retryable
+
+    ctx.stream(f"first{ctx.attempt} ")
+    ctx.emit("step", {"n": 0})
+    ctx.stream(f"then{ctx.attempt} ")
+    if ctx.attempt == 1:
+        raise Retryable("fails once")
+    return {"attempt": ctx.attempt}
+
+
 @agent("tests.stream_bad")
 def stream_bad(ctx: RunContext) -> None:
     """Streams input["text"] on input["channel"] (a bad one, in the tests)."""
