@@ -101,6 +101,7 @@ class Streams:
         self.latencies: list[float] = []
         self.chunks = 0
         self.ended = 0
+        self.ready = 0  # streams that got their first stored event (caught up, subscribed)
         self._selector = selectors.DefaultSelector()
         self._buffers: dict[socket.socket, bytes] = {}
         for run_id in run_ids:
@@ -131,6 +132,8 @@ class Streams:
                     self._block(block.decode(), now)
 
     def _block(self, block: str, now: float) -> None:
+        if block.startswith("id: 1\n"):
+            self.ready += 1
         if block.startswith("event: end"):
             self.ended += 1
         if not block.startswith("event: chunk"):
@@ -154,14 +157,14 @@ def trial(url: str, runs: int, rate: float, seconds: float, quiet: bool = False
         # The runs start streaming together, once every stream is open and subscribed.
         ids, start_at = json.loads(python(url, (
             "import json, time; from django_agentruns import enqueue_many, RunRequest; "
-            f"at = time.time() + 2 + {runs} / 50; "
+            f"at = time.time() + 4 + {runs} / 25; "
             f"print(json.dumps([[r.pk for r in enqueue_many([RunRequest('tests.stream_bench', "
             f"{{'rate': {rate}, 'seconds': {seconds}, 'quiet': {quiet}, "
             f"'start_at': at}}) for _ in range({runs})])], at]))")))
         streams = Streams(port, session, ids)
         peak = {WEB: 0, WORKER: 0}  # while the runs stream (streams open, caught up)
         while streams.ended < runs and time.time() < start_at + seconds + 60:
-            streaming = start_at <= time.time() <= start_at + seconds
+            streaming = streams.ready == runs and start_at <= time.time() <= start_at + seconds
             for app in peak:
                 count = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE "
                                       "application_name = %s", [app]).fetchone()[0]
@@ -184,6 +187,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--light-rate", type=float, default=20.0,
+                        help="the same runs again at this rate (0: skip)")
     args = parser.parse_args(argv)
     admin = Admin()
     admin.drop(DB)
@@ -193,6 +198,8 @@ def main(argv: list[str]) -> int:
         django(url, "migrate", "--verbosity", "0")
         latency = trial(url, 1, 20.0, args.seconds)
         load = trial(url, args.runs, args.rate, args.seconds)
+        light = trial(url, args.runs, args.light_rate, args.seconds) if args.light_rate \
+            else None
         quiet = trial(url, args.runs, args.rate, args.seconds, quiet=True)
     finally:
         admin.drop(DB)
@@ -205,6 +212,11 @@ def main(argv: list[str]) -> int:
           f"process | {load['per_second']:,.0f} chunks/s delivered "
           f"({load['chunks']:,}/{load['expected']:,}); latency p50 {load['p50_ms']:.1f} ms, "
           f"p99 {load['p99_ms']:.1f} ms |")
+    if light is not None:
+        print(f"| {args.runs} runs x {args.light_rate:g} chunks/s, {args.runs} open streams, "
+              f"one web process | {light['per_second']:,.0f} chunks/s delivered "
+              f"({light['chunks']:,}/{light['expected']:,}); latency p50 "
+              f"{light['p50_ms']:.1f} ms, p99 {light['p99_ms']:.1f} ms |")
     print(f"| web process database connections (peak) | {load['web_conns']} |")
     print(f"| worker database connections (peak): streaming / same runs not streaming | "
           f"{load['worker_conns']} / {quiet['worker_conns']} |")

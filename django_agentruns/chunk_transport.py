@@ -282,10 +282,10 @@ class Listener:
     """A web process's one LISTEN connection for live chunks (PostgreSQL)."""
 
     def __init__(self, watched: Callable[[], set[int]], deliver: Deliver,
-                 alias: str = DEFAULT_DB_ALIAS) -> None:
+                 alias: str | None = None) -> None:
         self._watched = watched
         self._deliver = deliver
-        self.alias = alias
+        self.alias = alias  # None: LISTEN_DATABASE (direct, past a pooler) or `default`
         self.changed = threading.Event()
         self.connected = False
         self._thread: threading.Thread | None = None
@@ -322,10 +322,11 @@ class Listener:
         """LISTEN to what is watched, until nothing is."""
         import psycopg
 
-        from .notify import connect_params
+        from .notify import connect_params, listen_alias
 
         listening: set[int] = set()
-        with psycopg.connect(**connect_params(self.alias), autocommit=True) as conn:
+        alias = self.alias or listen_alias()
+        with psycopg.connect(**connect_params(alias), autocommit=True) as conn:
             self.connected = True
             try:
                 while True:
