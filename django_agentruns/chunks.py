@@ -233,12 +233,12 @@ class ChunkStream:
         from .stream import hub
 
         # Past any seq: only chunks, and the end, are of interest.
-        return (self._hub or hub).subscribe(self.run_id, 2**31 - 1, wake)
+        return (self._hub if self._hub is not None else hub).subscribe(self.run_id, 2**31 - 1, wake)
 
     def _unsubscribe(self, sub: Any) -> None:
         from .stream import hub
 
-        (self._hub or hub).unsubscribe(sub)
+        (self._hub if self._hub is not None else hub).unsubscribe(sub)
 
     def __iter__(self) -> Iterator[Chunk]:
         ready = threading.Event()

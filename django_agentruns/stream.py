@@ -157,7 +157,7 @@ class EventStream:
         self.run_id = run_id
         self.after = after
         self._clock = clock
-        self._hub = fanout or hub
+        self._hub = fanout if fanout is not None else hub  # an empty Hub is falsy (len 0)
         self._started = clock()
         self._last_sent: float | None = None
 

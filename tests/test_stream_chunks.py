@@ -7,6 +7,7 @@ stream, read by a real socket (tests/test_stream_resources.py's `Stream`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -252,6 +253,32 @@ def test_the_hub_drops_chunks_of_an_attempt_older_than_the_runs(db: None) -> Non
     found = sub.take()
     assert found is not None
     assert [c["text"] for c in found.chunks] == ["new"]
+
+
+def test_an_async_stream_sends_chunks_between_stored_events(transactional_db: None) -> None:
+    """Under ASGI too: a chunk the hub is handed goes out as `event: chunk`, with no id."""
+    run = enqueue("tests.noop")
+    AgentRun.objects.filter(pk=run.pk).update(status=Status.RUNNING, attempt=1)
+    hub = Hub(stream.read_runs, stream.POLL_INTERVAL, background=False)
+    events = stream.EventStream(run.pk, fanout=hub)
+
+    async def first_two() -> list[str]:
+        iterator = events.__aiter__()
+        texts = [await iterator.__anext__()]  # the catch-up: retry: and nothing stored
+        waiting = asyncio.ensure_future(iterator.__anext__())
+        while not len(hub):  # the stream subscribes once caught up
+            await asyncio.sleep(0.01)
+        hub.deliver_chunks(run.pk, [{"channel": "output", "text": "hi", "attempt": 1,
+                                     "first": 0, "end": 1}])
+        texts.append(await waiting)
+        await iterator.aclose()
+        return texts
+
+    texts = async_to_sync(first_two)()
+    chunk = parse(texts[1])
+    assert [(m.event, m.id) for m in chunk] == [("chunk", None)]
+    assert chunk[0].json == {"channel": "output", "text": "hi", "attempt": 1, "first": 0,
+                             "end": 1}
 
 
 # --------------------------------------------------------------------------- bad input
