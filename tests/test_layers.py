@@ -30,6 +30,11 @@ FORBIDDEN: dict[str, list[str]] = {
     "live.py": ["worker", "lease_keeper", "admin", "api"],
     "lease_keeper.py": ["worker", "executor", "admin", "api"],
     "store.py": ["worker", "executor", "admin", "api"],
+    # Live output: the attempt side (context calls it) under the executor; the transport
+    # under both it and the web fan-out, beside models.
+    "chunks.py": ["worker", "executor", "lease_keeper", "live", "recording", "store",
+                  "context", "admin", "api", "management", "views", "urls", "tasks"],
+    "chunk_transport.py": ["transitions", "chunks", *HIGHER],
 }
 
 
