@@ -80,3 +80,21 @@ async def stream_bench(ctx: RunContext) -> dict[str, Any]:
             sent += 1
         await asyncio.sleep(max(0.0, sent / rate - (time.monotonic() - start)))
     return {"sent": sent}
+
+
+@agent("tests.stream_then_wait")
+def stream_then_wait(ctx: RunContext) -> dict[str, Any]:
+    """Streams a word, then receives "answer" (the run waits), then streams the answer."""
+    ctx.stream(f"asked{ctx.attempt} ")
+    answer = ctx.receive("answer")
+    ctx.stream(f"got {answer}")
+    return {"answer": answer}
+
+
+@agent("tests.async_stream_then_wait")
+async def async_stream_then_wait(ctx: RunContext) -> dict[str, Any]:
+    """The async twin of tests.stream_then_wait."""
+    await ctx.astream(f"asked{ctx.attempt} ")
+    answer = await ctx.areceive("answer")
+    await ctx.astream(f"got {answer}")
+    return {"answer": answer}
