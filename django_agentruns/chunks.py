@@ -2,10 +2,12 @@
 
 A chunk goes to whoever watches the run (chunk_transport: NOTIFY on PostgreSQL, a small
 table on SQLite) and into the attempt's buffer, nothing more: storing a row per token is
-what `emit` would cost. At the next step boundary (`emit`, `checkpoint`, the end of the
-attempt) each channel's buffered text becomes one `stream` event, written as an ordinary
-fenced event with a deterministic id (a retry resuming from the same checkpoint re-writes
-the same ids, which add nothing), so a page that opens later still shows the whole text.
+what `emit` would cost. At the next step boundary (`emit`, `checkpoint`, a wait, the end
+of the attempt) each channel's buffered text becomes one `stream` event: an `EmitWrite`
+with a deterministic id (a retry resuming from the same checkpoint re-writes the same
+ids, which add nothing), written the way `emit`'s is, through the worker's attempt store
+(awaited on the loop for an async attempt; alone for `run_now`), so a page that opens
+later still shows the whole text.
 A channel's text longer than COALESCE_CHARS is coalesced at once, so the buffer stays
 small. Chunks of an attempt that lost its lease are neither sent nor stored.
 
