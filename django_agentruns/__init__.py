@@ -4,7 +4,7 @@ Public API (stable): `agent`, `RunContext`, `Retryable`, `NotRetryable`, `enqueu
 `enqueue_many`, `RunRequest`, `cancel`, `retry`, `fork`, `run_now`, `CancelResult`,
 `add_schedule`, `remove_schedule`, `pause_queue`, `resume_queue`; waiting runs:
 `deliver`, `DeliverResult`, `approve`, `reject`, `wait_for_run`, `await_run`, `WaitTimedOut`,
-`Approval`, `RunResult`.
+`Approval`, `RunResult`; live output: `stream_chunks`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .registry import agent
 
 if TYPE_CHECKING:
     from .api import RunRequest, cancel, enqueue, enqueue_many, fork, retry, run_now
+    from .chunks import stream_chunks
     from .context import RunContext
     from .queues import pause_queue, resume_queue
     from .schedules import add_schedule, remove_schedule
@@ -66,6 +67,7 @@ __all__ = [
     "resume_queue",
     "retry",
     "run_now",
+    "stream_chunks",
     "wait_for_run",
 ]
 
@@ -75,7 +77,8 @@ _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "RunResult": "wait_results", "deliver": "waiting", "approve": "waiting",
          "reject": "waiting", "wait_for_run": "waiting", "await_run": "waiting",
          "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
-         "add_schedule": "schedules", "remove_schedule": "schedules"}
+         "add_schedule": "schedules", "remove_schedule": "schedules",
+         "stream_chunks": "chunks"}
 
 
 def __getattr__(name: str) -> Any:

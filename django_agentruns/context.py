@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import receiving, transitions
+from . import chunks, receiving, transitions
 from .conf import app_settings
 from .exceptions import InvalidInputError
 from .validation import capped_json, unstorable_text
@@ -50,11 +50,15 @@ class RunContext:
 
     def emit(self, type: str, payload: dict[str, Any] | None = None) -> None:
         """Append an event to the run's stream (a step boundary)."""
-        self._control.apply(self._control.write(self._event(type, payload)))
+        write = self._event(type, payload)
+        self._coalesce()
+        self._control.apply(self._control.write(write))
 
     def checkpoint(self, state: Any) -> None:
         """Save the state the next attempt resumes from (a step boundary)."""
-        self._control.apply(self._control.write(self._checkpoint(state)))
+        write = self._checkpoint(state)
+        self._coalesce()
+        self._control.apply(self._control.write(write))
         self._saved(state)
 
     def heartbeat(self) -> None:
@@ -63,15 +67,40 @@ class RunContext:
         self._control.apply(self._control.write(transitions.RenewWrite(self._control.ref)))
 
     async def aemit(self, type: str, payload: dict[str, Any] | None = None) -> None:
-        self._control.apply(await self._control.awrite(self._event(type, payload)))
+        write = self._event(type, payload)
+        await self._acoalesce()
+        self._control.apply(await self._control.awrite(write))
 
     async def acheckpoint(self, state: Any) -> None:
-        self._control.apply(await self._control.awrite(self._checkpoint(state)))
+        write = self._checkpoint(state)
+        await self._acoalesce()
+        self._control.apply(await self._control.awrite(write))
         self._saved(state)
 
     async def aheartbeat(self) -> None:
         self._control.check()
         self._control.apply(await self._control.awrite(transitions.RenewWrite(self._control.ref)))
+
+    # Live output (django_agentruns.chunks): sent at once, stored at the next boundary.
+
+    def stream(self, text: str, *, channel: str = "output") -> None:
+        """Send `text` live to whoever watches the run; it is stored, with the rest of the
+        channel's text, as one `stream` event at the next step boundary."""
+        if chunks.stream(self._control, text, channel):
+            self._coalesce()
+
+    async def astream(self, text: str, *, channel: str = "output") -> None:
+        """`stream` for async agents: the send never blocks the loop; a long buffer is
+        stored through the attempt store, awaited."""
+        if chunks.stream(self._control, text, channel):
+            await self._acoalesce()
+
+    def _coalesce(self) -> None:
+        """Store each channel's text streamed since the last boundary (fenced, like emit)."""
+        self._control.apply(chunks.coalesce(self._control))
+
+    async def _acoalesce(self) -> None:
+        self._control.apply(await chunks.acoalesce(self._control))
 
     # Waiting (django_agentruns.receiving): the attempt may end with the run `waiting`.
     # Each is one fenced transaction of its own (`control.call`), on the attempt's thread;
@@ -80,11 +109,13 @@ class RunContext:
     def receive(self, key: str, *, timeout: float | None = None, prompt: Any = None) -> Any:
         """The payload delivered for `key`; if none yet, the run waits for it (see
         `receiving.receive`): checkpoint first, the next attempt resumes from there."""
+        self._coalesce()  # a wait releases the lease: store the streamed text first
         return receiving.receive(self, key, timeout=timeout, prompt=prompt)
 
     def request_approval(self, key: str, proposal: Any, *,
                          timeout: float | None = None) -> Approval:
         """`receive` with a person's structured answer (`approve`, `reject`)."""
+        self._coalesce()  # a wait releases the lease: store the streamed text first
         return receiving.request_approval(self, key, proposal, timeout=timeout)
 
     def spawn(self, agent: str, input: Any = None, *, key: str, queue: str | None = None,
@@ -96,6 +127,7 @@ class RunContext:
     def wait_for_runs(self, ids: Iterable[int], *,
                       timeout: float | None = None) -> dict[int, RunResult]:
         """Each child run's result once all are finished; until then the run waits."""
+        self._coalesce()  # a wait releases the lease: store the streamed text first
         return receiving.wait_for_runs(self, ids, timeout=timeout)
 
     async def areceive(self, key: str, *, timeout: float | None = None,

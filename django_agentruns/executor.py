@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from asgiref.sync import async_to_sync, sync_to_async
 from django.db import DatabaseError, close_old_connections, connection
 
-from . import metrics, recording, tracing
+from . import chunks, metrics, recording, tracing
 from .context import RunContext
 from .control import AttemptControl
 from .exceptions import (
@@ -82,6 +82,7 @@ class Executor:
                 # The agent may have left this thread's connection broken (the database
                 # restarted mid-run): replace it before the outcome is written.
                 close_old_connections()
+                finish_stream(control, outcome)
                 settlement = self.record(spec, control.ref, outcome)
                 span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
             self._settled(run, control, settlement, outcome, began)
@@ -100,6 +101,8 @@ class Executor:
         try:
             with tracing.attempt_span(run, self.worker_id) as span:
                 outcome = await acall_agent(spec, make_context(run, control), control)
+                await chunks.afinish(control, store=chunks.stores_at_finish(outcome.stop_reason),
+                                     succeeded=outcome.kind is OutcomeKind.SUCCEEDED)
                 settlement = await self.arecord(spec, control.ref, outcome)
                 span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
             reason = ""
@@ -157,6 +160,7 @@ class Executor:
     def interactive(self, spec: AgentSpec, run: AgentRun, control: AttemptControl) -> Outcome:
         """`run_now`'s attempt, in the caller's thread (and transaction, if one is open)."""
         outcome = call_agent(spec, make_context(run, control), control)
+        finish_stream(control, outcome)
         recording.record(spec, control.ref, outcome, interactive=True)
         return outcome
 
@@ -200,6 +204,12 @@ def _retrying(ref: AttemptRef, write: Callable[[], T]) -> T:
 def _log_retry(ref: AttemptRef, exc: BaseException, wait: float) -> None:
     logger.warning("run %s: recording the outcome failed (%s); retrying in %.2fs",
                    ref.run_id, exc, wait, extra=extra(ref, ref.agent))
+
+
+def finish_stream(control: AttemptControl, outcome: Outcome) -> None:
+    """Streamed text not yet stored is, before the outcome is recorded (not if fenced)."""
+    chunks.finish(control, store=chunks.stores_at_finish(outcome.stop_reason),
+                  succeeded=outcome.kind is OutcomeKind.SUCCEEDED)
 
 
 def make_context(run: AgentRun, control: AttemptControl) -> RunContext:

@@ -8,7 +8,10 @@ streams) on the one connection it holds while any stream is open, and hands each
 subscription the rows past its own position. A stream waits on its subscription, holding
 no connection; closing it unsubscribes at once.
 
-Later fan-out sources (live chunks from a LISTEN connection) plug into the same registry.
+Live chunks (`ctx.stream`) reach the same subscriptions: on PostgreSQL from the process's
+one LISTEN connection (chunk_transport.Listener, LISTENing on the channel of each watched
+run only), on SQLite from a third statement of the poller's read. A chunk of an attempt
+older than the run's current one (a fenced, stale worker's) is dropped here.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import connection
+
+from .chunk_transport import Listener
 
 logger = logging.getLogger("django_agentruns.stream")
 
@@ -41,10 +46,16 @@ class Found:
     """The batch was full: there may be more, read again at once."""
     finished: bool = False
     """The run is terminal (or gone): once `rows` are sent, nothing more will come."""
+    chunks: list[Row] = field(default_factory=list)
+    """Live chunks that came in, in order (`channel`, `text`, `attempt`, `first`, `end`)."""
+    attempt: int | None = None
+    """The run's current attempt, as read."""
 
 
 Read = Callable[[Mapping[int, int]], dict[int, Found]]
 """`{run_id: after}` -> `{run_id: Found}`: one read for many runs (status first, then events)."""
+ReadChunks = Callable[[Mapping[int, int]], dict[int, tuple[int, list[Row]]]]
+"""`{run_id: after}` -> `{run_id: (new position, chunks)}`: stored live chunks (SQLite)."""
 
 
 class Subscription:
@@ -65,11 +76,20 @@ class Subscription:
     def _offer(self, found: Found) -> None:
         """Under the hub's lock: merge with what the stream has not taken yet."""
         if self._pending is None:
-            self._pending = Found(found.run, list(found.rows), found.full, found.finished)
+            self._pending = Found(found.run, list(found.rows), found.full, found.finished,
+                                  list(found.chunks))
         else:
             self._pending.rows.extend(found.rows)
+            self._pending.chunks.extend(found.chunks)
             self._pending.run, self._pending.full = found.run, found.full
             self._pending.finished = found.finished
+
+    def _offer_chunks(self, chunks: list[Row]) -> None:
+        """Under the hub's lock: chunks alone, leaving what a read found as it is."""
+        if self._pending is None:
+            self._pending = Found(None, chunks=list(chunks))
+        else:
+            self._pending.chunks.extend(chunks)
 
 
 # One lock for the registry and every subscription's pending rows: both are touched a
@@ -81,8 +101,14 @@ class Hub:
     """The registry of subscriptions and the thread that polls for them."""
 
     def __init__(self, read: Read, interval: float, *, name: str = "agentruns-streams",
-                 background: bool = True) -> None:
+                 background: bool = True, read_chunks: ReadChunks | None = None,
+                 listen: bool = False) -> None:
         self._read = read
+        self._read_chunks = read_chunks
+        self._attempts: dict[int, int] = {}  # each watched run's attempt, as last read
+        self._chunk_positions: dict[int, int] = {}  # SQLite: last chunk row read, per run
+        self.listener: Listener | None = Listener(self.watched, self.deliver_chunks) \
+            if listen else None
         self.interval = interval
         self._background = background  # False: no thread, the caller calls poll_once()
         self._name = name
@@ -105,7 +131,26 @@ class Hub:
             self._subs.setdefault(run_id, []).append(sub)
             self._ensure_thread()
         self._wakeup.set()  # a new stream is served now, not an interval later
+        if self.listener is not None:
+            self.listener.changed.set()
         return sub
+
+    def watched(self) -> set[int]:
+        """The runs some subscription watches (the listener LISTENs to these)."""
+        with _lock:
+            return set(self._subs)
+
+    def deliver_chunks(self, run_id: int, chunks: list[Row]) -> None:
+        """Hand live chunks to every subscription of the run, less those of an attempt
+        older than the run's current one (a stale worker's)."""
+        wakes = []
+        with _lock:
+            current = self._attempts.get(run_id, 0)
+            chunks = [c for c in chunks if c.get("attempt", 0) >= current]
+            for sub in self._subs.get(run_id, ()) if chunks else ():
+                sub._offer_chunks(chunks)
+                wakes.append(sub._wake)
+        _wake_all(wakes)
 
     def unsubscribe(self, sub: Subscription) -> None:
         """Stop watching; idempotent. The last one out lets the poller drop its connection."""
@@ -114,6 +159,8 @@ class Hub:
             empty = not self._subs
         if empty:
             self._wakeup.set()
+        if self.listener is not None:
+            self.listener.changed.set()
 
     def _remove(self, sub: Subscription) -> None:
         """Under the lock."""
@@ -122,6 +169,8 @@ class Hub:
             subs.remove(sub)
             if not subs:
                 del self._subs[sub.run_id]
+                self._attempts.pop(sub.run_id, None)
+                self._chunk_positions.pop(sub.run_id, None)
 
     def poll_once(self) -> bool:
         """One read for every watched run, handed out; True if a batch was full (read
@@ -134,32 +183,60 @@ class Hub:
         if not positions:
             return False
         found = self._read(positions)
+        chunks = self._chunks_past(positions, found)
         wakes = []
         with _lock:
             for run_id, after in positions.items():
                 run_found = found.get(run_id) or Found(None, finished=True)
+                live = chunks.get(run_id, [])
                 for sub in list(self._subs.get(run_id, ())):
-                    if sub.after < after:
-                        continue
-                    rows = [row for row in run_found.rows if row["seq"] > sub.after]
-                    done = run_found.finished and not run_found.full
-                    if not rows and not done:
+                    eligible = sub.after >= after  # one behind is served by the next read
+                    rows = [row for row in run_found.rows if row["seq"] > sub.after] \
+                        if eligible else []
+                    done = eligible and run_found.finished and not run_found.full
+                    if not rows and not done and not live:
                         continue
                     if rows:
                         sub.after = rows[-1]["seq"]
-                    sub._offer(Found(run_found.run, rows, run_found.full, done))
+                    if eligible:
+                        sub._offer(Found(run_found.run, rows, run_found.full, done, live))
+                    else:
+                        sub._offer_chunks(live)
                     if done:  # nothing more will come: it leaves the registry now
                         self._remove(sub)
                     wakes.append(sub._wake)
-        for wake in wakes:
-            # RuntimeError: an async stream's event loop is gone; it unsubscribes itself.
-            with contextlib.suppress(RuntimeError):
-                wake()
+        _wake_all(wakes)
         return any(f.full for f in found.values())
+
+    def _chunks_past(self, positions: Mapping[int, int],
+                     found: Mapping[int, Found]) -> dict[int, list[Row]]:
+        """Note each run's attempt; read the stored chunks past each run's position (SQLite),
+        less those of an older attempt."""
+        with _lock:
+            for run_id in positions:
+                attempt = found[run_id].attempt if run_id in found else None
+                if attempt is not None:
+                    self._attempts[run_id] = attempt
+            chunk_positions = {run_id: self._chunk_positions.get(run_id, 0)
+                               for run_id in positions}
+        if self._read_chunks is None:
+            return {}
+        out = {}
+        read = self._read_chunks(chunk_positions)
+        with _lock:
+            for run_id, (position, rows) in read.items():
+                if run_id in self._subs:
+                    self._chunk_positions[run_id] = position
+                current = self._attempts.get(run_id, 0)
+                out[run_id] = [c for c in rows if c["attempt"] >= current]
+        return out
 
     def _ensure_thread(self) -> None:
         """Under the lock: start the poller on first use (and again in a forked child,
         which inherits the object but not the thread)."""
+        if self.listener is not None and self._background and \
+                connection.vendor == "postgresql":
+            self.listener.ensure_running()
         if not self._background or (self._thread is not None and self._thread.is_alive()
                                      and self._pid == os.getpid()):
             return
@@ -198,3 +275,10 @@ class Hub:
         except Exception:  # already broken: nothing left to give back
             logger.debug("closing the stream poller's connection failed", exc_info=True)
         self.connected = False
+
+
+def _wake_all(wakes: list[Callable[[], None]]) -> None:
+    for wake in wakes:
+        # RuntimeError: an async stream's event loop is gone; it unsubscribes itself.
+        with contextlib.suppress(RuntimeError):
+            wake()

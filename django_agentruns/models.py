@@ -284,3 +284,25 @@ class PausedQueue(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class StreamChunk(models.Model):
+    """SQLite only: a live chunk (`ctx.stream`) on its way to the web processes' poller.
+
+    PostgreSQL sends chunks by NOTIFY and stores none. Here they wait in this small table
+    until the attempt coalesces them into one `stream` event, which prunes them.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="+")
+    attempt = models.PositiveIntegerField()
+    channel = models.CharField(max_length=100)
+    first = models.PositiveIntegerField(help_text="Index of its first chunk in the attempt.")
+    end = models.PositiveIntegerField(help_text="Index past its last chunk.")
+    text = models.TextField()
+
+    class Meta:
+        indexes = (models.Index(fields=("run", "id"), name="agentruns_chunk_run"),)
+
+    def __str__(self) -> str:
+        return f"#{self.run_id} {self.channel}[{self.first}:{self.end}]"

@@ -2,9 +2,13 @@
 
 `GET <prefix>runs/<id>/events/` answers `text/event-stream`. It sends every event of the
 run after the client's position, then each new one as it is appended, then an `end`
-event once the run is terminal, and closes. Each event's SSE `id` is its `seq`, so a
-browser that reconnects (its EventSource does so by itself) sends `Last-Event-ID` and
-resumes where it was; `?after=<seq>` sets the first position. Needs `view_agentrun`.
+event once the run is terminal, and closes. In between, live chunks the agent streams
+(`ctx.stream`) arrive as `event: chunk` messages (`channel`, `text`, `attempt`, `first`,
+`end`), with no `id`; the stored `stream` event that later coalesces them covers the
+chunks whose `end` is at most its own, so a client drops those if it still holds them.
+Each event's SSE `id` is its `seq`, so a browser that reconnects (its EventSource does so
+by itself) sends `Last-Event-ID` and resumes where it was; `?after=<seq>` sets the first
+position. Needs `view_agentrun`.
 
 A stream first catches up on its own (the request's connection, a batch at a time), then
 gives that connection back and waits on the process's `hub` (django_agentruns.fanout):
@@ -46,6 +50,7 @@ from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpRespons
 from django.http.response import HttpResponseBase
 from django.views.decorators.http import require_GET
 
+from .chunk_transport import read_chunks
 from .conf import app_settings
 from .fanout import Found, Hub, Row
 from .models import AgentRun, RunEvent
@@ -75,9 +80,11 @@ def read_runs(positions: Mapping[int, int]) -> dict[int, Found]:
     two statements for any number of runs."""
     # Status first, then events: the transaction that makes a run terminal appends its
     # last event too, so once the status reads terminal every event is visible.
-    runs: dict[int, Row] = {
-        pk: {"status": status, "reason": reason} for pk, status, reason in
-        AgentRun.objects.filter(pk__in=list(positions)).values_list("id", "status", "reason")}
+    attempts: dict[int, int] = {}
+    runs: dict[int, Row] = {}
+    for pk, status, reason, attempt in AgentRun.objects.filter(
+            pk__in=list(positions)).values_list("id", "status", "reason", "attempt"):
+        runs[pk], attempts[pk] = {"status": status, "reason": reason}, attempt
     wanted = reduce(operator.or_, (Q(run_id=run_id, seq__gt=after)
                                    for run_id, after in positions.items()))
     events = RunEvent.objects.filter(wanted)
@@ -86,7 +93,8 @@ def read_runs(positions: Mapping[int, int]) -> dict[int, Found]:
                                              order_by=F("seq").asc())).filter(rank__lte=BATCH)
     rows = events.order_by("run_id", "seq").values_list(
         "run_id", "seq", "type", "payload", "attempt", "created_at")
-    found = {run_id: Found(runs.get(run_id)) for run_id in positions}
+    found = {run_id: Found(runs.get(run_id), attempt=attempts.get(run_id))
+             for run_id in positions}
     for run_id, seq, kind, payload, attempt, at in \
             rows if len(positions) > 1 else rows[:BATCH]:
         found[run_id].rows.append({"seq": seq, "type": kind, "payload": payload,
@@ -97,7 +105,7 @@ def read_runs(positions: Mapping[int, int]) -> dict[int, Found]:
     return found
 
 
-hub = Hub(read_runs, POLL_INTERVAL)
+hub = Hub(read_runs, POLL_INTERVAL, read_chunks=read_chunks, listen=True)
 """This process's poller: every waiting stream is a subscription of it."""
 
 
@@ -149,7 +157,7 @@ class EventStream:
         self.run_id = run_id
         self.after = after
         self._clock = clock
-        self._hub = fanout or hub
+        self._hub = fanout if fanout is not None else hub  # an empty Hub is falsy (len 0)
         self._started = clock()
         self._last_sent: float | None = None
 
@@ -167,6 +175,8 @@ class EventStream:
         for row in found.rows if found else ():
             chunks.append(_message(row))
             self.after = row["seq"]
+        for chunk in found.chunks if found else ():
+            chunks.append(f"event: chunk\ndata: {json.dumps(chunk, separators=(',', ':'))}\n\n")
         state = WAIT
         if found and found.full:
             state = MORE

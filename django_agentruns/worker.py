@@ -124,10 +124,12 @@ class Worker:
     @staticmethod
     def connections() -> int:
         """The most connections this worker opens, whatever its concurrency: the store's
-        writers, the claim loop, the lease keeper, and the listener (PostgreSQL).
+        writers, the claim loop, the lease keeper, the listener (PostgreSQL), and the live
+        chunk sender (`chunk_transport.Sender`, only while its agents stream: closed
+        `IDLE_CLOSE` s after the last chunk).
 
         Agent code's own ORM queries are the agent's, on top (see the README)."""
-        return int(app_settings.WRITER_CONNECTIONS) + 2 + (1 if Listener.available() else 0)
+        return int(app_settings.WRITER_CONNECTIONS) + 3 + (1 if Listener.available() else 0)
 
     # ----------------------------------------------------------------- lifecycle
 

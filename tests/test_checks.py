@@ -265,7 +265,8 @@ def test_runworker_prints_its_connections_and_the_warning(
     done = helpers.run_manage(["runworker", "--burst", "--concurrency", "100000"], env)
     assert done.returncode == 0, done.stderr
     postgres = worker_env["DATABASE_URL"].startswith("postgres")
-    own = 3 + 2 + (1 if postgres else 0)
+    # Writers, claim loop, lease keeper, the live-chunk sender; the listener on PostgreSQL.
+    own = 3 + 3 + (1 if postgres else 0)
     assert f"concurrency 100000, {own} database connections" in done.stdout, done.stdout
     assert (checks.W008_CONNECTIONS in done.stderr) is postgres, done.stderr
 

@@ -47,6 +47,11 @@ FORBIDDEN: dict[str, list[str]] = {
     "admin": ["transitions", *WORKER_SIDE, "control"],
     "management": ["transitions", "executor", "lease_keeper", "live", "store", "recording",
                    "control", "admin"],
+    # Live output: the attempt side (context calls it) under the executor; the transport
+    # under both it and the web fan-out, beside models.
+    "chunks.py": ["worker", "executor", "lease_keeper", "live", "recording", "store",
+                  "context", "admin", "api", "management", "views", "urls", "tasks"],
+    "chunk_transport.py": ["transitions", "chunks", *HIGHER],
 }
 
 

@@ -110,3 +110,38 @@ def test_a_run_started_on_the_page_is_watched_live_to_its_end(
     assert all(int(seq) >= 1 for seq in resumes)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "live-run.png"), full_page=True)
+
+
+def test_streamed_text_appears_live_and_is_whole_after_a_reload(
+        page: Page, live_server: Any, viewer: User, demo_templates: None,
+        worker_env: dict[str, str]) -> None:
+    page.goto(f"{live_server.url}/admin/login/?next=/demo/live-stream/")
+    page.fill("#id_username", "viewer")
+    page.fill("#id_password", "pw")
+    page.click("input[type=submit]")
+    expect(page.locator("#start")).to_be_visible()
+    words = "".join(f"w{i} " for i in range(30))
+
+    with helpers.start_manage(["runworker"], worker_env) as worker:
+        page.click("#start")
+        output = page.locator("#output")
+        # The words appear while the run waits at its gate, before anything is stored.
+        expect(output).to_have_text(words.strip())
+        run = AgentRun.objects.get(agent="tests.streamer")
+        assert run.status == Status.RUNNING
+        assert not RunEvent.objects.filter(run=run, type="stream").exists()
+
+        SideEffect.objects.create(run_id=run.pk, note="open")
+        expect(page.locator("#run-status")).to_have_attribute("data-status", "succeeded",
+                                                              timeout=20_000)
+        whole = words + "a0 a1 a2 "
+        expect(output).to_have_text(whole.strip())
+        worker.stop()
+
+    # A reload shows the same run, and the whole text, from the stored event alone.
+    page.reload()
+    expect(page.locator("#run-status")).to_have_attribute("data-status", "succeeded")
+    expect(page.locator("#output")).to_have_text(whole.strip())
+    assert page.locator("#events li[data-type=stream]").count() == 1
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "live-stream.png"), full_page=True)

@@ -9,4 +9,7 @@ urlpatterns = [
     # The example project's live page, offering a test agent (tests/test_stream_browser.py).
     path("demo/live/", demo_views.live, {"runs": {"tests.live_steps": {"seconds": 60}}},
          name="demo-live"),
+    # The same page offering an agent that streams its output (ctx.stream).
+    path("demo/live-stream/", demo_views.live,
+         {"runs": {"tests.streamer": {"n": 30, "gate": True, "after": 3}}}),
 ]

@@ -128,3 +128,22 @@ def digest(ctx: RunContext) -> dict[str, Any]:
     finished = AgentRun.objects.filter(status=Status.SUCCEEDED).exclude(agent=ctx.agent)
     _call_model(f"Summarise the last {finished.count()} runs")
     return {"tick": ctx.input["tick"], "runs_done": finished.count()}
+
+
+_REPLY = (
+    "A run is claimed with a lease, so one worker owns it at a time. Its steps are stored "
+    "as events, and its checkpoints let a retry resume where the last attempt stopped. "
+    "This reply is streamed word by word: each word reaches the page at once, and the "
+    "whole text is stored once, when the step ends."
+)
+
+
+@agent("demo.chat_reply", queue="default", max_requeues=3, timeout=60)
+async def chat_reply(ctx: RunContext) -> dict[str, Any]:
+    """Stream a reply token by token, as an LLM client library hands it over."""
+    question = str(ctx.input.get("question", "How does a run survive a crash?"))
+    await ctx.aemit("question", {"text": question})
+    for word in _REPLY.split(" "):
+        await asyncio.sleep(0.05)  # stands in for the model producing the next token
+        await ctx.astream(word + " ")
+    return {"question": question, "words": len(_REPLY.split(" "))}

@@ -1,7 +1,9 @@
 """The live page: start a demo run, then watch its events arrive as the worker appends them.
 
 The page is plain HTML and JavaScript (no build step): a POST with the CSRF token starts a
-run, and an EventSource on `django_agentruns.urls`' event stream shows its steps. A worker
+run, and an EventSource on `django_agentruns.urls`' event stream shows its steps and the
+text the agent streams (`ctx.stream`), live. `?run=<id>` watches a run already started
+(the page puts it in its address, so a reload shows the same run again). A worker
 must be running (`python manage.py runworker`) for the run to start.
 """
 
@@ -16,8 +18,10 @@ from django.urls import reverse
 from django.views.decorators.http import require_http_methods
 
 from django_agentruns import enqueue
+from django_agentruns.models import AgentRun
 
 DEMO_RUNS: dict[str, dict[str, Any]] = {
+    "demo.chat_reply": {"question": "How does a run survive a crash?"},
     "demo.research": {"topic": "durable execution"},
     "demo.flaky_tool": {"city": "Lisbon"},
     "demo.async_summarise": {
@@ -39,9 +43,18 @@ def live(request: HttpRequest, runs: dict[str, dict[str, Any]] | None = None) ->
         if agent not in runs:
             return JsonResponse({"error": f"choose one of {sorted(runs)}"}, status=400)
         run = enqueue(agent, input=runs[agent])
-        return JsonResponse({
-            "run": run.pk,
-            "events": reverse("agentruns:run-events", args=[run.pk]),
-            "admin": reverse("admin:django_agentruns_agentrun_change", args=[run.pk]),
-        }, status=201)
-    return TemplateResponse(request, "demo/live.html", {"agents": list(runs)})
+        return JsonResponse(_watch(run.pk), status=201)
+    watch = None
+    run_id = request.GET.get("run", "")
+    if run_id.isdigit() and AgentRun.objects.filter(pk=int(run_id)).exists():
+        watch = _watch(int(run_id))
+    return TemplateResponse(request, "demo/live.html", {"agents": list(runs), "watch": watch})
+
+
+def _watch(run_id: int) -> dict[str, Any]:
+    """What the page needs to watch a run."""
+    return {
+        "run": run_id,
+        "events": reverse("agentruns:run-events", args=[run_id]),
+        "admin": reverse("admin:django_agentruns_agentrun_change", args=[run_id]),
+    }

@@ -85,7 +85,8 @@ class Command(BaseCommand):
         if options["verbosity"] > 0:
             self.stdout.write(f"worker {worker.worker_id}: concurrency {worker.concurrency}, "
                               f"{own} database connections (writers, claim, lease keeper, "
-                              f"listener), however many attempts run")
+                              f"listener, live-chunk sender while agents stream), however "
+                              f"many attempts run")
         sync_agents = any(not spec.is_async for spec in all_agents().values())
         for warning in check_worker_connections(worker.concurrency, own, sync_agents,
                                                 server_max_connections()):
