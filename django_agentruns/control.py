@@ -90,8 +90,7 @@ class AttemptControl:
         one guarded, idempotent transaction, so a retry after a lost commit adds nothing.
         Interactive runs (no lease, maybe in the caller's transaction) are not retried.
         """
-        deadline = time.monotonic() + (self.ref.lease_ttl or 0.0) / 2
-        wait = 0.05
+        wait, deadline = 0.05, self._retry_deadline()
         while True:
             raw = connection.connection
             try:
@@ -103,15 +102,9 @@ class AttemptControl:
                     raise
                 with suppress(Exception):
                     connection.close()  # broken: the next try opens a fresh one
-                if self.stop_reason is not None:
-                    raise AttemptStopped(self.stop_reason) from exc
-                if time.monotonic() + wait > deadline:
-                    self.request_stop(StopReason.INTERRUPTED)
-                    raise AttemptStopped(StopReason.INTERRUPTED) from exc
-                logger.warning("run %s: storage call failed (%s); retrying in %.2fs",
-                               self.ref.run_id, exc, wait)
-                time.sleep(wait)
-                wait = min(1.0, wait * 2)
+                self._unreachable(exc, wait, deadline)
+            time.sleep(wait)
+            wait = min(1.0, wait * 2)
 
     def write(self, write: Write) -> Result:
         """One write of the attempt, from its thread: through the worker's attempt store

@@ -38,9 +38,9 @@ from .live import Live, LiveAttempts
 from .models import AgentRun
 from .notify import Listener
 from .outcomes import AttemptRef, Settlement, StopReason
-from .queues import PausedSet  # issue 18
+from .queues import PausedSet
 from .registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
-from .schedules import Ticker  # issue 18
+from .schedules import Ticker
 from .store import AttemptStore
 from .workers import Presence
 
@@ -117,7 +117,7 @@ class Worker:
         # connections: started with the worker (`run`), closed when it stops.
         self.store: AttemptStore | None = None
         self.executor = Executor(self.worker_id, known=self._agents)
-        # issue 18: paused queues left out of claims; this worker's part in ticking schedules
+        # Paused queues are left out of claims; this worker takes part in ticking schedules
         self._paused = PausedSet()
         self._ticker = Ticker(self._agents, self.queues)
 
@@ -189,7 +189,7 @@ class Worker:
             try:
                 close_old_connections()
                 self._maybe_reap()
-                self._ticker.tick()  # issue 18: schedules
+                self._ticker.tick()
                 claimed = self._claim()
                 errors = 0
             except Exception:
@@ -217,14 +217,14 @@ class Worker:
                 self.stopping.wait(contention_wait)
                 contention_wait = min(CONTENTION_MAX, contention_wait * 2)
                 continue
-            # issue 18: wake for the next schedule tick too
+            # Wake for the next schedule tick too
             tick = self._ticker.seconds_to_next()
             idle = self.poll_interval if tick is None else min(self.poll_interval, tick)
             self._wake.wait(idle if self.busy < self.concurrency else tick)
 
     def _claim(self) -> int:
         free = self.concurrency - self.busy
-        queues = self._paused.active(self.queues)  # issue 18: paused queues
+        queues = self._paused.active(self.queues)
         if free <= 0 or not queues:
             return 0
         # Lapsed leases are looked for at most once a second: one statement less per claim.

@@ -261,7 +261,7 @@ class AgentRunAdmin(ModelAdminBase):
                 can_cancel=obj.status in CANCEL.eligible and obj.cancel_requested_at is None
                 and self.has_cancel_permission(request),
                 **approvals.page_context(self, request, obj),
-                # issue 18: the checkpoint history, each one a "fork from here"
+                # The checkpoint history, each one a "fork from here"
                 checkpoints=show.checkpoints(obj),
                 can_fork=self.has_retry_permission(request),
             )
