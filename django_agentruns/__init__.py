@@ -1,7 +1,8 @@
 """django-agentruns: durable agent runs on your Django database.
 
 Public API (stable): `agent`, `RunContext`, `Retryable`, `NotRetryable`, `enqueue`,
-`enqueue_many`, `RunRequest`, `cancel`, `retry`, `run_now`, `CancelResult`.
+`enqueue_many`, `RunRequest`, `cancel`, `retry`, `run_now`, `CancelResult`, `Snooze`,
+`set_limit`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .exceptions import (
     Retryable,
     RunCancelledError,
     RunNotFoundError,
+    Snooze,
     UnknownAgentError,
 )
 from .registry import agent
@@ -23,6 +25,7 @@ from .registry import agent
 if TYPE_CHECKING:
     from .api import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
     from .context import RunContext
+    from .limits import set_limit
     from .transitions import CancelResult
 
 __version__ = "0.1.0"
@@ -38,6 +41,7 @@ __all__ = [
     "RunContext",
     "RunNotFoundError",
     "RunRequest",
+    "Snooze",
     "UnknownAgentError",
     "agent",
     "cancel",
@@ -45,11 +49,12 @@ __all__ = [
     "enqueue_many",
     "retry",
     "run_now",
+    "set_limit",
 ]
 
 _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "enqueue_many": "api", "cancel": "api", "retry": "api", "run_now": "api",
-         "RunRequest": "api"}
+         "RunRequest": "api", "set_limit": "limits"}
 
 
 def __getattr__(name: str) -> Any:

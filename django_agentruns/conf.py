@@ -72,6 +72,14 @@ class Defaults:
     """Alias of the `DATABASES` entry the worker's LISTEN connection uses, one that reaches
     PostgreSQL directly, not through a transaction pooler (PgBouncer in transaction mode
     loses notifications); None: the worker's own (`default`). Only the listener uses it."""
+    MAX_SNOOZES: int = 20
+    """Snoozes a run gets without spending its requeue budget (`Snooze`, or a 429/503 with
+    Retry-After); past them a snooze counts as an ordinary retry, so a run cannot wait
+    forever."""
+    LIMITS: dict[str, int] | None = None
+    """Most runs of a limit key running at once across all workers, e.g. {"openai": 20}.
+    `set_limit(key, n)` (or the admin) overrides a key at run time; keys in neither are
+    unlimited."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

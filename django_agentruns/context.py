@@ -25,6 +25,7 @@ from . import transitions
 from .conf import SETTING_NAME, app_settings
 from .db import storage_unreachable
 from .exceptions import AttemptStopped, InvalidInputError, LimitExceeded
+from .limits import Budget
 from .outcomes import AttemptRef, Renewal
 
 T = TypeVar("T")
@@ -38,6 +39,7 @@ class StopReason:
     TIMEOUT = "timeout"
     SHUTDOWN = "shutdown"
     INTERRUPTED = "interrupted"  # the database stayed out of reach: requeued, not charged
+    BUDGET = "budget_exhausted"  # recorded usage passed the run's budget: dead-lettered
 
 
 class AttemptControl:
@@ -53,6 +55,11 @@ class AttemptControl:
         self.done = threading.Event()
         self.in_storage = 0
         self._lock = threading.Lock()
+        # Flow control (django_agentruns.usage arms these): the run's budget, what it has
+        # recorded so far, and what passed the budget once it has.
+        self.budget: Budget | None = None
+        self.spent: tuple[int, float] = (0, 0.0)
+        self.over_budget: str | None = None
 
     def request_stop(self, reason: str) -> None:
         """Ask the attempt to stop; the first reason wins."""
@@ -69,6 +76,8 @@ class AttemptControl:
     def check(self) -> None:
         if self.stop_reason is None and self.timed_out():
             self.request_stop(StopReason.TIMEOUT)
+        if self.stop_reason is None and self.over_budget is not None:
+            self.request_stop(StopReason.BUDGET)
         if self.stop_reason is not None:
             raise AttemptStopped(self.stop_reason)
 
@@ -79,7 +88,7 @@ class AttemptControl:
             self.request_stop(StopReason.CANCELLED)
         self.check()
 
-    def call(self, write: Callable[..., Renewal], *args: Any) -> Renewal:
+    def call(self, write: Callable[..., T], *args: Any) -> T:
         """One storage call of the attempt, retried on a fresh connection while the
         database is out of reach (a restart, a killed session, lock contention).
 
@@ -284,6 +293,21 @@ class RunContext:
         control.check()
         renewal = control.call(transitions.renew, control.ref)
         control.apply(renewal)
+
+    def record_usage(self, *, input_tokens: int = 0, output_tokens: int = 0, cost: float = 0.0,
+                     model: str = "") -> None:
+        """Add a model call's tokens and cost to the run's totals (a step boundary); once a
+        total passes the run's budget, the next context call stops the attempt and the run
+        is dead-lettered `budget_exhausted`."""
+        from . import usage
+
+        usage.record(self._control, self.agent, input_tokens, output_tokens, cost, model)
+
+    async def arecord_usage(self, *, input_tokens: int = 0, output_tokens: int = 0,
+                            cost: float = 0.0, model: str = "") -> None:
+        await _in_thread(self._control, functools.partial(
+            self.record_usage, input_tokens=input_tokens, output_tokens=output_tokens,
+            cost=cost, model=model))
 
     async def aemit(self, type: str, payload: dict[str, Any] | None = None) -> None:
         await _in_thread(self._control, self.emit, type, payload)

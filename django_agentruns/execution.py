@@ -35,6 +35,7 @@ class Outcome:
     output: Any = None
     error: BaseException | None = None
     stop_reason: str | None = None
+    detail: str = ""  # what passed the budget, for a budget stop
 
 
 def make_context(run: AgentRun, control: AttemptControl) -> RunContext:
@@ -67,14 +68,15 @@ def call_agent(
         if control.stop_reason is None and not isinstance(exc, AttemptStopped):
             return Outcome("failed", error=exc)  # the agent's own cancellation, not a stop
         reason = control.stop_reason or StopReason.SHUTDOWN
-        return Outcome("stopped", stop_reason=reason)
+        return Outcome("stopped", stop_reason=reason, detail=control.over_budget or "")
     except BaseException as exc:
         # BaseException: an agent's SystemExit or KeyboardInterrupt is its failure too, and
         # must be recorded like any other (the caller of `run_now` still gets it raised).
         if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED,
-                                   StopReason.INTERRUPTED):
+                                   StopReason.INTERRUPTED, StopReason.BUDGET):
             # The agent turned our stop into an error of its own: the stop is what happened.
-            return Outcome("stopped", stop_reason=control.stop_reason)
+            return Outcome("stopped", stop_reason=control.stop_reason,
+                           detail=control.over_budget or "")
         return Outcome("failed", error=exc.error if isinstance(exc, _Escaped) else exc)
     if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED):
         # A cancel the attempt was told of wins even if the agent then returned without
@@ -142,16 +144,25 @@ def _store(
         if outcome.stop_reason == StopReason.CANCELLED:
             return transitions.settle_cancelled(ref)
         if outcome.stop_reason == StopReason.SHUTDOWN:
-            return transitions.abandon(ref, "the worker stopped")
+            # Flow control: a graceful stop is an interruption, not a failure (no budget).
+            return transitions.interrupt(ref, "the worker stopped")
         if outcome.stop_reason == StopReason.INTERRUPTED:
             return transitions.interrupt(ref, "the database was out of reach")
+        if outcome.stop_reason == StopReason.BUDGET:  # flow control
+            return transitions.exhaust_budget(ref, _over_budget(outcome))
         error: BaseException = AttemptTimeout(
             f"attempt exceeded its timeout of {spec.timeout if spec else '?'}s")
     else:
         assert outcome.error is not None
         error = outcome.error
     failure = classify_for(spec, error)
+    if failure.snooze and not interactive:  # flow control: no budget spent
+        return transitions.snooze(ref, failure, describe(error))
     return transitions.settle_failed(ref, failure, describe(error), interactive=interactive)
+
+
+def _over_budget(outcome: Outcome) -> str:
+    return outcome.detail or "usage passed the budget"
 
 
 def classify_for(spec: AgentSpec | None, error: BaseException) -> policy.Failure:

@@ -88,6 +88,14 @@ if prometheus_client is not None:
         "agentruns_attempt_duration_seconds",
         "Seconds an attempt took, from its start to its settlement, by agent and outcome.",
         ("agent", "outcome"), buckets=DURATION_BUCKETS)
+    TOKENS = prometheus_client.Counter(
+        "agentruns_tokens",
+        "Tokens (input and output) agents recorded with ctx.record_usage, by agent and model.",
+        ("agent", "model"))
+    COST = prometheus_client.Counter(
+        "agentruns_cost",
+        "Cost agents recorded with ctx.record_usage (in the callers' unit), by agent and "
+        "model.", ("agent", "model"))
     WAKEUPS_DEGRADED = prometheus_client.Gauge(
         "agentruns_wakeups_degraded",
         "1 while this worker's LISTEN connection is down or failed its self-check (a "
@@ -109,6 +117,14 @@ def observe_settlement(
         QUEUE_WAIT.labels(agent).observe(max(0.0, queue_wait_s))
     if duration_s is not None:
         DURATION.labels(agent, outcome).observe(max(0.0, duration_s))
+
+
+def observe_usage(agent: str, model: str, tokens: int, cost: float) -> None:
+    """Count one `ctx.record_usage` (agentruns_tokens_total, agentruns_cost_total)."""
+    if prometheus_client is None:
+        return
+    TOKENS.labels(agent, model).inc(tokens)
+    COST.labels(agent, model).inc(cost)
 
 
 def set_wakeups_degraded(degraded: bool) -> None:

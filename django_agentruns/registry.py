@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from .conf import app_settings
 from .exceptions import InvalidInputError, UnknownAgentError
+from .limits import Budget, LimitKey, check_agent_limit_key, check_budget
 from .outcomes import ScopePolicy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -60,6 +61,8 @@ class AgentSpec:
     lease_ttl: float | None = None
     priority: int = 0
     classify: Callable[[BaseException], bool | None] | None = None
+    limit_key: LimitKey = None  # a key, or f(input) -> key; see django_agentruns.limits
+    budget: Budget | None = None
 
     @property
     def is_async(self) -> bool:
@@ -91,13 +94,22 @@ def agent(
     lease_ttl: float | None = None,
     priority: int = 0,
     classify: Callable[[BaseException], bool | None] | None = None,
+    limit_key: LimitKey = None,
+    budget: dict[str, Any] | None = None,
 ) -> Callable[[F], F]:
-    """Register a function (sync or `async def`) taking a `RunContext` as agent `name`."""
+    """Register a function (sync or `async def`) taking a `RunContext` as agent `name`.
+
+    `limit_key`: the key whose limit its runs count against (a string, or a callable of
+    the input); `budget`: {"tokens": N, "cost": X}, past which an attempt stops and the
+    run is dead-lettered `budget_exhausted` (see django_agentruns.limits).
+    """
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidInputError(
             f"Agent name {name!r} must be 1-200 characters of letters, digits and _ . : -"
         )
     _check_options(name, queue, max_requeues, timeout, lease_ttl, priority, classify)
+    check_agent_limit_key(name, limit_key)
+    checked_budget = check_budget(budget, f"Agent {name!r}: budget")
 
     def register(func: F) -> F:
         existing = _registry.get(name)
@@ -109,6 +121,7 @@ def agent(
             name=name, func=func, queue=queue, ordered=ordered,
             dead_letters_block=dead_letters_block, max_requeues=max_requeues,
             timeout=timeout, lease_ttl=lease_ttl, priority=priority, classify=classify,
+            limit_key=limit_key, budget=checked_budget,
         )
         return func
 

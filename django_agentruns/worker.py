@@ -28,7 +28,7 @@ from typing import Any
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from . import execution, metrics, reaper, tracing, transitions, visibility
+from . import execution, metrics, reaper, tracing, transitions, usage, visibility
 from .conf import app_settings
 from .context import AttemptControl, StopReason
 from .exceptions import AgentRunsError, UnknownAgentError
@@ -111,6 +111,8 @@ class Worker:
         self._signals = 0
         self._last_reap = 0.0
         self._last_lapsed_scan = 0.0
+        self._limits_read = float("-inf")
+        self._limits_in_use = False
         self._agents = all_agents()
         # Claims take only runs of these: another worker's agent (a rolling deploy's new
         # one) is left queued for a worker that has it, not dead-lettered here.
@@ -213,8 +215,10 @@ class Worker:
         # Lapsed leases are looked for at most once a second: one statement less per claim.
         now = time.monotonic()
         include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
-        runs = transitions.claim(
-            self.worker_id, self.queues, min(free, int(app_settings.CLAIM_BATCH)), self._scopes,
+        batch = min(free, int(app_settings.CLAIM_BATCH))
+        runs = self._claim_limited(batch, now)  # flow control: runs of limited keys first
+        runs += transitions.claim(
+            self.worker_id, self.queues, batch - len(runs), self._scopes,
             self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed,
             agents=self._known)
         if include_lapsed:
@@ -223,6 +227,22 @@ class Worker:
             self._start(run)
         self.stats.claimed += len(runs)
         return len(runs)
+
+    def _claim_limited(self, batch: int, now: float) -> list[AgentRun]:
+        """Runs of keys with a limits row (flow control, transitions.limited). Whether any
+        key has one is read at most once a second: until then a new row only delays its
+        key's runs (the ordinary claim skips them in its own statement), never lets one
+        past its limit."""
+        if now - self._limits_read >= LAPSED_SCAN_INTERVAL:
+            if self._limits_read == float("-inf"):
+                transitions.seed_settings_limits()  # the LIMITS setting's keys get rows
+            self._limits_in_use = transitions.limits_in_use()
+            self._limits_read = now
+        if not self._limits_in_use:
+            return []
+        return transitions.claim_limited(
+            self.worker_id, self.queues, batch, self._scopes, self._ttls,
+            float(app_settings.LEASE_TTL), agents=self._known)
 
     def _work_pending(self) -> bool:
         # Not every queued, due run: one behind a dead letter or a backoff is not waiting
@@ -256,6 +276,7 @@ class Worker:
         ttl = spec.effective_lease_ttl() if spec else float(app_settings.LEASE_TTL)
         ref = AttemptRef(run.pk, run.attempt, self.worker_id, ttl, agent=run.agent)
         control = AttemptControl(ref, spec.timeout if spec else None, run.checkpoint_count)
+        usage.arm(control, run, spec)  # flow control: the run's budget and totals
         live = _Live(run, spec, control, time.monotonic())
         with self._live_lock:
             self._live[run.pk] = live
@@ -406,7 +427,8 @@ class Worker:
         for lv in remaining:
             if not lv.control.done.is_set():
                 try:
-                    settlement = transitions.abandon(lv.control.ref, "the worker stopped")
+                    # Flow control: a graceful stop interrupts (no budget spent).
+                    settlement = transitions.interrupt(lv.control.ref, "the worker stopped")
                     logger.info("run %s %s attempt %s %s (the worker stopped; agent stuck)",
                                 lv.run.pk, lv.run.agent, lv.control.ref.attempt,
                                 settlement.value, extra=_extra(lv.control.ref, lv.run.agent))

@@ -13,7 +13,9 @@ One module per moment of a run: `enqueue` (new runs), `due` (what may be claimed
 `claiming`, `attempts` (writes while it runs), `settling` (how it ends, and the reaper's
 reclaim), `operators` (cancel, retry, interactive runs); `batched` (an attempt's writes
 as values, many applied in one transaction); `events` appends the story;
-`rawsql` builds the hot path's statements once per shape.
+`rawsql` builds the hot path's statements once per shape; `limited` (the claim of runs
+whose limit key has a row, and that table's writes) and `snoozing` (snoozes, recorded
+usage) are flow control.
 """
 
 from __future__ import annotations
@@ -42,12 +44,15 @@ from .events import (
     INTERRUPTED,
     RETRIED,
     RETRYING,
+    SNOOZED,
     STARTED,
     SUCCEEDED,
+    USAGE,
     emitted_event_id,
     lifecycle_event_id,
     now,
 )
+from .limited import claim_limited, close_key, limits_in_use, seed_settings_limits, write_limit
 from .operators import cancel, operator_retry, start_interactive
 from .settling import (
     abandon,
@@ -59,14 +64,17 @@ from .settling import (
     settle_succeeded,
     settle_succeeded_many,
 )
+from .snoozing import exhaust_budget, record_usage, snooze
 
 __all__ = [
     "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "INTERRUPTED",
-    "RETRIED", "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult",
-    "CheckpointWrite", "EmitWrite", "ErrorInfo", "NewRun", "RenewWrite", "Renewal", "Result",
-    "ScopePolicy", "Settlement", "SucceedWrite", "Write", "abandon", "apply_writes", "awaited",
-    "cancel", "checkpoint", "claim", "due_elsewhere", "due_queued", "emit", "emitted_event_id",
-    "find_stale", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "now",
-    "operator_retry", "policy", "reap_one", "renew", "renew_many", "settle_cancelled",
-    "settle_failed", "settle_succeeded", "settle_succeeded_many", "start_interactive",
+    "RETRIED", "RETRYING", "SNOOZED", "STARTED", "SUCCEEDED", "USAGE", "AttemptRef",
+    "CancelResult", "CheckpointWrite", "EmitWrite", "ErrorInfo", "NewRun", "RenewWrite",
+    "Renewal", "Result", "ScopePolicy", "Settlement", "SucceedWrite", "Write", "abandon",
+    "apply_writes", "awaited", "cancel", "checkpoint", "claim", "claim_limited", "close_key",
+    "due_elsewhere", "due_queued", "emit", "emitted_event_id", "exhaust_budget", "find_stale",
+    "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "limits_in_use", "now",
+    "operator_retry", "policy", "reap_one", "record_usage", "renew", "renew_many",
+    "seed_settings_limits", "settle_cancelled", "settle_failed", "settle_succeeded",
+    "settle_succeeded_many", "snooze", "start_interactive", "write_limit",
 ]

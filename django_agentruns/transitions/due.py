@@ -12,9 +12,9 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet
 
-from ..models import AgentRun, Status
+from ..models import AgentLimit, AgentRun, Status
 from ..outcomes import ScopePolicy
 from . import rawsql
 
@@ -56,6 +56,11 @@ def due_elsewhere(
     return qs if queues is None else qs.filter(queue__in=list(queues))
 
 
+def unlimited_keys() -> Q:
+    """Runs the ordinary claim may take: no limit key, or a key with no limits row."""
+    return Q(limit_key="") | ~Q(Exists(AgentLimit.objects.filter(key=OuterRef("limit_key"))))
+
+
 CLAIM_FIELDS = ("id", "agent", "status", "attempt", "requeue_count", "max_requeues",
                  "cancel_requested_at", "cancel_reason", "claimed_by", "scope", "fired_seq")
 
@@ -69,7 +74,9 @@ def compiled_due(
 
     A worker's agents are fixed, so they are baked into the statement with its queues.
     """
-    qs = due_queued(queues, rawsql.SENTINEL_TIME, scopes, agents)
+    # Runs whose limit key has a row are the limited claim's (transitions.limited). A run
+    # with no key (the common case) passes on the OR's first term: no subquery for it.
+    qs = due_queued(queues, rawsql.SENTINEL_TIME, scopes, agents).filter(unlimited_keys())
     if vendor == "postgresql":
         qs = qs.select_for_update(skip_locked=True, of=("self",))
     with transaction.atomic():  # Django compiles FOR UPDATE only inside one (no statement runs)

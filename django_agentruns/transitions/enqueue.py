@@ -27,11 +27,12 @@ class NewRun(NamedTuple):
     input_json: str  # `input` as the JSON text to store
     max_requeues: int
     available_at: datetime
+    limit_key: str = ""  # resolved by api (django_agentruns.limits)
 
 
 # What each element of insert_runs' JSON array holds, in order (input as its JSON text).
 _PER_RUN = ("agent", "queue", "priority", "scope", "fired_seq", "input", "max_requeues",
-            "available_at")
+            "available_at", "limit_key")
 
 
 # The rows travel as one JSON text per statement, and PostgreSQL takes at most 255 MB of
@@ -52,7 +53,8 @@ def insert_runs(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
     """
     at_text = _json_time(at)
     rows = [[r.agent, r.queue, r.priority, r.scope, r.fired_seq, r.input_json, r.max_requeues,
-             at_text if r.available_at is at else _json_time(r.available_at)] for r in new]
+             at_text if r.available_at is at else _json_time(r.available_at), r.limit_key]
+            for r in new]
     # Escaping at most doubles a row's text: below half the cap, one statement surely does.
     if sum(len(r.input_json) + 1000 for r in new) * 2 <= MAX_STATEMENT_BYTES:
         ids = _insert(json.dumps(rows), at)

@@ -30,6 +30,8 @@ ABANDONED = "run.abandoned"
 RETRIED = "run.retried"
 CHECKPOINT = "run.checkpoint"
 INTERRUPTED = "run.interrupted"
+SNOOZED = "run.snoozed"
+USAGE = "run.usage"
 
 
 def now() -> datetime:

@@ -311,7 +311,7 @@ async def async_traced(ctx: RunContext) -> dict[str, Any]:
     return {"traced": True}
 
 
-from . import chaos_agents, failure_agents  # noqa: E402,F401
+from . import chaos_agents, failure_agents, flow_agents  # noqa: E402,F401
 
 
 @agent("tests.sized", max_requeues=1)
