@@ -14,6 +14,7 @@ from typing import Any
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
 
+from ..limits import settings_limits
 from ..models import AgentLimit, AgentRun, Status
 from ..outcomes import ScopePolicy
 from . import rawsql
@@ -36,7 +37,16 @@ def awaited(
     """Queued runs due by time that a worker will get to without outside help (see
     `RunQuerySet.awaited`); given `agents`, all but runs of other agents (a worker that
     has them takes those)."""
-    return AgentRun.objects.of_agents(agents).awaited(queues, at, scopes)
+    return AgentRun.objects.of_agents(agents).awaited(queues, at, scopes).exclude(
+        Exists(stopped_keys(at).filter(key=OuterRef("limit_key"))))
+
+
+def stopped_keys(at: datetime) -> QuerySet[AgentLimit]:
+    """Limits rows whose key no worker will start a run of by itself: closed (until a
+    time, like a backoff) or paused (a limit of 0)."""
+    paused = [key for key, n in settings_limits().items() if n == 0]
+    return AgentLimit.objects.filter(
+        Q(closed_until__gt=at) | Q(max_running=0) | Q(max_running__isnull=True, key__in=paused))
 
 
 def lapsed(

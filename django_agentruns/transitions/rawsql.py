@@ -296,7 +296,11 @@ def _row_shape(columns: tuple[str, ...]) -> tuple[
                                                       connection.alias)
     converters = compiler.get_converters(
         [f.get_col(AgentRun._meta.db_table) if f else None for f in fields])  # type: ignore[misc]
-    return ([f.attname for f in fields if f is not None],
-            [i for i, f in enumerate(fields) if f is not None],
+    # In the model's field order, not the table's: `from_db` given every field takes its
+    # values in that order, and a column added by a later migration sits at the table's end.
+    position = {c: i for i, c in enumerate(columns) if c in by_column}
+    ordered = [f for f in AgentRun._meta.concrete_fields if f.column in position]
+    return ([f.attname for f in ordered],
+            [position[f.column] for f in ordered],
             [i for i, f in enumerate(fields) if f is None],
             sorted(converters.items()))

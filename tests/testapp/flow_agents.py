@@ -75,3 +75,12 @@ async def async_spender(ctx: RunContext) -> dict[str, Any]:
         await ctx.arecord_usage(input_tokens=300, output_tokens=100, cost=0.01, model="m")
         await ctx.acheckpoint({"step": step + 1})
     return {"done": True}
+
+
+def _broken_key(input: Any) -> str:
+    raise KeyError("tenant")
+
+
+@agent("tests.keyed_broken", limit_key=_broken_key)
+def keyed_broken(ctx: RunContext) -> None:
+    """Its limit_key callable raises: enqueue refuses the run."""
