@@ -60,7 +60,8 @@ def test_a_budget_stops_the_run_at_its_third_step_and_a_raised_one_lets_it_finis
     # Resumed at checkpoint 2: step 3 ran (and spent) again; 1,200 + 3 x 400.
     assert (run.input_tokens + run.output_tokens, run.checkpoint_count) == (2400, 5)
     retried = RunEvent.objects.filter(run=run, type=transitions.RETRIED).last()
-    assert retried is not None and retried.payload["budget"] == {"tokens": 5000}
+    assert retried is not None
+    assert retried.payload["budget"] == {"tokens": 5000}
 
 
 def test_an_async_agent_with_a_cost_budget() -> None:
@@ -118,7 +119,7 @@ def test_usage_is_fenced() -> None:
     run = enqueue("tests.noop")
     (claimed,) = transitions.claim("w1", ["default"], 1, transitions.ScopePolicy(), {}, 60.0)
     stale = AttemptRef(run.pk, claimed.attempt, "someone-else", 60.0)
-    renewal, totals = transitions.record_usage(stale, 5, 5, 1.0, "m")
+    renewal, _totals = transitions.record_usage(stale, 5, 5, 1.0, "m")
     assert renewal is Renewal.LOST
     assert AgentRun.objects.values_list("input_tokens", "cost").get(pk=run.pk) == (0, 0.0)
     mine = AttemptRef(run.pk, claimed.attempt, "w1", 60.0)

@@ -92,10 +92,12 @@ def test_a_429_keeps_every_worker_off_its_key_until_the_retry_after(
         helpers.wait_until(lambda: AgentRun.objects.filter(
             pk__in=ids, status=Status.SUCCEEDED).count() == 11, timeout=30,
             message="the closed key's runs to run once it reopens")
-        assert one.returncode is None and two.returncode is None
+        assert one.returncode is None
+        assert two.returncode is None
     first_start = RunEvent.objects.filter(run_id__in=ids, type="run.started").exclude(
         run_id=first.pk, attempt=1).order_by("created_at").first()
-    assert first_start is not None and first_start.created_at >= until
+    assert first_start is not None
+    assert first_start.created_at >= until
     row = AgentRun.objects.get(pk=first.pk)
     assert (row.requeue_count, row.snooze_count) == (0, 1)
 
@@ -137,7 +139,7 @@ def test_the_key_is_resolved_at_enqueue() -> None:
 def test_a_bad_key_is_a_clear_error_that_writes_nothing(key: Any) -> None:
     with pytest.raises(InvalidInputError, match="limit_key"):
         enqueue("tests.noop", limit_key=key)
-    with pytest.raises(InvalidInputError, match="limit_key|cannot be stored"):
+    with pytest.raises(InvalidInputError, match=r"limit_key|cannot be stored"):
         enqueue("tests.keyed", {"key": key})  # returned by the agent's callable
     with pytest.raises(InvalidInputError, match="key"):
         set_limit(key, 3)
