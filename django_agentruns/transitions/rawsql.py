@@ -299,8 +299,8 @@ def _row_shape(columns: tuple[str, ...]) -> tuple[
     # In the model's field order, not the table's: `from_db` given every field takes its
     # values in that order, and a column added by a later migration sits at the table's end.
     position = {c: i for i, c in enumerate(columns) if c in by_column}
-    ordered = [f for f in AgentRun._meta.concrete_fields if f.column in position]
+    ordered = [f for f in AgentRun._meta.concrete_fields if str(f.column) in position]
     return ([f.attname for f in ordered],
-            [position[f.column] for f in ordered],
+            [position[str(f.column)] for f in ordered],
             [i for i, f in enumerate(fields) if f is None],
             sorted(converters.items()))
