@@ -158,6 +158,8 @@ class Backlog:
     """Running runs whose lease has lapsed: their worker died or stalled, and the reaper
     (or a claim) has not taken them back yet. Non-zero for long: no reaper is running."""
     dead_letters: dict[str, int] = field(default_factory=dict)
+    closed_keys: dict[str, float] = field(default_factory=dict)
+    """Limit keys closed by a 429, with the seconds until they reopen."""
     unknown_agents: dict[tuple[str, str], int] = field(default_factory=dict)
     """Due runs of agents not registered in this process, by (queue, agent): a worker
     claims only runs of agents it has, so its workers leave these to others."""
@@ -171,7 +173,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     size of the history (succeeded runs) costs nothing here. The fourth reads the queued
     rows (the backlog, not the history) for their agent.
     """
-    from .models import AgentRun
+    from .models import AgentLimit, AgentRun
     from .registry import all_agents
     from .visibility import due_elsewhere
 
@@ -195,6 +197,8 @@ def read_backlog(at: datetime | None = None) -> Backlog:
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
     backlog.unknown_agents.update(due_elsewhere(None, frozenset(all_agents()), at))
+    closed = AgentLimit.objects.filter(closed_until__gt=at).values_list("key", "closed_until")
+    backlog.closed_keys.update((key, (until - at).total_seconds()) for key, until in closed)
     return backlog
 
 
@@ -281,6 +285,13 @@ class BacklogCollector:
         for (queue, agent), count in sorted(backlog.unknown_agents.items()):
             unknown.add_metric([queue, agent], count)
         yield unknown
+        closed = GaugeMetricFamily(
+            "agentruns_limit_closed_seconds",
+            "Seconds until a limit key closed by a 429 reopens, by key (present while closed):"
+            " no worker starts a run of it meanwhile.", labels=["key"])
+        for key, seconds in sorted(backlog.closed_keys.items()):
+            closed.add_metric([key], seconds)
+        yield closed
 
 
 def _agent_queues() -> set[str]:

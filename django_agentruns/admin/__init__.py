@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from ..models import AgentRun
+from ..models import AgentLimit, AgentRun
+from .limits import AgentLimitAdmin
 from .options import AgentRunAdmin
 
 admin.site.register(AgentRun, AgentRunAdmin)
+admin.site.register(AgentLimit, AgentLimitAdmin)
 
-__all__ = ["AgentRunAdmin"]
+__all__ = ["AgentLimitAdmin", "AgentRunAdmin"]

@@ -20,6 +20,7 @@ from django.utils.safestring import SafeString
 
 from ..models import AgentRun, RunEvent, Status
 from . import display as show
+from . import limits as flow
 from . import views
 from .actions import CANCEL, RETRY, cancel_runs, has_permission, retry_runs, selected_ids
 from .filters import AgentFilter, AttentionFilter, QueueFilter
@@ -52,7 +53,7 @@ def visibility() -> Any:
 
 class AgentRunAdmin(ModelAdminBase):
     list_display = ("short_id", "agent", "scope", "status_badge", "reason_text", "attempt",
-                    "requeues_used", "queue", "created", "duration")
+                    "requeues_used", "queue", "created", "duration", "usage")
     list_display_links = ("short_id",)
     list_filter = ("status", "reason", AttentionFilter, AgentFilter, QueueFilter)
     search_fields = ("scope", "agent")  # and the run id: see get_search_results
@@ -70,6 +71,7 @@ class AgentRunAdmin(ModelAdminBase):
                            ("created_at", "available_at"),
                            ("started_at", "finished_at", "duration"))}),
         ("Lease", {"fields": ("lease", "cancel_request")}),
+        ("Flow control", {"fields": (("limit_key", "snooze_count"), ("usage", "budget"))}),
         ("Data", {"fields": (("input_json", "output_json"),
                              ("checkpoint_count", "checkpoint_json"))}),
         ("Last error", {"fields": ("last_error",)}),
@@ -78,7 +80,8 @@ class AgentRunAdmin(ModelAdminBase):
                        "fired_seq", "attempt", "requeues", "created_at", "available_at",
                        "started_at", "finished_at", "duration", "lease", "cancel_request",
                        "input_json", "output_json", "checkpoint_count", "checkpoint_json",
-                       "last_error", "waiting_for")
+                       "last_error", "waiting_for", "limit_key", "snooze_count", "usage",
+                       "budget")
 
     # ------------------------------------------------------------------ permissions
 
@@ -152,6 +155,10 @@ class AgentRunAdmin(ModelAdminBase):
     @admin.display(description="created", ordering="created_at")
     def created(self, run: AgentRun) -> str:
         return show.timestamp(run.created_at)
+
+    @admin.display(description="usage", ordering="cost")
+    def usage(self, run: AgentRun) -> str:
+        return flow.usage(run)
 
     @admin.display(description="duration / age")
     def duration(self, run: AgentRun) -> str:

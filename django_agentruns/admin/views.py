@@ -19,6 +19,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from ..models import AgentRun, Status
 from .actions import MISSING, RETRY, Operation, has_permission, username
+from .limits import usage_totals
 
 NO_CLASS = "(no error type)"
 
@@ -64,6 +65,7 @@ def overview(model_admin: Any) -> Any:
             "classes": classes,
             "dead_letter_total": sum(row["n"] for row in classes),
             "can_retry": has_permission(model_admin, request, RETRY),
+            **usage_totals(),
         }
         return TemplateResponse(request, "django_agentruns/admin/overview.html", context)
 
