@@ -166,7 +166,8 @@ class Backlog:
 
 
 def read_backlog(at: datetime | None = None) -> Backlog:
-    """Four grouped COUNTs, three answered from an index that holds only what it counts.
+    """Four grouped COUNTs, three answered from an index that holds only what it counts,
+    and the closed limit keys (a read of the small limits table).
 
     The queued runs come from the partial due index (status='queued'), the running ones
     from the partial running index, the dead letters from the status+reason index: the

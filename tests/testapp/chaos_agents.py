@@ -28,7 +28,7 @@ from typing import Any
 
 from django.db import transaction
 
-from django_agentruns import NotRetryable, Retryable, RunContext, agent
+from django_agentruns import NotRetryable, Retryable, RunContext, Snooze, agent
 from django_agentruns.models import AgentRun, Status
 
 from .models import SideEffect
@@ -59,6 +59,8 @@ def run_steps(ctx: RunContext) -> dict[str, Any]:
     for step in range(int(state["step"]), steps):
         ctx.emit("step", {"n": step})
         time.sleep(float(spec.get("sleep", 0)))
+        if step == spec.get("snooze_at") and ctx.attempt <= int(spec.get("snoozes", 1)):
+            snooze(ctx, spec)
         if step == spec.get("fail_at"):
             if spec.get("fail") == "fatal":
                 raise NotRetryable(f"fatal failure at step {step}")
@@ -69,6 +71,27 @@ def run_steps(ctx: RunContext) -> dict[str, Any]:
         record_step(ctx, step)
     slow_down(ctx, steps)
     return {"steps": steps}
+
+
+class ChaosRateLimit(Exception):
+    """An OpenAI-style 429 with a Retry-After: snoozes the run and closes its key."""
+
+    status_code = 429
+
+    def __init__(self, attempt: int) -> None:
+        super().__init__(f"rate limited on attempt {attempt}")
+        self.response = type("Response", (), {"headers": {"Retry-After": "0.1"}})()
+
+
+def snooze(ctx: RunContext, spec: dict[str, Any]) -> None:
+    """A snoozing run: `Snooze`, or a 429 with Retry-After for a run with a limit key."""
+    if spec.get("key"):
+        raise ChaosRateLimit(ctx.attempt)
+    raise Snooze(0.05, f"snoozed on attempt {ctx.attempt}")
+
+
+def chaos_key(input: Any) -> str | None:
+    return input.get("key") if isinstance(input, dict) else None
 
 
 def slow_down(ctx: RunContext, step: int) -> None:
@@ -86,7 +109,7 @@ def slow_down(ctx: RunContext, step: int) -> None:
         time.sleep(0.02)
 
 
-@agent(CHAOS, max_requeues=CHAOS_MAX_REQUEUES)
+@agent(CHAOS, max_requeues=CHAOS_MAX_REQUEUES, limit_key=chaos_key)
 def chaos(ctx: RunContext) -> dict[str, Any]:
     return run_steps(ctx)
 
