@@ -199,7 +199,8 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
     backlog.unknown_agents.update(due_elsewhere(None, frozenset(all_agents()), at))
     closed = AgentLimit.objects.filter(closed_until__gt=at).values_list("key", "closed_until")
-    backlog.closed_keys.update((key, (until - at).total_seconds()) for key, until in closed)
+    backlog.closed_keys.update((key, (until - at).total_seconds()) for key, until in closed
+                               if until is not None)
     return backlog
 
 

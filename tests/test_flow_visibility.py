@@ -73,6 +73,9 @@ def test_limits_are_edited_in_the_admin_through_set_limit() -> None:
     bad = client.post(add, {"key": "other", "max_running": "-1"})
     assert bad.status_code == 200  # the form refuses it; nothing written
     assert not AgentLimit.objects.filter(key="other").exists()
+    nul = client.post(add, {"key": "a\x00b", "max_running": "2"})
+    assert nul.status_code == 200  # refused by the form as set_limit would refuse it
+    assert AgentLimit.objects.count() == 1
     enqueue("tests.keyed", {"key": "openai"})
     transitions.close_key("openai", transitions.now() + timedelta(seconds=60), "HTTP 429")
     listing = client.get(reverse("admin:django_agentruns_agentlimit_changelist"))

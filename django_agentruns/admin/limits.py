@@ -10,13 +10,15 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from django import forms
 from django.contrib import admin
 from django.db.models import Count, F, Sum
 from django.db.models.functions import TruncDate
 from django.http import HttpRequest
 from django.utils import timezone
 
-from ..limits import effective_limit, set_limit
+from ..exceptions import InvalidInputError
+from ..limits import check_key, check_max_running, effective_limit, set_limit
 from ..models import AgentLimit, AgentRun, Status
 
 USAGE_DAYS = 14  # the overview's usage by day: the last two weeks (the created_at index)
@@ -27,7 +29,30 @@ else:
     LimitAdminBase = admin.ModelAdmin
 
 
+class LimitForm(forms.ModelForm):  # type: ignore[type-arg]
+    """The key and the limit checked as `set_limit` checks them, so that a bad one is a
+    form error, not a failed save."""
+
+    class Meta:
+        model = AgentLimit
+        fields = ("key", "max_running")
+
+    def clean_key(self) -> str:
+        key = self.cleaned_data.get("key")
+        try:
+            return check_key(key, "key")
+        except InvalidInputError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
+    def clean_max_running(self) -> int | None:
+        try:
+            return check_max_running(self.cleaned_data.get("max_running"))
+        except InvalidInputError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
+
 class AgentLimitAdmin(LimitAdminBase):
+    form = LimitForm
     list_display = ("key", "max_running", "effective", "running", "closed")
     fields = ("key", "max_running", "effective", "running", "closed")
     readonly_fields = ("effective", "running", "closed")
@@ -54,6 +79,9 @@ class AgentLimitAdmin(LimitAdminBase):
             return "open"
         why = f" ({row.closed_reason})" if row.closed_reason else ""
         return f"until {row.closed_until.isoformat(timespec='seconds')}{why}"
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # clear a limit instead (empty: the setting's, else unlimited)
 
     def save_model(self, request: HttpRequest, obj: AgentLimit, form: Any, change: bool) -> None:
         set_limit(obj.key, obj.max_running)  # through the API, which checks it
