@@ -165,7 +165,8 @@ def test_exception_group_is_classified_by_its_last_error() -> None:
     group = ExceptionGroup("both", [TimeoutError(), NotRetryable("key revoked")])
     assert policy.classify(group).retryable is False
     group = ExceptionGroup("both", [NotRetryable("old"), HTTPError(429, {"Retry-After": "3"})])
-    assert policy.classify(group) == Failure(retryable=True, delay=3.0)
+    assert policy.classify(group) == Failure(retryable=True, delay=3.0, snooze=True,
+                                             closes_key=True, cause="HTTP 429 Retry-After")
 
 
 def test_nested_exception_groups() -> None:
@@ -175,7 +176,8 @@ def test_nested_exception_groups() -> None:
 
 def test_fallback_chain_is_classified_by_its_most_recent_attempt() -> None:
     chain = FallbackChainExhausted([HTTPError(401), HTTPError(503, {"Retry-After": "4"})])
-    assert policy.classify(chain, unknown_retryable=False) == Failure(True, 4.0)
+    assert policy.classify(chain, unknown_retryable=False) == Failure(
+        True, 4.0, snooze=True, cause="HTTP 503 Retry-After")
     chain = FallbackChainExhausted([TimeoutError(), HTTPError(403)])
     assert policy.classify(chain, unknown_retryable=True) == Failure(False)
 
