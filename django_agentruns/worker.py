@@ -216,12 +216,12 @@ class Worker:
         now = time.monotonic()
         include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
         batch = min(free, int(app_settings.CLAIM_BATCH))
-        runs = self._claim_limited(batch, now)  # flow control: runs of limited keys first
-        runs += transitions.claim(
-            self.worker_id, self.queues, batch - len(runs), self._scopes,
+        limited = self._claim_limited(batch, now)  # flow control: limited keys' runs first
+        runs = limited + transitions.claim(
+            self.worker_id, self.queues, batch - len(limited), self._scopes,
             self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed,
             agents=self._known)
-        if include_lapsed:
+        if include_lapsed and len(limited) < batch:  # else the claim did not look
             self._last_lapsed_scan = now
         for run in runs:
             self._start(run)
