@@ -88,6 +88,14 @@ if prometheus_client is not None:
         "agentruns_attempt_duration_seconds",
         "Seconds an attempt took, from its start to its settlement, by agent and outcome.",
         ("agent", "outcome"), buckets=DURATION_BUCKETS)
+    TOKENS = prometheus_client.Counter(
+        "agentruns_tokens",
+        "Tokens (input and output) agents recorded with ctx.record_usage, by agent and model.",
+        ("agent", "model"))
+    COST = prometheus_client.Counter(
+        "agentruns_cost",
+        "Cost agents recorded with ctx.record_usage (in the callers' unit), by agent and "
+        "model.", ("agent", "model"))
     WAKEUPS_DEGRADED = prometheus_client.Gauge(
         "agentruns_wakeups_degraded",
         "1 while this worker's LISTEN connection is down or failed its self-check (a "
@@ -109,6 +117,14 @@ def observe_settlement(
         QUEUE_WAIT.labels(agent).observe(max(0.0, queue_wait_s))
     if duration_s is not None:
         DURATION.labels(agent, outcome).observe(max(0.0, duration_s))
+
+
+def observe_usage(agent: str, model: str, tokens: int, cost: float) -> None:
+    """Count one `ctx.record_usage` (agentruns_tokens_total, agentruns_cost_total)."""
+    if prometheus_client is None:
+        return
+    TOKENS.labels(agent, model).inc(tokens)
+    COST.labels(agent, model).inc(cost)
 
 
 def set_wakeups_degraded(degraded: bool) -> None:
@@ -148,14 +164,16 @@ class Backlog:
     paused: dict[str, int] = field(default_factory=dict)
     """1 for each paused queue (`pause_queue`): its workers claim nothing from it."""
     dead_letters: dict[str, int] = field(default_factory=dict)
+    closed_keys: dict[str, float] = field(default_factory=dict)
+    """Limit keys closed by a 429, with the seconds until they reopen."""
     unknown_agents: dict[tuple[str, str], int] = field(default_factory=dict)
     """Due runs of agents not registered in this process, by (queue, agent): a worker
     claims only runs of agents it has, so its workers leave these to others."""
 
 
 def read_backlog(at: datetime | None = None) -> Backlog:
-    """Four grouped COUNTs, three answered from an index that holds only what it counts
-    (and the few paused queues).
+    """Four grouped COUNTs, three answered from an index that holds only what it counts,
+    the few paused queues, and the closed limit keys (a read of the small limits table).
 
     The queued runs come from the partial due index (status='queued'), the running and
     waiting ones from the status+reason index, the dead letters from the status+reason
@@ -163,7 +181,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     ordered agent is also looked up in the scope-head index, to count it as blocked or not.
     The fourth reads the queued rows (the backlog, not the history) for their agent.
     """
-    from .models import AgentRun, PausedQueue
+    from .models import AgentLimit, AgentRun, PausedQueue
     from .registry import all_agents, scope_policy
     from .visibility import due_elsewhere
 
@@ -204,6 +222,9 @@ def read_backlog(at: datetime | None = None) -> Backlog:
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
     backlog.unknown_agents.update(due_elsewhere(None, frozenset(all_agents()), at))
+    closed = AgentLimit.objects.filter(closed_until__gt=at).values_list("key", "closed_until")
+    backlog.closed_keys.update((key, (until - at).total_seconds()) for key, until in closed
+                               if until is not None)
     return backlog
 
 
@@ -298,6 +319,13 @@ class BacklogCollector:
         for (queue, agent), count in sorted(backlog.unknown_agents.items()):
             unknown.add_metric([queue, agent], count)
         yield unknown
+        closed = GaugeMetricFamily(
+            "agentruns_limit_closed_seconds",
+            "Seconds until a limit key closed by a 429 reopens, by key (present while closed):"
+            " no worker starts a run of it meanwhile.", labels=["key"])
+        for key, seconds in sorted(backlog.closed_keys.items()):
+            closed.add_metric([key], seconds)
+        yield closed
 
 
 def _agent_queues() -> set[str]:

@@ -311,7 +311,13 @@ async def async_traced(ctx: RunContext) -> dict[str, Any]:
     return {"traced": True}
 
 
-from . import chaos_agents, failure_agents, waiting_agents, writer_agents  # noqa: E402,F401
+from . import (  # noqa: E402,F401
+    chaos_agents,
+    failure_agents,
+    flow_agents,
+    waiting_agents,
+    writer_agents,
+)
 
 
 @agent("tests.sized", max_requeues=1)
