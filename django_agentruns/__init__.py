@@ -26,9 +26,8 @@ from .exceptions import (
 from .registry import agent
 
 if TYPE_CHECKING:
-    from .api import RunRequest, cancel, enqueue, enqueue_many, fork, retry, run_now
+    from .api import RunRequest, cancel, enqueue, enqueue_many, fork, retry, run_now, set_limit
     from .context import RunContext
-    from .limits import set_limit
     from .queues import pause_queue, resume_queue
     from .schedules import add_schedule, remove_schedule
     from .transitions import CancelResult
@@ -79,7 +78,7 @@ _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "RunResult": "wait_results", "deliver": "waiting", "approve": "waiting",
          "reject": "waiting", "wait_for_run": "waiting", "await_run": "waiting",
          "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
-         "add_schedule": "schedules", "remove_schedule": "schedules", "set_limit": "limits"}
+         "add_schedule": "schedules", "remove_schedule": "schedules", "set_limit": "api"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""The public calls: enqueue, cancel, retry, fork, run_now."""
+"""The public calls: enqueue, cancel, retry, fork, run_now, set_limit."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from django.utils import timezone
 from . import signals, transitions, usage
 from .exceptions import InvalidInputError, RunNotFoundError
 from .executor import AttemptControl, Executor, stopped_error
-from .limits import LimitKey, check_budget, resolve_limit_key
+from .limits import LimitKey, check_budget, check_key, check_max_running, resolve_limit_key
 from .models import AgentRun
 from .outcomes import OutcomeKind
 from .registry import QUEUE_RULE, AgentSpec, get_agent, is_queue_name
@@ -285,3 +285,13 @@ def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
     if outcome.kind is OutcomeKind.STOPPED:
         raise stopped_error(spec, outcome)
     return outcome.output
+
+
+def set_limit(key: str, max_running: int | None) -> None:
+    """At most `max_running` runs of `key` run at once across all workers, from the next
+    claim on (runs already running are left to finish). None: back to the LIMITS setting,
+    or unlimited. 0 pauses the key. Raises InvalidInputError (writing nothing) for a bad
+    key or number."""
+    check_key(key, "key")
+    check_max_running(max_running)
+    transitions.write_limit(key, max_running)

@@ -1,6 +1,7 @@
 """Flow control's vocabulary: limit keys, limits per key, and token/cost budgets.
 
-Pure checks and the public `set_limit`. A run's limit key is resolved once, at enqueue
+Pure checks, no database (`api.set_limit` writes a limit, `transitions.limited` claims
+under them). A run's limit key is resolved once, at enqueue
 (`resolve_limit_key`), and stored on the run; the claim (transitions.limited) reads the
 limits table under a lock per key. A key's limit is its row's `max_running`, else
 `AGENTRUNS["LIMITS"][key]`, else none (unlimited).
@@ -10,17 +11,12 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .conf import SETTING_NAME, app_settings
 from .exceptions import InvalidInputError
-
-if TYPE_CHECKING:
-    from .models import AgentRun
-    from .outcomes import ScopePolicy
 
 KEY_MAX = 200  # AgentRun.limit_key, AgentLimit.key
 _NUL_OR_SURROGATE = re.compile("[\x00\ud800-\udfff]")
@@ -154,48 +150,3 @@ def effective_limit(key: str, max_running: int | None) -> int | None:
         return max_running
     return settings_limits().get(key)
 
-
-def set_limit(key: str, max_running: int | None) -> None:
-    """At most `max_running` runs of `key` run at once across all workers, from the next
-    claim on (runs already running are left to finish). None: back to the LIMITS setting,
-    or unlimited. 0 pauses the key. Raises InvalidInputError (writing nothing) for a bad
-    key or number."""
-    check_key(key, "key")
-    check_max_running(max_running)
-    from .transitions.limited import write_limit
-
-    write_limit(key, max_running)
-
-
-class LimitedClaim:
-    """A worker's claim of the runs of keys with a limits row (transitions.limited).
-
-    Whether any key has a row is read at most once per `refresh` seconds: until then a new
-    row only delays its key's runs (the ordinary claim skips them in its own statement),
-    never lets one past its limit. `seed` gives the LIMITS setting's keys their rows, at
-    the worker's start.
-    """
-
-    def __init__(self, refresh: float = 1.0) -> None:
-        self.refresh = refresh
-        self._read_at = float("-inf")
-        self._in_use = False
-
-    def seed(self) -> None:
-        from .transitions.limited import seed_settings_limits
-
-        seed_settings_limits()
-
-    def claim(self, worker_id: str, queues: list[str], batch: int, scopes: ScopePolicy,
-              ttls: dict[str, float], default_ttl: float,
-              agents: frozenset[str] | None) -> list[AgentRun]:
-        from .transitions.limited import claim_limited, limits_in_use
-
-        now = time.monotonic()
-        if now - self._read_at >= self.refresh:
-            self._in_use = limits_in_use()
-            self._read_at = now
-        if not self._in_use or batch <= 0:
-            return []
-        return claim_limited(worker_id, queues, batch, scopes, ttls, default_ttl,
-                             agents=agents)

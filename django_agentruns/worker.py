@@ -34,7 +34,6 @@ from .db import close_all_connections
 from .exceptions import AgentRunsError
 from .executor import Executor, extra
 from .lease_keeper import LeaseKeeper
-from .limits import LimitedClaim
 from .live import Live, LiveAttempts
 from .models import AgentRun
 from .notify import Listener
@@ -43,6 +42,7 @@ from .queues import PausedSet  # issue 18
 from .registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
 from .schedules import Ticker  # issue 18
 from .store import AttemptStore
+from .transitions.limited import LimitedClaim
 from .workers import Presence
 
 logger = logging.getLogger("django_agentruns.worker")

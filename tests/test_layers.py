@@ -30,6 +30,15 @@ FORBIDDEN: dict[str, list[str]] = {
     "live.py": ["worker", "lease_keeper", "admin", "api"],
     "lease_keeper.py": ["worker", "executor", "admin", "api"],
     "store.py": ["worker", "executor", "admin", "api"],
+    # Flow control (issue 17): pure checks; the usage of an attempt; the limited claim,
+    # snoozes and usage writes (in transitions); the limits admin.
+    "limits.py": ["transitions", "models", "queries", "usage", *HIGHER],
+    "usage.py": ["worker", "executor", "lease_keeper", "live", "recording", "admin", "api",
+                 "management", "context"],
+    "transitions/limited.py": [*HIGHER, "usage"],
+    "transitions/snoozing.py": [*HIGHER, "usage"],
+    "admin/limits.py": ["transitions", "worker", "executor", "lease_keeper", "live", "store",
+                        "recording", "control", "usage"],
 }
 
 

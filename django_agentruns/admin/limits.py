@@ -17,8 +17,9 @@ from django.db.models.functions import TruncDate
 from django.http import HttpRequest
 from django.utils import timezone
 
+from ..api import set_limit
 from ..exceptions import InvalidInputError
-from ..limits import check_key, check_max_running, effective_limit, set_limit
+from ..limits import check_key, check_max_running, effective_limit
 from ..models import AgentLimit, AgentRun, Status
 
 USAGE_DAYS = 14  # the overview's usage by day: the last two weeks (the created_at index)

@@ -14,6 +14,7 @@ lock and then counts what this one started.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -128,3 +129,33 @@ def seed_settings_limits() -> None:
     keys = settings_limits()
     if keys:
         AgentLimit.objects.bulk_create([AgentLimit(key=k) for k in keys], ignore_conflicts=True)
+
+
+class LimitedClaim:
+    """A worker's claim of the runs of keys with a limits row (`claim_limited`).
+
+    Whether any key has a row is read at most once per `refresh` seconds: until then a new
+    row only delays its key's runs (the ordinary claim skips them in its own statement),
+    never lets one past its limit. `seed` gives the LIMITS setting's keys their rows, at
+    the worker's start.
+    """
+
+    def __init__(self, refresh: float = 1.0) -> None:
+        self.refresh = refresh
+        self._read_at = float("-inf")
+        self._in_use = False
+
+    def seed(self) -> None:
+        seed_settings_limits()
+
+    def claim(self, worker_id: str, queues: Sequence[str], batch: int, scopes: ScopePolicy,
+              ttls: dict[str, float], default_ttl: float,
+              agents: frozenset[str] | None) -> list[AgentRun]:
+        now = time.monotonic()
+        if now - self._read_at >= self.refresh:
+            self._in_use = limits_in_use()
+            self._read_at = now
+        if not self._in_use or batch <= 0:
+            return []
+        return claim_limited(worker_id, queues, batch, scopes, ttls, default_ttl,
+                             agents=agents)
