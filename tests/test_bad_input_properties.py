@@ -304,7 +304,7 @@ def test_cancel_and_retry_take_any_reason_and_operator(reason: Any, by: Any) -> 
 # --------------------------------------------------------------------------- settings
 
 CAPS = {"MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES",
-        "MAX_EVENTS_PER_RUN"}
+        "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP"}
 NUMBERS = {"LEASE_TTL", "POLL_INTERVAL", "BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL",
            "GRACE", "MAX_REQUEUES", "CLAIM_BATCH", "BACKOFF_JITTER", "STREAMS_PER_USER",
            "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS", "MAX_SNOOZES", *CAPS}

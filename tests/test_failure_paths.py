@@ -106,7 +106,9 @@ def test_worker_records_base_exceptions_and_unprintable_errors(
         assert (row.status, row.reason, row.attempt, row.error_type) == (
             Status.FAILED, Reason.RETRIES_EXHAUSTED, 1, name), log
         assert f"run {run_id} tests." in log
-        assert f"dead_lettered: {name}: raised by the agent" in log
+        # The dead letter names why it will not be retried, as written on the run.
+        assert f"dead_lettered ({Reason.RETRIES_EXHAUSTED.value}): {name}: raised by the agent" \
+            in log
         assert "run.abandoned" not in events(run_id)
     row = AgentRun.objects.get(pk=bad_str)
     assert (row.status, row.reason, row.attempt) == (Status.FAILED, Reason.NOT_RETRYABLE, 1)
