@@ -203,7 +203,8 @@ def confirmation(model_admin: Any, request: HttpRequest, queryset: QuerySet[Agen
         "select_across": across,
         "eligible_count": count,
         "ineligible_count": total - count,
-        "missing_count": 0 if across else len(selected) - total,
+        # The run page's button names no selection: its one run is there, or it is not.
+        "missing_count": 0 if across or single else len(selected) - total,
         "sample": sample,
         "more": max(0, count - len(sample)),
         "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
