@@ -4,7 +4,7 @@ Public API (stable): `agent`, `RunContext`, `Retryable`, `NotRetryable`, `enqueu
 `enqueue_many`, `RunRequest`, `cancel`, `retry`, `fork`, `run_now`, `CancelResult`,
 `add_schedule`, `remove_schedule`, `pause_queue`, `resume_queue`; waiting runs:
 `deliver`, `DeliverResult`, `approve`, `reject`, `wait_for_run`, `await_run`, `WaitTimedOut`,
-`Approval`, `RunResult`; live output: `stream_chunks`.
+`Approval`, `RunResult`; live output: `stream_chunks`; flow control: `Snooze`, `set_limit`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from .exceptions import (
     Retryable,
     RunCancelledError,
     RunNotFoundError,
+    Snooze,
     UnknownAgentError,
     WaitTimedOut,
 )
 from .registry import agent
 
 if TYPE_CHECKING:
-    from .api import RunRequest, cancel, enqueue, enqueue_many, fork, retry, run_now
+    from .api import RunRequest, cancel, enqueue, enqueue_many, fork, retry, run_now, set_limit
     from .chunks import stream_chunks
     from .context import RunContext
     from .queues import pause_queue, resume_queue
@@ -50,6 +51,7 @@ __all__ = [
     "RunNotFoundError",
     "RunRequest",
     "RunResult",
+    "Snooze",
     "UnknownAgentError",
     "WaitTimedOut",
     "add_schedule",
@@ -67,6 +69,7 @@ __all__ = [
     "resume_queue",
     "retry",
     "run_now",
+    "set_limit",
     "stream_chunks",
     "wait_for_run",
 ]
@@ -77,7 +80,7 @@ _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "RunResult": "wait_results", "deliver": "waiting", "approve": "waiting",
          "reject": "waiting", "wait_for_run": "waiting", "await_run": "waiting",
          "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
-         "add_schedule": "schedules", "remove_schedule": "schedules",
+         "add_schedule": "schedules", "remove_schedule": "schedules", "set_limit": "api",
          "stream_chunks": "chunks"}
 
 

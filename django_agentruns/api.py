@@ -1,4 +1,4 @@
-"""The public calls: enqueue, cancel, retry, fork, run_now."""
+"""The public calls: enqueue, cancel, retry, fork, run_now, set_limit."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from typing import Any
 
 from django.utils import timezone
 
-from . import signals, transitions
+from . import signals, transitions, usage
 from .exceptions import InvalidInputError, RunNotFoundError
 from .executor import AttemptControl, Executor, stopped_error
+from .limits import LimitKey, check_budget, check_key, check_max_running, resolve_limit_key
 from .models import AgentRun
 from .outcomes import OutcomeKind
 from .registry import QUEUE_RULE, AgentSpec, get_agent, is_queue_name
@@ -43,6 +44,7 @@ class RunRequest:
     run_after: datetime | timedelta | float | None = None
     fired_seq: int = 0
     dedupe_key: str | None = None
+    limit_key: str | None = None
 
 
 def enqueue(
@@ -55,18 +57,21 @@ def enqueue(
     run_after: datetime | timedelta | float | None = None,
     fired_seq: int = 0,
     dedupe_key: str | None = None,
+    limit_key: str | None = None,
 ) -> AgentRun:
     """Queue a run of `agent`, in the caller's transaction: roll back and it never existed.
 
     `run_after` is a datetime, a timedelta or seconds from now. With `dedupe_key`, an
     unfinished (queued or running) run of the agent with that key is returned instead of
-    a new one, its `deduplicated` True; race-free across processes. Raises
+    a new one, its `deduplicated` True; race-free across processes. `limit_key` overrides
+    the agent's (see django_agentruns.limits). Raises
     `UnknownAgentError` or `InvalidInputError` before anything is written. One INSERT:
     in autocommit it is the whole transaction (one round trip); PostgreSQL's trigger
     wakes the queue's workers once it commits.
     """
     at = timezone.now()
-    request = RunRequest(agent, input, scope, queue, priority, run_after, fired_seq, dedupe_key)
+    request = RunRequest(agent, input, scope, queue, priority, run_after, fired_seq, dedupe_key,
+                         limit_key)
     (run,) = transitions.insert_runs([_build(request, at, {})], at)
     _announce([run])
     return run
@@ -110,6 +115,7 @@ class _AgentPolicy:
     queue: str
     priority: int
     max_requeues: int
+    limit_key: LimitKey = None
 
 
 def _policy(name: Any, agents: dict[str, _AgentPolicy]) -> _AgentPolicy:
@@ -117,7 +123,8 @@ def _policy(name: Any, agents: dict[str, _AgentPolicy]) -> _AgentPolicy:
     if known is None:
         spec = get_agent(name)
         known = agents[spec.name] = _AgentPolicy(spec.name, spec.effective_queue(),
-                                                 spec.priority, spec.effective_max_requeues())
+                                                 spec.priority, spec.effective_max_requeues(),
+                                                 spec.limit_key)
     return known
 
 
@@ -144,7 +151,9 @@ def _build(request: RunRequest, at: datetime, agents: dict[str, _AgentPolicy]) -
     return NewRun(agent=agent.name, queue=queue, priority=priority, scope=scope,
                   fired_seq=fired_seq, input=payload, input_json=text,
                   max_requeues=agent.max_requeues,
-                  available_at=_due_time(request.run_after, at), dedupe_key=key)
+                  available_at=_due_time(request.run_after, at), dedupe_key=key,
+                  limit_key=resolve_limit_key(agent.name, agent.limit_key, request.limit_key,
+                                              payload))
 
 
 def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:
@@ -196,9 +205,14 @@ def cancel(run_id: int, reason: str = "") -> CancelResult:
     return result
 
 
-def retry(run_id: int, by: str = "") -> bool:
-    """Requeue a failed or cancelled run with a fresh budget. False: it is neither."""
-    result = transitions.operator_retry(_run_id(run_id), by=storable_text(str(by)[:255]))
+def retry(run_id: int, by: str = "", *, budget: dict[str, Any] | None = None) -> bool:
+    """Requeue a failed or cancelled run with a fresh budget. False: it is neither.
+
+    `budget` ({"tokens": N, "cost": X}) replaces the agent's for this run from now on: a
+    run dead-lettered `budget_exhausted` is retried with a raised one."""
+    checked = check_budget(budget)
+    result = transitions.operator_retry(_run_id(run_id), by=storable_text(str(by)[:255]),
+                                        budget=None if checked is None else checked.as_dict())
     if result is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
     return result  # PostgreSQL's trigger wakes the queue's workers (migration 0002)
@@ -263,6 +277,7 @@ def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
     transitions.start_interactive(run, worker_id)
     ref = AttemptRef(run.pk, 1, worker_id, lease_ttl=None, agent=run.agent)
     control = AttemptControl(ref, spec.timeout, checkpoints=0)
+    usage.arm(control, run, spec)  # flow control: the run's budget
     outcome = Executor(worker_id).interactive(spec, run, control)
     if outcome.kind is OutcomeKind.FAILED:
         assert outcome.error is not None
@@ -270,3 +285,13 @@ def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
     if outcome.kind is OutcomeKind.STOPPED:
         raise stopped_error(spec, outcome)
     return outcome.output
+
+
+def set_limit(key: str, max_running: int | None) -> None:
+    """At most `max_running` runs of `key` run at once across all workers, from the next
+    claim on (runs already running are left to finish). None: back to the LIMITS setting,
+    or unlimited. 0 pauses the key. Raises InvalidInputError (writing nothing) for a bad
+    key or number."""
+    check_key(key, "key")
+    check_max_running(max_running)
+    transitions.write_limit(key, max_running)

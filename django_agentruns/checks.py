@@ -11,6 +11,7 @@ from django.core.checks import CheckMessage, Error, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import SETTING_NAME, AppSettings, Defaults
+from .limits import limits_problem
 from .registry import QUEUE_RULE, is_queue_name
 from .sqlite import SQLITE_OPTIONS
 
@@ -22,6 +23,7 @@ E005_BAD_QUEUE = "agentruns.E005"
 E006_BACKOFF_ORDER = "agentruns.E006"
 E007_BAD_METRICS_TOKEN = "agentruns.E007"
 E009_NOT_A_FLAG = "agentruns.E009"
+E011_BAD_LIMITS = "agentruns.E011"
 W001_SQLITE_DEFERRED = "agentruns.W001"
 W002_SQLITE_NOT_WAL = "agentruns.W002"
 W003_SHORT_LEASE = "agentruns.W003"
@@ -46,7 +48,7 @@ LARGEST_SIZE = 64 * 1024 * 1024
 _POSITIVE = ("LEASE_TTL", "POLL_INTERVAL")
 _NON_NEGATIVE = ("BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL", "GRACE")
 _INTEGERS = ("MAX_REQUEUES", "CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS",
-             "WRITER_CONNECTIONS")
+             "WRITER_CONNECTIONS", "MAX_SNOOZES")
 _AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS")
 _SIZES = ("MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES")
 _CAPS = (*_SIZES, "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP")
@@ -113,6 +115,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                             hint="A long random secret, e.g. from `python -c 'import secrets; "
                                  "print(secrets.token_urlsafe(32))'`, read from the "
                                  "environment.", id=E007_BAD_METRICS_TOKEN))
+    errors += _limits_errors(raw.get("LIMITS"))
     base, cap = raw.get("BACKOFF_BASE", Defaults.BACKOFF_BASE), raw.get(
         "BACKOFF_CAP", Defaults.BACKOFF_CAP)
     # Compared only when both are valid numbers: a bad one already has its E003.
@@ -121,6 +124,23 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         errors.append(Error(f"{SETTING_NAME}: BACKOFF_CAP ({cap}) is below BACKOFF_BASE "
                             f"({base}).", hint="BACKOFF_CAP is the longest backoff; make it "
                             "at least BACKOFF_BASE, the first.", id=E006_BACKOFF_ORDER))
+    return errors
+
+
+def _limits_errors(limits: Any) -> list[CheckMessage]:
+    """LIMITS: a dict of limit key -> most runs of it running at once (>= 0)."""
+    if limits is None:
+        return []
+    hint = 'LIMITS = {"openai": 20, "tenant:42": 2}: keys as in @agent(limit_key=...).'
+    if not isinstance(limits, dict):
+        return [Error(f"{SETTING_NAME}['LIMITS'] must be a dict, not "
+                      f"{type(limits).__name__}.", hint=hint, id=E011_BAD_LIMITS)]
+    errors: list[CheckMessage] = []
+    for key, value in limits.items():
+        problem = limits_problem(key, value)
+        if problem:
+            errors.append(Error(f"{SETTING_NAME}['LIMITS'][{key!r}]: {problem}.", hint=hint,
+                                id=E011_BAD_LIMITS))
     return errors
 
 

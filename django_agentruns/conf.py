@@ -34,7 +34,8 @@ class Defaults:
     REAP_INTERVAL: float = 30.0
     """Seconds between a worker's own reaps of lapsed leases; 0 turns them off."""
     GRACE: float = 5.0
-    """Seconds running attempts get to finish after SIGTERM before they are abandoned."""
+    """Seconds running attempts get to finish after SIGTERM before they are stopped and
+    recorded as interrupted (requeued without spending the budget)."""
     DEFAULT_QUEUE: str = "default"
     """Queue of agents that name none."""
     CLASSIFIER: str | None = None
@@ -75,6 +76,14 @@ class Defaults:
     SCHEDULE_MAX_CATCH_UP: int = 100
     """Most missed ticks a `catch_up=True` schedule runs after an outage (the latest ones);
     the older ones are skipped with a warning, so a long outage cannot flood the queue."""
+    MAX_SNOOZES: int = 20
+    """Snoozes a run gets without spending its requeue budget (`Snooze`, or a 429/503 with
+    Retry-After); past them a snooze counts as an ordinary retry, so a run cannot wait
+    forever."""
+    LIMITS: dict[str, int] | None = None
+    """Most runs of a limit key running at once across all workers, e.g. {"openai": 20}.
+    `set_limit(key, n)` (or the admin) overrides a key at run time; keys in neither are
+    unlimited."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import chunks, receiving, transitions
+from . import chunks, receiving, transitions, usage
 from .conf import app_settings
 from .exceptions import InvalidInputError
 from .validation import capped_json, unstorable_text
@@ -101,6 +101,18 @@ class RunContext:
 
     async def _acoalesce(self) -> None:
         self._control.apply(await chunks.acoalesce(self._control))
+    def record_usage(self, *, input_tokens: int = 0, output_tokens: int = 0, cost: float = 0.0,
+                     model: str = "") -> None:
+        """Add a model call's tokens and cost to the run's totals (a step boundary); once a
+        total passes the run's budget, the next context call stops the attempt and the run
+        is dead-lettered `budget_exhausted`."""
+        write = usage.usage_write(self._control, input_tokens, output_tokens, cost, model)
+        usage.recorded(self._control, self.agent, write, self._control.write(write))
+
+    async def arecord_usage(self, *, input_tokens: int = 0, output_tokens: int = 0,
+                            cost: float = 0.0, model: str = "") -> None:
+        write = usage.usage_write(self._control, input_tokens, output_tokens, cost, model)
+        usage.recorded(self._control, self.agent, write, await self._control.awrite(write))
 
     # Waiting (django_agentruns.receiving): the attempt may end with the run `waiting`.
     # Each is one fenced transaction of its own (`control.call`), on the attempt's thread;

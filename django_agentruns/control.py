@@ -21,6 +21,7 @@ from django.db import DatabaseError, close_old_connections, connection
 
 from .db import close_all_connections, storage_unreachable
 from .exceptions import AttemptStopped
+from .limits import Budget
 from .outcomes import AttemptRef, Renewal, StopReason
 from .store import AttemptStore, StoreUnreachable
 from .transitions import Result, Write, apply_alone
@@ -45,6 +46,11 @@ class AttemptControl:
         self.done = threading.Event()
         self.in_storage = 0
         self._lock = threading.Lock()
+        # Flow control (django_agentruns.usage arms these): the run's budget, what it has
+        # recorded so far, and what passed the budget once it has.
+        self.budget: Budget | None = None
+        self.spent: tuple[int, float] = (0, 0.0)
+        self.over_budget: str | None = None
 
     def request_stop(self, reason: StopReason) -> None:
         """Ask the attempt to stop; the first reason wins."""
@@ -68,6 +74,8 @@ class AttemptControl:
     def check(self) -> None:
         if self.stop_reason is None and self.timed_out():
             self.request_stop(StopReason.TIMEOUT)
+        if self.stop_reason is None and self.over_budget is not None:
+            self.request_stop(StopReason.BUDGET)
         if self.stop_reason is not None:
             raise AttemptStopped(self.stop_reason)
 

@@ -47,6 +47,26 @@ class Retryable(Exception):
         self.delay = delay
 
 
+class Snooze(Exception):
+    """Raise from an agent to put its run back in the queue for `delay` seconds without
+    spending its requeue budget (a provider said "later": a rate limit, a busy tool).
+
+    Snoozes are counted on the run; past `MAX_SNOOZES` one counts as an ordinary retry.
+    """
+
+    def __init__(self, delay: float, message: str = "") -> None:
+        if isinstance(delay, bool) or not isinstance(delay, int | float) \
+                or not 0 <= delay <= MAX_SNOOZE_SECONDS:
+            raise InvalidInputError(f"Snooze(delay) takes seconds in 0..{MAX_SNOOZE_SECONDS}, "
+                                    f"not {delay!r:.60}")
+        super().__init__(message or f"snoozed for {delay}s")
+        self.delay = float(delay)
+
+
+MAX_SNOOZE_SECONDS = 7 * 24 * 3600
+"""The longest snooze (a week): a Retry-After past it is taken as this."""
+
+
 class NotRetryable(Exception):
     """Raise from an agent for a failure no retry can fix: the run is dead-lettered at once."""
 

@@ -260,13 +260,15 @@ def _raised(control: AttemptControl, exc: BaseException) -> Outcome:
     if isinstance(exc, AttemptStopped | asyncio.CancelledError | concurrent.futures.CancelledError):
         if control.stop_reason is None and not isinstance(exc, AttemptStopped):
             return Outcome(OutcomeKind.FAILED, error=exc)  # the agent's own cancellation
-        return Outcome(OutcomeKind.STOPPED, stop_reason=control.stop_reason or StopReason.SHUTDOWN)
+        return Outcome(OutcomeKind.STOPPED, stop_reason=control.stop_reason or StopReason.SHUTDOWN,
+                       detail=control.over_budget or "")
     # BaseException: an agent's SystemExit or KeyboardInterrupt is its failure too, and
     # must be recorded like any other (the caller of `run_now` still gets it raised).
     if control.stop_reason in (StopReason.LEASE_LOST, StopReason.CANCELLED,
-                               StopReason.INTERRUPTED, StopReason.WAITING):
+                               StopReason.INTERRUPTED, StopReason.WAITING, StopReason.BUDGET):
         # The agent turned our stop into an error of its own: the stop is what happened.
-        return Outcome(OutcomeKind.STOPPED, stop_reason=control.stop_reason)
+        return Outcome(OutcomeKind.STOPPED, stop_reason=control.stop_reason,
+                       detail=control.over_budget or "")
     return Outcome(OutcomeKind.FAILED, error=exc.error if isinstance(exc, _Escaped) else exc)
 
 

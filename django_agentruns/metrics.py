@@ -5,11 +5,12 @@ Two kinds:
 * observed by the process that settles attempts (the worker): a counter of attempts by
   agent and outcome, and histograms of queue wait and attempt duration
   (`observe_settlement`);
-* read from the database when scraped: the backlog per queue and the dead letters
-  (`BacklogCollector`), at most once per `BACKLOG_TTL` seconds whoever scrapes, with
-  grouped COUNTs the partial due index, the running index and the status+reason index
-  answer, never a count of the whole table; and the due runs of agents this process does
-  not have (the runs its workers leave queued), one grouped COUNT over the queued runs.
+* read from the database when scraped (`backlog.read_backlog`): the backlog per queue
+  and the dead letters (`BacklogCollector`), at most once per `BACKLOG_TTL` seconds
+  whoever scrapes, with grouped COUNTs the partial due index, the running index and the
+  status+reason index answer, never a count of the whole table; and the due runs of
+  agents this process does not have (the runs its workers leave queued), one grouped
+  COUNT over the queued runs; also the paused queues and the closed limit keys.
 
 Served by `runworker --metrics-port` (`serve`) and, for the web process, by `metrics_view`
 (`django_agentruns.urls`). Without prometheus_client everything here imports, the observe
@@ -24,19 +25,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
-from django.db.models import Count, Min, Q, Value
 from django.http import HttpRequest, HttpResponse
-from django.utils import timezone
 from django.views.decorators.http import require_GET
 
+from .backlog import Backlog as Backlog  # re-exported: metrics.Backlog, metrics.read_backlog
+from .backlog import read_backlog as read_backlog
 from .conf import app_settings
 from .exceptions import AgentRunsError
-from .states import DEAD_LETTER_REASONS, Status
+from .states import DEAD_LETTER_REASONS
 
 try:
     import prometheus_client
@@ -88,6 +87,14 @@ if prometheus_client is not None:
         "agentruns_attempt_duration_seconds",
         "Seconds an attempt took, from its start to its settlement, by agent and outcome.",
         ("agent", "outcome"), buckets=DURATION_BUCKETS)
+    TOKENS = prometheus_client.Counter(
+        "agentruns_tokens",
+        "Tokens (input and output) agents recorded with ctx.record_usage, by agent and model.",
+        ("agent", "model"))
+    COST = prometheus_client.Counter(
+        "agentruns_cost",
+        "Cost agents recorded with ctx.record_usage (in the callers' unit), by agent and "
+        "model.", ("agent", "model"))
     WAKEUPS_DEGRADED = prometheus_client.Gauge(
         "agentruns_wakeups_degraded",
         "1 while this worker's LISTEN connection is down or failed its self-check (a "
@@ -111,6 +118,14 @@ def observe_settlement(
         DURATION.labels(agent, outcome).observe(max(0.0, duration_s))
 
 
+def observe_usage(agent: str, model: str, tokens: int, cost: float) -> None:
+    """Count one `ctx.record_usage` (agentruns_tokens_total, agentruns_cost_total)."""
+    if prometheus_client is None:
+        return
+    TOKENS.labels(agent, model).inc(tokens)
+    COST.labels(agent, model).inc(cost)
+
+
 def set_wakeups_degraded(degraded: bool) -> None:
     """Record whether this worker is woken by NOTIFY (0) or left to polling (1)."""
     if prometheus_client is not None:
@@ -125,86 +140,6 @@ def queue_wait(run: AgentRun) -> float | None:
 
 
 # --------------------------------------------------------------------------- backlog gauges
-
-
-@dataclass(frozen=True)
-class Backlog:
-    """One reading of the backlog, per queue, and of the dead letters, per reason."""
-
-    due: dict[str, int] = field(default_factory=dict)
-    """Queued runs due now that may start: what the workers have yet to take."""
-    blocked: dict[str, int] = field(default_factory=dict)
-    """Queued runs due now but held back, on purpose, by an earlier run of their scope."""
-    scheduled: dict[str, int] = field(default_factory=dict)
-    """Queued runs not due yet (backing off after a failure, or enqueued with run_after)."""
-    oldest_due: dict[str, float] = field(default_factory=dict)
-    """Seconds the longest-waiting due run that may start has been due."""
-    running: dict[str, int] = field(default_factory=dict)
-    lapsed: dict[str, int] = field(default_factory=dict)
-    """Running runs whose lease has lapsed: their worker died or stalled, and the reaper
-    (or a claim) has not taken them back yet. Non-zero for long: no reaper is running."""
-    waiting: dict[str, int] = field(default_factory=dict)
-    """Runs waiting for a delivery, an approval or their child runs (no lease, no slot)."""
-    paused: dict[str, int] = field(default_factory=dict)
-    """1 for each paused queue (`pause_queue`): its workers claim nothing from it."""
-    dead_letters: dict[str, int] = field(default_factory=dict)
-    unknown_agents: dict[tuple[str, str], int] = field(default_factory=dict)
-    """Due runs of agents not registered in this process, by (queue, agent): a worker
-    claims only runs of agents it has, so its workers leave these to others."""
-
-
-def read_backlog(at: datetime | None = None) -> Backlog:
-    """Four grouped COUNTs, three answered from an index that holds only what it counts
-    (and the few paused queues).
-
-    The queued runs come from the partial due index (status='queued'), the running and
-    waiting ones from the status+reason index, the dead letters from the status+reason
-    index: the size of the history (succeeded runs) costs nothing here. A due run of an
-    ordered agent is also looked up in the scope-head index, to count it as blocked or not.
-    The fourth reads the queued rows (the backlog, not the history) for their agent.
-    """
-    from .models import AgentRun, PausedQueue
-    from .registry import all_agents, scope_policy
-    from .visibility import due_elsewhere
-
-    at = at or timezone.now()
-    backlog = Backlog()
-    due = Q(available_at__lte=at)
-    # Runs held back by an earlier run of their scope wait on purpose: counted apart, so a
-    # long ordered backlog does not read as workers falling behind.
-    scope_held = AgentRun.objects.held(scope_policy())
-    startable = due if scope_held is None else due & ~scope_held
-    queued = (AgentRun.objects.filter(status=Status.QUEUED).order_by().values("queue")
-              .annotate(due=Count("id", filter=startable),
-                        blocked=Count("id", filter=due & scope_held)
-                        if scope_held is not None else Value(0),
-                        later=Count("id", filter=Q(available_at__gt=at)),
-                        oldest=Min("available_at", filter=startable)))
-    for row in queued:
-        backlog.due[row["queue"]] = row["due"]
-        backlog.blocked[row["queue"]] = row["blocked"]
-        backlog.scheduled[row["queue"]] = row["later"]
-        if row["oldest"] is not None:
-            backlog.oldest_due[row["queue"]] = max(0.0, (at - row["oldest"]).total_seconds())
-    # Running and waiting runs: two ranges of the status+reason index, whatever the history.
-    running = (AgentRun.objects.filter(status__in=(Status.RUNNING, Status.WAITING)).order_by()
-               .values("queue")
-               .annotate(n=Count("id", filter=Q(status=Status.RUNNING)),
-                         lapsed=Count("id", filter=Q(status=Status.RUNNING,
-                                                     lease_expires__lt=at)),
-                         waiting=Count("id", filter=Q(status=Status.WAITING))))
-    for held in running:
-        if held["n"]:
-            backlog.running[held["queue"]] = held["n"]
-            backlog.lapsed[held["queue"]] = held["lapsed"]
-        if held["waiting"]:
-            backlog.waiting[held["queue"]] = held["waiting"]
-    backlog.paused.update((name, 1) for name in PausedQueue.objects.values_list("name", flat=True))
-    dead = (AgentRun.objects.dead_letters()
-            .order_by().values("reason").annotate(n=Count("id")))
-    backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
-    backlog.unknown_agents.update(due_elsewhere(None, frozenset(all_agents()), at))
-    return backlog
 
 
 class BacklogCollector:
@@ -298,6 +233,13 @@ class BacklogCollector:
         for (queue, agent), count in sorted(backlog.unknown_agents.items()):
             unknown.add_metric([queue, agent], count)
         yield unknown
+        closed = GaugeMetricFamily(
+            "agentruns_limit_closed_seconds",
+            "Seconds until a limit key closed by a 429 reopens, by key (present while closed):"
+            " no worker starts a run of it meanwhile.", labels=["key"])
+        for key, seconds in sorted(backlog.closed_keys.items()):
+            closed.add_metric([key], seconds)
+        yield closed
 
 
 def _agent_queues() -> set[str]:

@@ -12,8 +12,9 @@ from django.utils import timezone
 from .queries import RunQuerySet
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Reason, Status
 
-__all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "UNFINISHED", "AgentRun", "PausedQueue", "Reason",
-           "RunCheckpoint", "RunEvent", "RunWait", "Schedule", "Status", "WorkerRecord"]
+__all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "UNFINISHED", "AgentLimit", "AgentRun",
+           "PausedQueue", "Reason", "RunCheckpoint", "RunEvent", "RunWait", "Schedule", "Status",
+           "WorkerRecord"]
 
 
 class AgentRun(models.Model):
@@ -37,6 +38,16 @@ class AgentRun(models.Model):
     claimed_by = models.CharField(max_length=255, blank=True, default="")
     lease_expires = models.DateTimeField(null=True, blank=True)
     available_at = models.DateTimeField(default=timezone.now)
+
+    # Flow control (docs/limits.md): the run's limit key, resolved at enqueue ("" = none),
+    # its snoozes (free requeues, up to MAX_SNOOZES), what it spent, and an operator's budget.
+    limit_key = models.CharField(max_length=200, blank=True, default="")
+    snooze_count = models.PositiveIntegerField(default=0)
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    cost = models.FloatField(default=0.0)
+    budget = models.JSONField(null=True, blank=True,
+                              help_text="Overrides the agent's budget (an operator's retry).")
 
     checkpoint_state = models.JSONField(null=True, blank=True)
     checkpoint_count = models.PositiveIntegerField(default=0)
@@ -97,6 +108,13 @@ class AgentRun(models.Model):
                 fields=("agent", "scope", "status", "fired_seq", "id"), name="agentruns_scope_head"
             ),
             models.Index(fields=("status", "reason"), name="agentruns_status_reason"),
+            # Limits per key: the running runs of a key (counted under the key's lock), and
+            # the due runs of a key in claim order. Partial: runs with no key are not in them.
+            models.Index(fields=("limit_key",), condition=Q(status="running") & ~Q(limit_key=""),
+                         name="agentruns_key_running"),
+            models.Index(fields=("limit_key", "-priority", "available_at", "fired_seq", "id"),
+                         condition=Q(status="queued") & ~Q(limit_key=""),
+                         name="agentruns_key_due"),
             models.Index(fields=("created_at",), name="agentruns_created"),
             # The overview's throughput chart and per-agent window: runs finished lately.
             models.Index(fields=("finished_at",), name="agentruns_finished"),
@@ -124,6 +142,32 @@ class AgentRun(models.Model):
     @property
     def is_dead_letter(self) -> bool:
         return self.status == Status.FAILED and self.reason in DEAD_LETTER_REASONS
+
+
+class AgentLimit(models.Model):
+    """A limit key's row: the most runs of the key running at once across all workers, and
+    until when the key is closed (a provider's 429). Claims of the key's runs lock it.
+
+    A key with a row is claimed through the limited claim (transitions.limited); a key
+    without one is unlimited and claimed like a run with no key.
+    """
+
+    key = models.CharField(max_length=200, primary_key=True)
+    max_running = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Most runs of this key running at once; empty: the LIMITS setting, "
+                  "else unlimited.")
+    closed_until = models.DateTimeField(
+        null=True, blank=True, help_text="No run of this key starts before then (a 429).")
+    closed_reason = models.CharField(max_length=255, blank=True, default="")
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ("key",)
+        verbose_name = "limit"
+
+    def __str__(self) -> str:
+        return self.key
 
 
 class RunEvent(models.Model):

@@ -46,6 +46,16 @@ class Renewal(enum.Enum):
     CANCEL_REQUESTED = "cancel_requested"
 
 
+@dataclass(frozen=True)
+class UsageTotals:
+    """What a usage write answered: its renewal, and the run's totals after it (tokens,
+    input and output together, and cost), which the attempt compares with its budget."""
+
+    renewal: Renewal
+    tokens: int
+    cost: float
+
+
 class Settlement(enum.Enum):
     SUCCEEDED = "succeeded"
     REQUEUED = "requeued"
@@ -71,6 +81,7 @@ class StopReason(enum.StrEnum):
     SHUTDOWN = "shutdown"
     INTERRUPTED = "interrupted"  # the database stayed out of reach: requeued, not charged
     WAITING = "waiting"  # the attempt recorded a wait (ctx.receive): the run is waiting
+    BUDGET = "budget_exhausted"  # recorded usage passed the run's budget: dead-lettered
 
 
 class OutcomeKind(enum.StrEnum):
@@ -97,6 +108,7 @@ class Outcome:
     output: Any = None
     error: BaseException | None = None
     stop_reason: StopReason | None = None
+    detail: str = ""  # what passed the budget, for a budget stop
 
     def __post_init__(self) -> None:
         # Plain strings are accepted (and kept as the enum), as before the enums existed.

@@ -14,10 +14,20 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
-from .exceptions import InvalidInputError, NotRetryable, Retryable, UnknownAgentError
+from .exceptions import (
+    MAX_SNOOZE_SECONDS,
+    InvalidInputError,
+    NotRetryable,
+    Retryable,
+    Snooze,
+    UnknownAgentError,
+)
 from .outcomes import DecisionAction
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
+# A provider's "not now": with a Retry-After these snooze the run (no budget spent), and a
+# 429 also closes the run's limit key for every worker until then.
+SNOOZING_STATUS = frozenset({429, 503})
 NOT_RETRYABLE_NAMES = ("Authentication", "PermissionDenied", "Unauthorized", "Forbidden")
 RETRYABLE_NAMES = ("Timeout", "TimedOut", "Connection", "RateLimit", "Unavailable", "Overloaded")
 
@@ -28,6 +38,9 @@ class Failure:
 
     retryable: bool
     delay: float | None = None
+    snooze: bool = False  # requeue after `delay` without spending the budget
+    closes_key: bool = False  # a 429: the run's limit key closes for `delay` too
+    cause: str = ""  # what the timeline's run.snoozed says caused it
 
 
 def classify(
@@ -57,6 +70,9 @@ def classify(
 def _direct(
     exc: BaseException, custom: Callable[[BaseException], bool | None] | None
 ) -> Failure | None:
+    if isinstance(exc, Snooze):
+        return Failure(retryable=True, delay=exc.delay, snooze=True,
+                       cause=f"Snooze: {exc}"[:200])
     if custom is not None:
         decided = custom(exc)
         if decided is not None:
@@ -68,7 +84,11 @@ def _direct(
     status = http_status(exc)
     if status is not None and 400 <= status <= 599:
         retryable = status in RETRYABLE_STATUS or status >= 500
-        return Failure(retryable=retryable, delay=_retry_after(exc) if retryable else None)
+        delay = _retry_after(exc) if retryable else None
+        if status in SNOOZING_STATUS and delay is not None:
+            return Failure(retryable=True, delay=min(delay, MAX_SNOOZE_SECONDS), snooze=True,
+                           closes_key=status == 429, cause=f"HTTP {status} Retry-After")
+        return Failure(retryable=retryable, delay=delay)
     # Python's own PermissionError (EACCES, EPERM) is a configuration problem, not a blip.
     if isinstance(exc, ImproperlyConfigured | InvalidInputError | UnknownAgentError
                   | PermissionError):

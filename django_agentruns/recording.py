@@ -75,17 +75,24 @@ def transition(
         if outcome.stop_reason is StopReason.CANCELLED:
             return SettleWrite(ref, functools.partial(transitions.settle_cancelled, ref))
         if outcome.stop_reason is StopReason.SHUTDOWN:
-            return SettleWrite(ref, functools.partial(transitions.abandon, ref,
+            # A graceful stop is an interruption, not a failure: no budget spent.
+            return SettleWrite(ref, functools.partial(transitions.interrupt, ref,
                                                       "the worker stopped"))
         if outcome.stop_reason is StopReason.INTERRUPTED:
             return SettleWrite(ref, functools.partial(transitions.interrupt, ref,
                                                       "the database was out of reach"))
+        if outcome.stop_reason is StopReason.BUDGET:
+            return SettleWrite(ref, functools.partial(
+                transitions.exhaust_budget, ref, outcome.detail or "usage passed the budget"))
         error: BaseException = AttemptTimeout(
             f"attempt exceeded its timeout of {spec.timeout if spec else '?'}s")
     else:
         assert outcome.error is not None
         error = outcome.error
     failure = classify_for(spec, error)
+    if failure.snooze and not interactive:  # flow control: requeued, no budget spent
+        return SettleWrite(ref, functools.partial(transitions.snooze, ref, failure,
+                                                  describe(error)))
     return SettleWrite(ref, functools.partial(transitions.settle_failed, ref, failure,
                                               describe(error), interactive=interactive))
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from .conf import app_settings
 from .exceptions import InvalidInputError, UnknownAgentError
+from .limits import Budget, LimitKey, check_agent_limit_key, check_budget
 from .outcomes import ScopePolicy
 from .ticks import Timing, check_timing
 
@@ -63,6 +64,8 @@ class AgentSpec:
     classify: Callable[[BaseException], bool | None] | None = None
     schedule_timing: Timing | None = None  # from schedule= / every= (django_agentruns.schedules)
     catch_up: bool = False
+    limit_key: LimitKey = None  # a key, or f(input) -> key; see django_agentruns.limits
+    budget: Budget | None = None
 
     @property
     def is_async(self) -> bool:
@@ -98,12 +101,17 @@ def agent(
     schedule_tz: str | None = None,
     every: int | None = None,
     catch_up: bool = False,
+    limit_key: LimitKey = None,
+    budget: dict[str, Any] | None = None,
 ) -> Callable[[F], F]:
     """Register a function (sync or `async def`) taking a `RunContext` as agent `name`.
 
     `schedule` (a cron expression, in `schedule_tz` or TIME_ZONE) or `every` (seconds,
     aligned to the epoch): one run per tick, the tick's time in `input["tick"]`; missed
     ticks run only the latest unless `catch_up` (see django_agentruns.schedules).
+    `limit_key`: the key whose limit its runs count against (a string, or a callable of
+    the input); `budget`: {"tokens": N, "cost": X}, past which an attempt stops and the
+    run is dead-lettered `budget_exhausted` (see django_agentruns.limits).
     """
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidInputError(
@@ -115,6 +123,8 @@ def agent(
         timing = check_timing(schedule, every, schedule_tz, f"Agent {name!r}")
     if not isinstance(catch_up, bool):
         raise InvalidInputError(f"Agent {name!r}: catch_up must be True or False")
+    check_agent_limit_key(name, limit_key)
+    checked_budget = check_budget(budget, f"Agent {name!r}: budget")
 
     def register(func: F) -> F:
         existing = _registry.get(name)
@@ -127,6 +137,7 @@ def agent(
             dead_letters_block=dead_letters_block, max_requeues=max_requeues,
             timeout=timeout, lease_ttl=lease_ttl, priority=priority, classify=classify,
             schedule_timing=timing, catch_up=catch_up,
+            limit_key=limit_key, budget=checked_budget,
         )
         return func
 

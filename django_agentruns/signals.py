@@ -30,6 +30,8 @@ run_cancelled = Signal()
 """The run was cancelled (`reason`)."""
 run_reaped = Signal()
 """A lapsed lease was taken back (`outcome`: requeued, dead_lettered or cancelled)."""
+usage_recorded = Signal()
+"""An attempt recorded usage (`input_tokens`, `output_tokens`, `cost`, `model`)."""
 run_lease_lost = Signal()
 """An attempt found its lease gone and stopped without recording anything (`worker_id`)."""
 

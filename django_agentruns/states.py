@@ -45,10 +45,13 @@ class Reason(models.TextChoices):
     """Dead letter: a retryable failure or an abandoned attempt with no requeue left."""
     NOT_RETRYABLE = "not_retryable", "Not retryable"
     """Dead letter: a failure no retry can fix (auth, config, 4xx, `NotRetryable`)."""
+    BUDGET_EXHAUSTED = "budget_exhausted", "Budget exhausted"
+    """Dead letter: the run's recorded tokens or cost passed its budget (`@agent(budget=...)`);
+    an operator may retry it with a raised one (`retry(run_id, budget=...)`)."""
     CANCELLED = "cancelled", "Cancelled"
     """Cancelled by a caller or an operator."""
     ERROR = "error", "Error (interactive)"
     """An interactive run (`run_now`) failed; the caller saw the error, nothing retries it."""
 
 
-DEAD_LETTER_REASONS = (Reason.RETRIES_EXHAUSTED, Reason.NOT_RETRYABLE)
+DEAD_LETTER_REASONS = (Reason.RETRIES_EXHAUSTED, Reason.NOT_RETRYABLE, Reason.BUDGET_EXHAUSTED)

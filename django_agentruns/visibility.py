@@ -15,7 +15,8 @@ from django.db.models import Count
 from django.utils import timezone
 
 from . import transitions
-from .models import AgentRun, PausedQueue, Status
+from .limits import effective_limit
+from .models import AgentLimit, AgentRun, PausedQueue, Status
 from .registry import find_agent
 
 NOT_QUEUED = "not_queued"
@@ -24,6 +25,8 @@ CANCEL_REQUESTED = "cancel_requested"
 WAITING = "waiting"
 BLOCKED = "blocked"
 PAUSED = "paused"
+KEY_CLOSED = "key_closed"
+KEY_FULL = "key_full"
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,8 @@ def why_not_started(run: AgentRun | int, at: datetime | None = None) -> list[Hol
                                             f"{_because(run.cancel_reason)}"))
     if run.available_at > at:
         seconds = (run.available_at - at).total_seconds()
-        what = "retry backoff" if run.requeue_count else "run_after"
+        what = "retry backoff" if run.requeue_count else \
+            "snoozed" if run.snooze_count else "run_after"
         holds.append(Hold(WAITING, f"waiting until {_when(run.available_at)} "
                                    f"({seconds:.1f}s from now, {what})"))
     pause = PausedQueue.objects.filter(name=run.queue).first()
@@ -74,8 +78,32 @@ def why_not_started(run: AgentRun | int, at: datetime | None = None) -> list[Hol
         blocker = _scope_holder(run, spec.dead_letters_block)
         if blocker is not None:
             holds.append(_blocked(run, blocker, at))
+    key = key_hold(run, at)
+    if key is not None:
+        holds.append(key)
     return holds
 
+
+def key_hold(run: AgentRun, at: datetime) -> Hold | None:
+    """Whether the run's limit key holds it back: closed (a 429), or at its limit."""
+    if not run.limit_key:
+        return None
+    row = AgentLimit.objects.filter(key=run.limit_key).first()
+    if row is None:
+        return None  # no row: the key is unlimited
+    if row.closed_until is not None and row.closed_until > at:
+        seconds = (row.closed_until - at).total_seconds()
+        return Hold(KEY_CLOSED, f"its limit key {row.key!r} is closed until "
+                                f"{_when(row.closed_until)} ({seconds:.1f}s from now"
+                                f"{_because(row.closed_reason)})")
+    cap = effective_limit(row.key, row.max_running)
+    if cap is None:
+        return None
+    running = AgentRun.objects.filter(status=Status.RUNNING, limit_key=row.key).count()
+    if running < cap:
+        return None
+    return Hold(KEY_FULL, f"waiting for its limit key {row.key!r}: {running} of its runs are "
+                          f"running, its limit is {cap}")
 
 def due_elsewhere(
     queues: Iterable[str] | None, agents: frozenset[str], at: datetime | None = None

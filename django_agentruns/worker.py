@@ -28,7 +28,7 @@ from types import FrameType
 from django.db import close_old_connections
 from django.utils import timezone
 
-from . import reaper, transitions, visibility
+from . import reaper, transitions, usage, visibility
 from .conf import app_settings
 from .db import close_all_connections
 from .exceptions import AgentRunsError
@@ -42,6 +42,7 @@ from .queues import PausedSet
 from .registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
 from .schedules import Ticker
 from .store import AttemptStore
+from .transitions.limited import LimitedClaim
 from .workers import Presence
 
 logger = logging.getLogger("django_agentruns.worker")
@@ -107,6 +108,7 @@ class Worker:
         self._signals = 0
         self._last_reap = 0.0
         self._last_lapsed_scan = 0.0
+        self._limited = LimitedClaim(LAPSED_SCAN_INTERVAL)  # flow control
         self._agents = all_agents()
         # Claims take only runs of these: another worker's agent (a rolling deploy's new
         # one) is left queued for a worker that has it, not dead-lettered here.
@@ -142,6 +144,7 @@ class Worker:
                     ",".join(self.queues), self.concurrency, " (burst)" if self.burst else "",
                     extra={"worker_id": self.worker_id})
         self.store = self.executor.store = AttemptStore()
+        self._limited.seed()  # the LIMITS setting's keys get their rows
         self.presence.start()
         self.keeper.start()
         if Listener.available():
@@ -230,11 +233,15 @@ class Worker:
         # Lapsed leases are looked for at most once a second: one statement less per claim.
         now = time.monotonic()
         include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
-        runs = transitions.claim(
-            self.worker_id, queues, min(free, int(app_settings.CLAIM_BATCH)), self._scopes,
+        batch = min(free, int(app_settings.CLAIM_BATCH))
+        # Flow control: runs of keys with a limits row first, never past their limit.
+        limited = self._limited.claim(self.worker_id, queues, batch, self._scopes, self._ttls,
+                                      float(app_settings.LEASE_TTL), self._known)
+        runs = limited + transitions.claim(
+            self.worker_id, queues, batch - len(limited), self._scopes,
             self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed,
             agents=self._known)
-        if include_lapsed:
+        if include_lapsed and len(limited) < batch:  # else the claim did not look
             self._last_lapsed_scan = now
         for run in runs:
             self._start(run)
@@ -274,6 +281,7 @@ class Worker:
         ref = AttemptRef(run.pk, run.attempt, self.worker_id, ttl, agent=run.agent)
         control = self.executor.control(ref, spec.timeout if spec else None,
                                         run.checkpoint_count)
+        usage.arm(control, run, spec)  # flow control: the run's budget and totals
         live = Live(run, spec, control, time.monotonic())
         self.live.add(live)
         logger.info("run %s %s attempt %s started", run.pk, run.agent, run.attempt,
@@ -322,7 +330,8 @@ class Worker:
     # ----------------------------------------------------------------- graceful stop
 
     def _shutdown(self) -> None:
-        """No new claims; attempts get the grace period; then they are abandoned."""
+        """No new claims; attempts get the grace period; then they are stopped and recorded
+        as interrupted (requeued without spending their budget)."""
         deadline = time.monotonic() + self.grace
         while self.busy and time.monotonic() < deadline:
             self._wake.wait(0.05)
@@ -330,7 +339,7 @@ class Worker:
         remaining = self.live.snapshot()
         for lv in remaining:
             lv.control.request_stop(StopReason.SHUTDOWN)
-        # Stopped attempts record themselves as abandoned once their storage call (if
+        # Stopped attempts record themselves as interrupted once their storage call (if
         # any) returns; give them a moment, then record the stuck ones ourselves.
         settle_by = time.monotonic() + 2.0
         for lv in remaining:
@@ -338,12 +347,13 @@ class Worker:
         for lv in remaining:
             if not lv.control.done.is_set():
                 try:
-                    settlement = transitions.abandon(lv.control.ref, "the worker stopped")
+                    # A graceful stop interrupts (no budget spent), as the attempt would.
+                    settlement = transitions.interrupt(lv.control.ref, "the worker stopped")
                     logger.info("run %s %s attempt %s %s (the worker stopped; agent stuck)",
                                 lv.run.pk, lv.run.agent, lv.control.ref.attempt,
                                 settlement.value, extra=extra(lv.control.ref, lv.run.agent))
                 except Exception:
-                    logger.exception("could not abandon run %s", lv.run.pk)
+                    logger.exception("could not interrupt run %s", lv.run.pk)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.store is not None:
             self.store.close()

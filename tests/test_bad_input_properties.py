@@ -307,7 +307,7 @@ CAPS = {"MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYT
         "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP"}
 NUMBERS = {"LEASE_TTL", "POLL_INTERVAL", "BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL",
            "GRACE", "MAX_REQUEUES", "CLAIM_BATCH", "BACKOFF_JITTER", "STREAMS_PER_USER",
-           "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS", *CAPS}
+           "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS", "MAX_SNOOZES", *CAPS}
 AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS")
 odd_numbers = st.integers() | st.floats() | st.just(10**400) | st.just(-(10**400)) | \
     st.just(float("nan")) | st.just(float("inf")) | st.just(1e308) | st.booleans()
@@ -377,7 +377,7 @@ def good_number(key: str) -> st.SearchStrategy[Any]:
         return st.integers(min_value=1, max_value=1000)
     if key in CAPS:
         return st.integers(min_value=1, max_value=agentruns_checks.LARGEST_SIZE)
-    if key == "MAX_REQUEUES":
+    if key in ("MAX_REQUEUES", "MAX_SNOOZES"):
         return st.integers(min_value=0, max_value=1000)
     if key == "BACKOFF_JITTER":
         return st.floats(min_value=0, max_value=1)
@@ -397,7 +397,7 @@ def bad_number(key: str) -> st.SearchStrategy[Any]:
     elif key in CAPS:
         most = agentruns_checks.LARGEST_SIZE if key.endswith("_BYTES") else 2**31 - 1
         out = st.integers(max_value=0) | st.integers(min_value=most + 1) | st.just(1024.0)
-    elif key == "MAX_REQUEUES":
+    elif key in ("MAX_REQUEUES", "MAX_SNOOZES"):
         out = st.integers(max_value=-1) | st.just(2.5)
     elif key == "BACKOFF_JITTER":
         out = st.floats(min_value=1, exclude_min=True, allow_infinity=False) | \
@@ -456,7 +456,7 @@ def test_classifier_queue_and_token_are_reported_never_raised(classifier: Any, q
         assert agentruns_checks.E004_BAD_CLASSIFIER not in {m.id for m in messages}
 
 
-DURATIONS = NUMBERS - {"MAX_REQUEUES", "BACKOFF_JITTER", *AT_LEAST_ONE, *CAPS}
+DURATIONS = NUMBERS - {"MAX_REQUEUES", "MAX_SNOOZES", "BACKOFF_JITTER", *AT_LEAST_ONE, *CAPS}
 
 
 @PROPERTY
@@ -477,6 +477,8 @@ def test_a_number_the_check_accepts_is_one_the_library_can_use(key: str, value: 
         assert value <= threading.TIMEOUT_MAX
     elif key == "MAX_REQUEUES":
         assert value <= 2**31 - 1, "AgentRun.max_requeues is an integer column"
+    elif key == "MAX_SNOOZES":
+        assert value <= 2**31 - 1, "compared with AgentRun.snooze_count, an integer column"
     elif key == "MAX_EVENTS_PER_RUN":
         assert value <= 2**31 - 1, "RunEvent.seq is an integer column"
     elif key == "SCHEDULE_MAX_CATCH_UP":

@@ -165,8 +165,9 @@ def test_the_attempt_after_a_graceful_stop_resumes(worker_env: dict[str, str]) -
     worker.send_signal(signal.SIGTERM)
     assert worker.wait() == 0, worker.output()
     stopped = AgentRun.objects.get(pk=run.pk)
-    # Abandoned by the worker itself, at once: queued again, not waiting for a lease.
-    assert stopped.status == Status.QUEUED
+    # Interrupted by the worker itself, at once: queued again, not waiting for a lease, and
+    # its budget whole (a graceful stop is not a failure).
+    assert (stopped.status, stopped.requeue_count) == (Status.QUEUED, 0)
     saved = stopped.checkpoint_count
     assert 2 <= saved < STEPS
 
@@ -175,5 +176,5 @@ def test_the_attempt_after_a_graceful_stop_resumes(worker_env: dict[str, str]) -
     run.refresh_from_db()
     assert run.status == Status.SUCCEEDED
     assert run.attempt == 2
-    assert RunEvent.objects.filter(run=run, type=transitions.ABANDONED).count() == 1
+    assert RunEvent.objects.filter(run=run, type=transitions.INTERRUPTED).count() == 1
     assert_resumed_at_checkpoint(run, saved)

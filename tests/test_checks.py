@@ -90,6 +90,14 @@ BAD_SETTINGS: list[tuple[str, Any, str, str]] = [
      "6-character string"),
     ("metrics-token-int", {"METRICS_TOKEN": 1234567890123456789}, checks.E007_BAD_METRICS_TOKEN,
      "not a value of type int"),
+    ("snoozes-negative", {"MAX_SNOOZES": -1}, checks.E003_BAD_NUMBER, "'MAX_SNOOZES'"),
+    ("snoozes-float", {"MAX_SNOOZES": 2.5}, checks.E003_BAD_NUMBER, "'MAX_SNOOZES'"),
+    ("limits-list", {"LIMITS": [("openai", 2)]}, checks.E011_BAD_LIMITS, "must be a dict"),
+    ("limit-negative", {"LIMITS": {"openai": -1}}, checks.E011_BAD_LIMITS, "'openai'"),
+    ("limit-float", {"LIMITS": {"openai": 2.5}}, checks.E011_BAD_LIMITS, "max_running"),
+    ("limit-none", {"LIMITS": {"openai": None}}, checks.E011_BAD_LIMITS, "not None"),
+    ("limit-key-empty", {"LIMITS": {"": 3}}, checks.E011_BAD_LIMITS, "1-200 characters"),
+    ("limit-key-int", {"LIMITS": {5: 3}}, checks.E011_BAD_LIMITS, "1-200 characters"),
 ]
 
 
@@ -189,8 +197,9 @@ def test_every_setting_at_its_default_passes() -> None:
          "CLASSIFIER": "django_agentruns.policy.http_status", "UNKNOWN_ERRORS_RETRYABLE": False},
         {"BACKOFF_BASE": 5, "BACKOFF_CAP": 5, "BACKOFF_JITTER": 1, "LEASE_TTL": 600},
         {"CLASSIFIER": None},
+        {"LIMITS": {"openai": 20, "tenant:42": 0}, "MAX_SNOOZES": 0},
     ],
-    ids=["none", "empty", "edges", "equal-backoff", "no-classifier"],
+    ids=["none", "empty", "edges", "equal-backoff", "no-classifier", "limits"],
 )
 def test_good_settings_pass(value: Any) -> None:
     assert with_agentruns(value) == []

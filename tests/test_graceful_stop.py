@@ -2,7 +2,8 @@
 
 SIGTERM (or SIGINT): no new claims; running attempts get `--grace` seconds to finish and
 are recorded as they end; the ones still running then are stopped at their next step
-boundary and recorded as abandoned (a retryable failed attempt), their leases released;
+boundary and recorded as interrupted (requeued without spending the budget: a graceful
+stop is not a failure), their leases released;
 the process exits 0. A second signal exits at once with a non-zero status, leaving the
 run to its lease. Either way no transaction is left open behind.
 """
@@ -110,15 +111,16 @@ def test_guarantee_8_graceful_stop(worker_env: dict[str, str], sig: signal.Signa
     assert notes(finishes.pk) == ["start", "open", "end"]
     assert types(finishes.pk) == ["run.started", "run.succeeded"]
 
-    # (b) Still running after the grace: abandoned and requeued, its lease released.
+    # (b) Still running after the grace: interrupted and requeued with its budget whole,
+    # its lease released.
     left = run(overstays.pk)
     assert (left.status, left.reason, left.attempt, left.requeue_count) == (
-        Status.QUEUED, Reason.NONE, 1, 1)
+        Status.QUEUED, Reason.NONE, 1, 0)
     assert (left.claimed_by, left.lease_expires) == ("", None)
-    assert left.error_type == "AbandonedAttempt"
-    assert types(overstays.pk) == ["run.started", "run.abandoned", "run.retrying"]
-    abandoned: dict[str, Any] = events(overstays.pk)[1].payload
-    assert abandoned["why"] == "the worker stopped"
+    assert left.error_type == ""
+    assert types(overstays.pk) == ["run.started", "run.interrupted"]
+    interrupted: dict[str, Any] = events(overstays.pk)[1].payload
+    assert interrupted["why"] == "the worker stopped"
     assert notes(overstays.pk) == ["start"]  # stopped at a boundary: it never reached "end"
 
     # No new claims after the signal.
@@ -168,11 +170,11 @@ def test_a_second_signal_exits_at_once_and_leaves_the_run_to_its_lease(
     assert events(held.pk)[1].payload["why"] == "lease lapsed"
 
 
-def test_an_attempt_that_reaches_no_boundary_is_abandoned_by_the_worker(
+def test_an_attempt_that_reaches_no_boundary_is_interrupted_by_the_worker(
     worker_env: dict[str, str],
 ) -> None:
     """Agent code stuck in `time.sleep` cannot be stopped: once the grace (and a moment
-    for an in-flight storage call) is over, the worker records the attempt abandoned
+    for an in-flight storage call) is over, the worker records the attempt interrupted
     itself, releases the lease, and exits 0 without waiting for the thread."""
     stuck = enqueue("tests.busy_sleep")
     with helpers.start_manage(["runworker", "--grace", "1"], worker_env) as worker:
@@ -183,7 +185,7 @@ def test_an_attempt_that_reaches_no_boundary_is_abandoned_by_the_worker(
 
     row = run(stuck.pk)
     assert (row.status, row.requeue_count, row.claimed_by, row.lease_expires) == (
-        Status.QUEUED, 1, "", None)
-    assert types(stuck.pk) == ["run.started", "run.abandoned", "run.retrying"]
+        Status.QUEUED, 0, "", None)
+    assert types(stuck.pk) == ["run.started", "run.interrupted"]
     assert "end" not in notes(stuck.pk)
     assert_database_unlocked()

@@ -52,6 +52,15 @@ FORBIDDEN: dict[str, list[str]] = {
     "chunks.py": ["worker", "executor", "lease_keeper", "live", "recording", "store",
                   "context", "admin", "api", "management", "views", "urls", "tasks"],
     "chunk_transport.py": ["transitions", "chunks", *HIGHER],
+    # Flow control (issue 17): pure checks; the usage of an attempt; the limited claim,
+    # snoozes and usage writes (in transitions); the limits admin.
+    "limits.py": ["transitions", "models", "queries", "usage", *HIGHER],
+    "usage.py": ["worker", "executor", "lease_keeper", "live", "recording", "admin", "api",
+                 "management", "context"],
+    "transitions/limited.py": [*HIGHER, "usage"],
+    "transitions/snoozing.py": [*HIGHER, "usage"],
+    "admin/limits.py": ["transitions", "worker", "executor", "lease_keeper", "live", "store",
+                        "recording", "control", "usage"],
 }
 
 

@@ -163,10 +163,10 @@ def make_backlog() -> None:
                                 status=status, reason=reason)
 
 
-def test_the_backlog_is_four_grouped_counts(
+def test_the_backlog_is_four_grouped_counts_and_the_closed_keys(
         db: None, django_assert_num_queries: Any) -> None:
     make_backlog()
-    with django_assert_num_queries(5):  # and the (few) paused queues
+    with django_assert_num_queries(6):  # and the (few) paused queues, and the closed keys
         backlog = metrics.read_backlog()
     assert backlog.due == {"default": 2, "mail": 1}
     assert backlog.scheduled == {"default": 1, "mail": 0}
@@ -214,7 +214,7 @@ def test_the_backlog_counts_lapsed_leases_in_the_running_count(
                            timedelta(seconds=30)), ("mail", now + timedelta(seconds=30))]:
         AgentRun.objects.create(agent="tests.noop", queue=queue, status=Status.RUNNING,
                                 lease_expires=expires)
-    with django_assert_num_queries(5):
+    with django_assert_num_queries(6):  # and the paused queues, and the closed keys
         backlog = metrics.read_backlog()
     assert backlog.running == {"default": 2, "mail": 1}
     assert backlog.lapsed == {"default": 1, "mail": 0}
@@ -240,7 +240,7 @@ def test_the_collector_reads_once_per_ttl_and_keeps_drained_queues_at_zero(
     make_backlog()
     clock = FakeClock()
     collector = metrics.BacklogCollector(ttl=15, clock=clock)
-    with django_assert_num_queries(5):  # and the paused queues
+    with django_assert_num_queries(6):  # and the paused queues, and the closed keys
         first = gauges(collector)
     assert first[("agentruns_queue_depth", "default")] == 2
     assert first[("agentruns_queue_scheduled", "default")] == 1
@@ -253,7 +253,7 @@ def test_the_collector_reads_once_per_ttl_and_keeps_drained_queues_at_zero(
     with django_assert_num_queries(0):
         assert gauges(collector) == first  # N scrapers in a TTL cost one reading
     clock.now += 0.2
-    with django_assert_num_queries(5):
+    with django_assert_num_queries(6):
         drained = gauges(collector)
     assert drained[("agentruns_queue_depth", "mail")] == 0  # reported, not gone
     assert drained[("agentruns_running", "mail")] == 0

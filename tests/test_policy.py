@@ -91,8 +91,16 @@ def test_http_status_wins_over_the_class_name() -> None:
 
 @pytest.mark.parametrize("header", ["Retry-After", "retry-after"])
 def test_retry_after_seconds_is_the_delay(header: str) -> None:
-    assert policy.classify(HTTPError(429, {header: "12"})) == Failure(retryable=True, delay=12.0)
-    assert policy.classify(APIStatusError(503, {header: "0.5"})) == Failure(True, 0.5)
+    """A 429 or 503 with a Retry-After snoozes (no budget spent); a 429 closes the key."""
+    assert policy.classify(HTTPError(429, {header: "12"})) == Failure(
+        retryable=True, delay=12.0, snooze=True, closes_key=True, cause="HTTP 429 Retry-After")
+    assert policy.classify(APIStatusError(503, {header: "0.5"})) == Failure(
+        True, 0.5, snooze=True, cause="HTTP 503 Retry-After")
+
+
+def test_retry_after_on_another_transient_status_is_a_retry_not_a_snooze() -> None:
+    assert policy.classify(HTTPError(502, {"Retry-After": "3"})) == Failure(True, 3.0)
+    assert policy.classify(HTTPError(429)) == Failure(True, None)  # no header: a retry
 
 
 def test_retry_after_http_date_is_the_delay() -> None:
@@ -107,11 +115,11 @@ def test_retry_after_http_date_is_the_delay() -> None:
 def test_retry_after_in_the_past_is_no_wait() -> None:
     when = timezone.now() - timedelta(hours=1)
     failure = policy.classify(HTTPError(429, {"Retry-After": format_datetime(when, usegmt=True)}))
-    assert failure == Failure(retryable=True, delay=0.0)
+    assert (failure.retryable, failure.delay, failure.snooze) == (True, 0.0, True)
 
 
 def test_negative_or_garbage_retry_after() -> None:
-    assert policy.classify(HTTPError(429, {"Retry-After": "-5"})) == Failure(True, 0.0)
+    assert policy.classify(HTTPError(429, {"Retry-After": "-5"})).delay == 0.0
     assert policy.classify(HTTPError(429, {"Retry-After": "soon"})) == Failure(True, None)
 
 
@@ -158,7 +166,8 @@ def test_exception_group_is_classified_by_its_last_error() -> None:
     group = ExceptionGroup("both", [TimeoutError(), NotRetryable("key revoked")])
     assert policy.classify(group).retryable is False
     group = ExceptionGroup("both", [NotRetryable("old"), HTTPError(429, {"Retry-After": "3"})])
-    assert policy.classify(group) == Failure(retryable=True, delay=3.0)
+    assert policy.classify(group) == Failure(retryable=True, delay=3.0, snooze=True,
+                                             closes_key=True, cause="HTTP 429 Retry-After")
 
 
 def test_nested_exception_groups() -> None:
@@ -168,7 +177,8 @@ def test_nested_exception_groups() -> None:
 
 def test_fallback_chain_is_classified_by_its_most_recent_attempt() -> None:
     chain = FallbackChainExhausted([HTTPError(401), HTTPError(503, {"Retry-After": "4"})])
-    assert policy.classify(chain, unknown_retryable=False) == Failure(True, 4.0)
+    assert policy.classify(chain, unknown_retryable=False) == Failure(
+        True, 4.0, snooze=True, cause="HTTP 503 Retry-After")
     chain = FallbackChainExhausted([TimeoutError(), HTTPError(403)])
     assert policy.classify(chain, unknown_retryable=True) == Failure(False)
 

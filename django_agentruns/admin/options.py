@@ -24,6 +24,7 @@ from ..diagnosis import short_error
 from ..models import AgentRun, RunEvent, Status
 from . import approvals, views
 from . import display as show
+from . import limits as flow
 from .actions import CANCEL, RETRY, cancel_runs, has_permission, retry_runs, selected_ids
 from .filters import AgentFilter, AttentionFilter, QueueFilter
 from .summary import summary
@@ -62,7 +63,7 @@ def visibility() -> Any:
 class AgentRunAdmin(ModelAdminBase):
     # Sized for a 1400 px laptop screen with the sidebar and the filters open (about 750 px
     # for the table): related values share a cell, one above the other.
-    list_display = ("short_id", "run_name", "state", "attempts", "queue", "when")
+    list_display = ("short_id", "run_name", "state", "attempts", "queue", "usage", "when")
     list_display_links = ("short_id",)
     list_filter = ("status", "reason", AttentionFilter, approvals.WaitingFilter, AgentFilter,
                    QueueFilter)
@@ -82,6 +83,7 @@ class AgentRunAdmin(ModelAdminBase):
                            ("created_at", "available_at"),
                            ("started_at", "finished_at", "duration"))}),
         ("Lease", {"fields": ("lease",)}),
+        ("Flow control", {"fields": (("limit_key", "snooze_count"), ("usage", "budget"))}),
         ("Data", {"fields": (("input_json", "output_json"),
                              ("checkpoint_count", "checkpoint_json"),
                              ("dedupe_key", "forked_from_link"))}),
@@ -91,7 +93,8 @@ class AgentRunAdmin(ModelAdminBase):
                        "fired_seq", "attempt", "requeues", "created_at", "available_at",
                        "started_at", "finished_at", "duration", "lease", "cancel_request",
                        "input_json", "output_json", "checkpoint_count", "checkpoint_json",
-                       "last_error", "waiting_for", "dedupe_key", "forked_from_link")
+                       "last_error", "waiting_for", "dedupe_key", "forked_from_link",
+                       "limit_key", "snooze_count", "usage", "budget")
 
     # ------------------------------------------------------------------ permissions
 
@@ -189,6 +192,10 @@ class AgentRunAdmin(ModelAdminBase):
     @admin.display(description="created", ordering="created_at")
     def created(self, run: AgentRun) -> str:
         return show.timestamp(run.created_at)
+
+    @admin.display(description="usage", ordering="cost")
+    def usage(self, run: AgentRun) -> str:
+        return flow.usage(run)
 
     @admin.display(description="duration / age")
     def duration(self, run: AgentRun) -> str:

@@ -27,6 +27,7 @@ from ..workers import Coverage
 from . import display as show
 from .actions import MISSING, RETRY, Operation, confirmation, has_permission, username
 from .chart import svg
+from .limits import usage_totals
 
 NO_CLASS = "(no error type)"
 
@@ -103,6 +104,7 @@ def overview(model_admin: Any) -> Any:
             "can_retry": has_permission(model_admin, request, RETRY),
             "can_pause": request.user.has_perm("django_agentruns.add_pausedqueue"),
             "can_resume": request.user.has_perm("django_agentruns.delete_pausedqueue"),
+            **usage_totals(),
         }
         return TemplateResponse(request, "django_agentruns/admin/overview.html", context)
 

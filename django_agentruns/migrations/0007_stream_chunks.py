@@ -10,7 +10,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('django_agentruns', '0005_schedules_dedupe_pause_fork'),
+        ('django_agentruns', '0006_limits_usage'),
     ]
 
     operations = [

@@ -14,7 +14,9 @@ One module per moment of a run: `enqueue` (new runs and forks), `due` (what may 
 reclaim), `operators` (cancel, retry, interactive runs); `batched` (an attempt's writes
 as values, many applied in one transaction); `events` appends the story;
 `rawsql` builds the hot path's statements once per shape; `waiting` (the wait, deliveries,
-resumes, wait timeouts, child runs).
+resumes, wait timeouts, child runs); `limited` (the claim of runs whose limit key has a
+row, and that table's writes) and `snoozing` (snoozes, recorded usage, budgets) are flow
+control.
 
 Import direction (docs/architecture.md, enforced by tests/test_layers.py): UI/commands ->
 api and queries -> transitions -> models; worker -> executor -> transitions. This package
@@ -35,6 +37,7 @@ from .batched import (
     Result,
     SettleWrite,
     SucceedWrite,
+    UsageWrite,
     Write,
     apply_alone,
     apply_writes,
@@ -52,12 +55,15 @@ from .events import (
     INTERRUPTED,
     RETRIED,
     RETRYING,
+    SNOOZED,
     STARTED,
     SUCCEEDED,
+    USAGE,
     emitted_event_id,
     lifecycle_event_id,
     now,
 )
+from .limited import claim_limited, close_key, limits_in_use, seed_settings_limits, write_limit
 from .operators import cancel, operator_retry, start_interactive
 from .settling import (
     abandon,
@@ -69,17 +75,18 @@ from .settling import (
     settle_succeeded,
     settle_succeeded_many,
 )
+from .snoozing import exhaust_budget, record_usage, snooze
 
 __all__ = [
     "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "FORKED",
-    "INTERRUPTED",
-    "RETRIED", "RETRYING", "STARTED", "SUCCEEDED", "AttemptRef", "CancelResult",
-    "CheckpointWrite", "EmitWrite", "ErrorInfo", "NewRun", "RenewWrite", "Renewal", "Result",
-    "ScopePolicy", "SettleWrite", "Settlement", "SucceedWrite", "Write", "abandon",
-    "apply_alone", "apply_writes", "awaited",
-    "cancel", "checkpoint", "claim", "due_elsewhere", "due_queued", "emit", "emitted_event_id",
-    "find_stale", "insert_fork", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "now",
-    "operator_retry", "policy", "reap_one", "renew", "renew_many", "settle_cancelled",
-    "settle_failed", "settle_succeeded", "settle_succeeded_many", "start_interactive",
-    "waiting",
+    "INTERRUPTED", "RETRIED", "RETRYING", "SNOOZED", "STARTED", "SUCCEEDED", "USAGE",
+    "AttemptRef", "CancelResult", "CheckpointWrite", "EmitWrite", "ErrorInfo", "NewRun",
+    "RenewWrite", "Renewal", "Result", "ScopePolicy", "SettleWrite", "Settlement",
+    "SucceedWrite", "UsageWrite", "Write", "abandon", "apply_alone", "apply_writes", "awaited",
+    "cancel", "checkpoint", "claim", "claim_limited", "close_key", "due_elsewhere",
+    "due_queued", "emit", "emitted_event_id", "exhaust_budget", "find_stale", "insert_fork",
+    "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "limits_in_use", "now",
+    "operator_retry", "policy", "reap_one", "record_usage", "renew", "renew_many",
+    "seed_settings_limits", "settle_cancelled", "settle_failed", "settle_succeeded",
+    "settle_succeeded_many", "snooze", "start_interactive", "waiting", "write_limit",
 ]

@@ -10,7 +10,8 @@ and the rest go on. The single-write guarantees hold here too: an emit past its 
 `max_events` raises `LimitExceeded` (the store then writes the batch's others without
 it), a checkpoint's marker is left out past the cap, and a replayed checkpoint (its
 number stored already) only renews. Any other end of an attempt (`SettleWrite`: failed,
-cancelled, abandoned, interrupted) runs its own transition in the same transaction.
+cancelled, abandoned, interrupted, snoozed) runs its own transition in the same
+transaction, as does recorded usage (`UsageWrite`, flow control).
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from django.db import connection
 from ..conf import SETTING_NAME
 from ..exceptions import LimitExceeded
 from ..models import AgentRun, Reason, RunEvent, Status
-from ..outcomes import AttemptRef, Renewal, Settlement
+from ..outcomes import AttemptRef, Renewal, Settlement, UsageTotals
 from . import rawsql
 from .attempts import checkpoint, emit, renew
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded, settle_succeeded
+from .snoozing import record_usage, record_usage_in
 from .waiting import children_settled
 
 
@@ -82,8 +84,21 @@ class SettleWrite:
     settle: Callable[[], Settlement]
 
 
-Write = RenewWrite | EmitWrite | CheckpointWrite | SucceedWrite | SettleWrite
-Result = Renewal | Settlement
+@dataclass(frozen=True)
+class UsageWrite:
+    """A model call's tokens and cost added to the run's totals, with a `run.usage` event
+    and a renewal (as `record_usage`); answers the run's totals after it."""
+
+    ref: AttemptRef
+    input_tokens: int
+    output_tokens: int
+    cost: float
+    model: str
+    max_events: int | None = None
+
+
+Write = RenewWrite | EmitWrite | CheckpointWrite | SucceedWrite | SettleWrite | UsageWrite
+Result = Renewal | Settlement | UsageTotals
 Event = tuple[int, str, dict[str, Any], int, uuid.UUID]
 
 
@@ -160,6 +175,8 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
         write = writes[i]
         if isinstance(write, SettleWrite):
             results[i] = write.settle()
+        elif isinstance(write, UsageWrite):
+            results[i] = _usage(write, at)
 
 
 def _refuse_over_cap(missing: list[EmitWrite]) -> None:
@@ -249,6 +266,12 @@ def _succeed(writes: Sequence[Write], positions: list[int], results: list[Result
     return ended
 
 
+def _usage(write: UsageWrite, at: datetime) -> UsageTotals:
+    """One usage write, in the batch's transaction (rarer than emits: no shared UPDATE)."""
+    return record_usage_in(write.ref, write.input_tokens, write.output_tokens, write.cost,
+                           write.model, at, max_events=write.max_events)
+
+
 def apply_alone(write: Write) -> Result:
     """One write in its own transaction, by the single-write transition it stands for: the
     path of an attempt with no attempt store (`run_now`, a context built in a test)."""
@@ -261,4 +284,7 @@ def apply_alone(write: Write) -> Result:
         return checkpoint(write.ref, write.state, write.count, max_events=write.max_events)
     if isinstance(write, SucceedWrite):
         return settle_succeeded(write.ref, write.output)
+    if isinstance(write, UsageWrite):
+        return record_usage(write.ref, write.input_tokens, write.output_tokens, write.cost,
+                            write.model, max_events=write.max_events)
     return write.settle()

@@ -12,9 +12,10 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet
 
-from ..models import AgentRun, Status
+from ..limits import settings_limits
+from ..models import AgentLimit, AgentRun, Status
 from ..outcomes import ScopePolicy
 from . import rawsql
 
@@ -36,7 +37,16 @@ def awaited(
     """Queued runs due by time that a worker will get to without outside help (see
     `RunQuerySet.awaited`); given `agents`, all but runs of other agents (a worker that
     has them takes those)."""
-    return AgentRun.objects.of_agents(agents).awaited(queues, at, scopes).unpaused()
+    return AgentRun.objects.of_agents(agents).awaited(queues, at, scopes).unpaused().exclude(
+        Exists(stopped_keys(at).filter(key=OuterRef("limit_key"))))
+
+
+def stopped_keys(at: datetime) -> QuerySet[AgentLimit]:
+    """Limits rows whose key no worker will start a run of by itself: closed (until a
+    time, like a backoff) or paused (a limit of 0)."""
+    paused = [key for key, n in settings_limits().items() if n == 0]
+    return AgentLimit.objects.filter(
+        Q(closed_until__gt=at) | Q(max_running=0) | Q(max_running__isnull=True, key__in=paused))
 
 
 def lapsed(
@@ -56,6 +66,11 @@ def due_elsewhere(
     return qs if queues is None else qs.filter(queue__in=list(queues))
 
 
+def unlimited_keys() -> Q:
+    """Runs the ordinary claim may take: no limit key, or a key with no limits row."""
+    return Q(limit_key="") | ~Q(Exists(AgentLimit.objects.filter(key=OuterRef("limit_key"))))
+
+
 CLAIM_FIELDS = ("id", "agent", "status", "attempt", "requeue_count", "max_requeues",
                  "cancel_requested_at", "cancel_reason", "claimed_by", "scope", "fired_seq")
 
@@ -69,7 +84,9 @@ def compiled_due(
 
     A worker's agents are fixed, so they are baked into the statement with its queues.
     """
-    qs = due_queued(queues, rawsql.SENTINEL_TIME, scopes, agents)
+    # Runs whose limit key has a row are the limited claim's (transitions.limited). A run
+    # with no key (the common case) passes on the OR's first term: no subquery for it.
+    qs = due_queued(queues, rawsql.SENTINEL_TIME, scopes, agents).filter(unlimited_keys())
     if vendor == "postgresql":
         qs = qs.select_for_update(skip_locked=True, of=("self",))
     with transaction.atomic():  # Django compiles FOR UPDATE only inside one (no statement runs)

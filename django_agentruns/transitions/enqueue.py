@@ -30,11 +30,12 @@ class NewRun(NamedTuple):
     max_requeues: int
     available_at: datetime
     dedupe_key: str = ""  # "": none; else an unfinished run of the agent with it is returned
+    limit_key: str = ""  # resolved by api (django_agentruns.limits)
 
 
 # What each element of insert_runs' JSON array holds, in order (input as its JSON text).
 _PER_RUN = ("agent", "queue", "priority", "scope", "fired_seq", "input", "max_requeues",
-            "available_at", "dedupe_key")
+            "available_at", "dedupe_key", "limit_key")
 # A dedupe key taken by a run that finished before its holder could be read: insert again,
 # at most this many times (each round needs another run to finish at that very moment).
 DEDUPE_ROUNDS = 5
@@ -75,7 +76,8 @@ def _insert_rows(rows: Sequence[NewRun], at: datetime) -> list[tuple[int, str, s
     """INSERT `rows`; (id, agent, dedupe_key) of those inserted, in array order."""
     at_text = _json_time(at)
     data = [[r.agent, r.queue, r.priority, r.scope, r.fired_seq, r.input_json, r.max_requeues,
-             at_text if r.available_at is at else _json_time(r.available_at), r.dedupe_key]
+             at_text if r.available_at is at else _json_time(r.available_at), r.dedupe_key,
+             r.limit_key]
             for r in rows]
     # Escaping at most doubles a row's text: below half the cap, one statement surely does.
     if sum(len(r.input_json) + 1000 for r in rows) * 2 <= MAX_STATEMENT_BYTES:

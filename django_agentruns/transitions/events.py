@@ -31,6 +31,8 @@ RETRIED = "run.retried"
 CHECKPOINT = "run.checkpoint"
 INTERRUPTED = "run.interrupted"
 FORKED = "run.forked"
+SNOOZED = "run.snoozed"
+USAGE = "run.usage"
 
 
 def now() -> datetime:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from django.db import IntegrityError, transaction
 
@@ -62,8 +63,12 @@ def _cancel_one(run_id: int, reason: str, at: datetime) -> CancelResult | None:
 
 
 @retry_on_lock()
-def operator_retry(run_id: int, by: str = "", at: datetime | None = None) -> bool | None:
-    """Send a failed or cancelled run back to the queue with a fresh requeue budget.
+def operator_retry(
+    run_id: int, by: str = "", at: datetime | None = None, *,
+    budget: dict[str, Any] | None = None,
+) -> bool | None:
+    """Send a failed or cancelled run back to the queue with a fresh requeue budget (and
+    snooze count); `budget` replaces the run's token/cost budget.
 
     None: no such run; False: it is not failed or cancelled (nothing written).
     `InvalidInputError`: its dedupe key is held by another unfinished run of its agent.
@@ -80,7 +85,8 @@ def operator_retry(run_id: int, by: str = "", at: datetime | None = None) -> boo
                     pk=run_id, status__in=(Status.FAILED, Status.CANCELLED)).update(
                     status=Status.QUEUED, reason=Reason.NONE, requeue_count=0,
                     available_at=at, claimed_by="", lease_expires=None, finished_at=None,
-                    cancel_requested_at=None, cancel_reason="")
+                    cancel_requested_at=None, cancel_reason="", snooze_count=0,
+                    **({} if budget is None else {"budget": budget}))
         except IntegrityError:
             holder = AgentRun.objects.holding_key(row["agent"], row["dedupe_key"]) \
                 .values_list("pk", flat=True).first()
@@ -89,8 +95,9 @@ def operator_retry(run_id: int, by: str = "", at: datetime | None = None) -> boo
                 f"held by unfinished run {holder}") from None
         if not updated:
             return False
+        extra = {} if budget is None else {"budget": budget}
         append_events([lifecycle(run_id, RETRIED, row["attempt"], by=by,
-                                   previous=row["reason"])], at)
+                                   previous=row["reason"], **extra)], at)
     return True
 
 

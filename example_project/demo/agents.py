@@ -147,3 +147,29 @@ async def chat_reply(ctx: RunContext) -> dict[str, Any]:
         await asyncio.sleep(0.05)  # stands in for the model producing the next token
         await ctx.astream(word + " ")
     return {"question": question, "words": len(_REPLY.split(" "))}
+
+
+class _RateLimited(Exception):
+    """What an OpenAI-style client raises for a 429: a status and a Retry-After header."""
+
+    status_code = 429
+
+    def __init__(self, retry_after: str) -> None:
+        super().__init__("429 Too Many Requests")
+        self.response = type("Response", (), {"headers": {"retry-after": retry_after}})()
+
+
+@agent("demo.llm_chain", limit_key="demo-llm", budget={"tokens": 2500})
+def llm_chain(ctx: RunContext) -> dict[str, Any]:
+    """Model calls under a limit key (at most 2 at once, set by the demo) and a budget of
+    2,500 tokens, 1,000 per call. The first attempt of the first run meets a 429 with
+    Retry-After: snoozed (no budget spent) and the key closed for every worker meanwhile.
+    A run of 4 steps passes its budget at its third call and is dead-lettered."""
+    if ctx.attempt == 1 and ctx.input.get("rate_limited"):
+        raise _RateLimited("0.5")
+    state = ctx.state or {"step": 0}
+    for step in range(state["step"], int(ctx.input["steps"])):
+        _call_model(f"step {step}")
+        ctx.record_usage(input_tokens=800, output_tokens=200, cost=0.002, model="demo-model")
+        ctx.checkpoint({"step": step + 1})
+    return {"steps": ctx.input["steps"]}

@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, InterfaceError, connection, connections
+from django.db.models import Count
 
-from django_agentruns import RunRequest, cancel, enqueue_many
+from django_agentruns import RunRequest, cancel, enqueue_many, set_limit
 from django_agentruns.models import TERMINAL, AgentRun, RunEvent, Status
 from django_agentruns.registry import get_agent
 from tests import helpers
@@ -55,6 +56,9 @@ from tests.testapp.chaos_agents import (
 )
 
 T = TypeVar("T")
+
+# Limit keys of the chaos runs of kind "keyed", and their limits.
+CHAOS_LIMITS = {"chaos-key-a": 2, "chaos-key-b": 3}
 
 # Summary lines of every chaos run in this process, for pytest's terminal summary.
 SUMMARIES: list[str] = []
@@ -97,6 +101,7 @@ class ChaosReport:
     seconds: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
     abandoned: int = 0
+    key_peaks: dict[str, int] = field(default_factory=dict)  # most running of a key seen
     fenced: int = 0  # attempts whose worker logged "lease lost ... nothing recorded"
     waited: int = 0  # run.waiting events: attempts that ended waiting for their delivery
     checker: Checker = field(default_factory=Checker)
@@ -121,7 +126,9 @@ class ChaosReport:
                 f"{self.workers_started} workers started, freezes={self.freezes} "
                 f"cancels={self.cancels} reaps={self.reaps} (failed {self.reap_failures}), "
                 f"abandoned attempts={self.abandoned}, stale attempts fenced off="
-                f"{self.fenced}, waits={self.waited}, outcomes={self.statuses}")
+                f"{self.fenced}, waits={self.waited}, outcomes={self.statuses}, "
+                f"key peaks={self.key_peaks} "
+                f"(limits {CHAOS_LIMITS})")
 
 
 def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
@@ -141,7 +148,7 @@ def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
         plan.append(PlannedRun("ordered", CHAOS_ORDERED, spec, scope=f"scope-{i // scope_size}",
                                fired_seq=i % scope_size))
     kinds = (["flaky"] * 14 + ["fatal"] * 6 + ["doomed"] * 4 + ["slow"] * 5
-             + ["waits"] * 8 + ["plain"] * 43)
+             + ["waits"] * 8 + ["plain"] * 27 + ["keyed"] * 12 + ["snoozy"] * 4)
     for _ in range(runs - n_ordered):
         kind = rng.choice(kinds)
         spec = base()
@@ -157,6 +164,12 @@ def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
         elif kind == "waits":
             agent = CHAOS_WAITS
             spec |= {"wait_at": rng.randrange(spec["steps"])}
+        elif kind == "keyed":  # limited keys; some meet a 429 that closes their key
+            spec |= {"key": rng.choice(sorted(CHAOS_LIMITS))}
+            if rng.random() < 0.2:
+                spec |= {"snooze_at": rng.randrange(spec["steps"]), "snoozes": 1}
+        elif kind == "snoozy":
+            spec |= {"snooze_at": rng.randrange(spec["steps"]), "snoozes": rng.randint(1, 3)}
         elif kind == "slow":
             agent = CHAOS_SLOW
             # Waits for the takeover; gives up (and is stopped or fenced off) after 10 s.
@@ -167,6 +180,44 @@ def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
             agent = CHAOS_ASYNC  # the same run as a coroutine, writing through the store
         plan.append(PlannedRun(kind, agent, spec, priority=priority))
     return plan
+
+
+class KeySampler:
+    """Samples, from the database while the chaos runs, how many runs of each limited key
+    are running: the invariant that a key's limit is never exceeded, at any moment."""
+
+    def __init__(self, limits: dict[str, int], every: float = 0.02) -> None:
+        self.limits = limits
+        self.every = every
+        self.samples = 0
+        self.peaks: dict[str, int] = dict.fromkeys(limits, 0)
+        self.violations: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="key-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.every):
+                counts = guarded(lambda: dict(
+                    AgentRun.objects.filter(status=Status.RUNNING, limit_key__in=self.limits)
+                    .order_by().values_list("limit_key").annotate(n=Count("id"))), None)
+                if counts is None:
+                    continue
+                self.samples += 1
+                for key, n in counts.items():
+                    self.peaks[key] = max(self.peaks[key], n)
+                    if n > self.limits[key] and len(self.violations) < 20:
+                        self.violations.append(f"{n} runs of key {key!r} running at once, "
+                                               f"its limit is {self.limits[key]}")
+        finally:
+            connection.close()  # this thread's own connection
 
 
 def guarded(func: Callable[[], T], default: T) -> T:
@@ -221,12 +272,20 @@ class Chaos:
         # One slow run every couple of seconds: a slow attempt holds a worker's slot until
         # it is taken over, and the takeover needs a free slot somewhere.
         self.slow = slow
+        for key, limit in CHAOS_LIMITS.items():
+            set_limit(key, limit)
         self._enqueue(ordered + rest[n_trickle:])
+        sampler = KeySampler(CHAOS_LIMITS)
+        sampler.start()
         try:
             self._chaos_phase()
             self._drain()
         finally:
+            sampler.stop()
             self._cleanup()
+        self.report.problems += sampler.violations
+        self.report.harness_checks += sampler.samples
+        self.report.key_peaks = sampler.peaks
         self.report.seconds = time.monotonic() - started
         self.report.runs = len(self.plan)
         self.report.checker = check_all(

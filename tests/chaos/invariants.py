@@ -35,8 +35,10 @@ from tests.testapp.models import SideEffect
 # Timestamps of one machine's clock, written by different processes: allow for a lease
 # keeper's renewal that computed its time a moment before an emit's renewal landed first.
 CLOCK_SLACK = timedelta(milliseconds=50)
-# run.interrupted ends an attempt too (the database was out of reach), spending no budget.
-SETTLING = {t.SUCCEEDED, t.RETRYING, t.DEAD_LETTERED, t.CANCELLED, t.INTERRUPTED}
+# run.interrupted (the database was out of reach, a graceful stop) and run.snoozed end an
+# attempt too, spending no budget.
+SETTLING = {t.SUCCEEDED, t.RETRYING, t.DEAD_LETTERED, t.CANCELLED, t.INTERRUPTED, t.SNOOZED}
+FREE = {t.INTERRUPTED, t.SNOOZED}
 TERMINAL_EVENTS = {t.SUCCEEDED: Status.SUCCEEDED, t.DEAD_LETTERED: Status.FAILED,
                    t.CANCELLED: Status.CANCELLED}
 ATTEMPT_WRITES = {"step", t.CHECKPOINT, t.CANCEL_REQUESTED}
@@ -52,7 +54,7 @@ TIMEOUT_ERROR = "django_agentruns.exceptions.AttemptTimeout"
 class PlannedRun:
     """What the harness asked of one run, so the outcome can be judged."""
 
-    kind: str  # plain | flaky | fatal | doomed | slow | ordered | waits
+    kind: str  # plain | flaky | fatal | doomed | slow | ordered | waits | keyed | snoozy
     agent: str
     input: dict[str, Any]
     scope: str = ""
@@ -166,14 +168,14 @@ def check_lifecycle(
     abandoned = False  # a run.abandoned awaits its retry / dead letter / cancel
     terminal: RunEvent | None = None
     requeues = 0
+    snoozes = 0
     cancel_requested = False
     checkpoints: list[int] = []
     for event in stream:
         where = f"{rid} event #{event.seq} {event.type} (attempt {event.attempt})"
         if not checker.check(terminal is None, f"{where} after its settlement {terminal}"):
             continue
-        if abandoned and not checker.check(event.type in SETTLING - {t.SUCCEEDED,
-                                                                     t.INTERRUPTED},
+        if abandoned and not checker.check(event.type in SETTLING - {t.SUCCEEDED} - FREE,
                                            f"{where} right after run.abandoned"):
             continue
         if event.type == t.STARTED:
@@ -231,6 +233,9 @@ def check_lifecycle(
                 checker.check(event.payload.get("requeue") == requeues,
                               f"{where}: payload says requeue {event.payload.get('requeue')}, "
                               f"the stream {requeues}")
+            elif event.type == t.SNOOZED:
+                snoozes += 1
+                checker.check(not cancel_requested, f"{where}: snoozed despite a cancel request")
             elif event.type != t.INTERRUPTED:
                 terminal = event
         else:
@@ -250,6 +255,8 @@ def check_lifecycle(
                   f"{rid}: row says attempt {run.attempt}, the stream {len(attempts)}")
     checker.check(run.requeue_count == requeues,
                   f"{rid}: requeue_count {run.requeue_count}, run.retrying events {requeues}")
+    checker.check(run.snooze_count == snoozes,
+                  f"{rid}: snooze_count {run.snooze_count}, run.snoozed events {snoozes}")
     checker.check(run.requeue_count <= run.max_requeues,
                   f"{rid}: requeue_count {run.requeue_count} over the budget {run.max_requeues}")
     checker.check(checkpoints == list(range(1, len(checkpoints) + 1)),

@@ -314,6 +314,7 @@ async def async_traced(ctx: RunContext) -> dict[str, Any]:
 from . import (  # noqa: E402,F401
     chaos_agents,
     failure_agents,
+    flow_agents,
     stream_agents,
     waiting_agents,
     writer_agents,

@@ -33,7 +33,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.db import transaction
 
-from django_agentruns import NotRetryable, Retryable, RunContext, agent
+from django_agentruns import NotRetryable, Retryable, RunContext, Snooze, agent
 from django_agentruns.models import AgentRun, Status
 
 from .models import SideEffect
@@ -72,6 +72,8 @@ def run_steps(ctx: RunContext) -> dict[str, Any]:
             payload = ctx.receive(WAIT_KEY)
             if payload != {"run": ctx.run_id}:
                 raise NotRetryable(f"received {payload!r}, not this run's payload")
+        if step == spec.get("snooze_at") and ctx.attempt <= int(spec.get("snoozes", 1)):
+            snooze(ctx, spec)
         if step == spec.get("fail_at"):
             if spec.get("fail") == "fatal":
                 raise NotRetryable(f"fatal failure at step {step}")
@@ -82,6 +84,27 @@ def run_steps(ctx: RunContext) -> dict[str, Any]:
         record_step(ctx, step)
     slow_down(ctx, steps)
     return {"steps": steps}
+
+
+class ChaosRateLimit(Exception):
+    """An OpenAI-style 429 with a Retry-After: snoozes the run and closes its key."""
+
+    status_code = 429
+
+    def __init__(self, attempt: int) -> None:
+        super().__init__(f"rate limited on attempt {attempt}")
+        self.response = type("Response", (), {"headers": {"Retry-After": "0.1"}})()
+
+
+def snooze(ctx: RunContext, spec: dict[str, Any]) -> None:
+    """A snoozing run: `Snooze`, or a 429 with Retry-After for a run with a limit key."""
+    if spec.get("key"):
+        raise ChaosRateLimit(ctx.attempt)
+    raise Snooze(0.05, f"snoozed on attempt {ctx.attempt}")
+
+
+def chaos_key(input: Any) -> str | None:
+    return input.get("key") if isinstance(input, dict) else None
 
 
 def slow_down(ctx: RunContext, step: int) -> None:
@@ -99,7 +122,7 @@ def slow_down(ctx: RunContext, step: int) -> None:
         time.sleep(0.02)
 
 
-@agent(CHAOS, max_requeues=CHAOS_MAX_REQUEUES)
+@agent(CHAOS, max_requeues=CHAOS_MAX_REQUEUES, limit_key=chaos_key)
 def chaos(ctx: RunContext) -> dict[str, Any]:
     return run_steps(ctx)
 

@@ -10,7 +10,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
 
-from django_agentruns import approve, enqueue
+from django_agentruns import approve, enqueue, set_limit
 from django_agentruns.models import AgentRun
 
 TOPICS = ["agent runs", "job queues"]
@@ -40,6 +40,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, timeout: float, **options: Any) -> None:
+        set_limit("demo-llm", 2)  # at most 2 runs of the key at once, on every worker
         # One transaction, like an app enqueueing alongside its own writes: all or nothing.
         with transaction.atomic():
             runs = [
@@ -47,6 +48,9 @@ class Command(BaseCommand):
                 *(enqueue("demo.flaky_tool", input={"city": city}) for city in CITIES),
                 *(enqueue("demo.async_summarise", input={"text": text}) for text in TEXTS),
                 enqueue("demo.refund", input={"order": 1042, "amount": 80}),
+                enqueue("demo.llm_chain", input={"steps": 2, "rate_limited": True}),
+                enqueue("demo.llm_chain", input={"steps": 2}),
+                enqueue("demo.llm_chain", input={"steps": 4}),  # passes its token budget
             ]
         refund = runs[-1].pk
         ids = [run.pk for run in runs]
@@ -81,6 +85,10 @@ class Command(BaseCommand):
                 "\n"
                 + style(f"run {run.pk}  {run.agent}  {run.status}")
                 + f"  attempts={run.attempt}"
+                + (f"  reason={run.reason}" if run.status == "failed" else "")
+                + (f"  key={run.limit_key}" if run.limit_key else "")
+                + (f"  tokens={run.input_tokens + run.output_tokens} cost={run.cost:g}"
+                   if run.input_tokens or run.output_tokens else "")
             )
             self.stdout.write(f"  output: {_short(run.output, 100)}")
             self.stdout.write(f"  {'seq':>4}  {'att':>3}  {'type':<16} payload")

@@ -1,0 +1,161 @@
+"""Limits per key: the claim of runs whose key has a row in the limits table, and the
+writes of that table (a limit set, a key closed by a 429).
+
+A run with a limit key is claimed here only if its key has a row; a key with none is
+unlimited, and the ordinary claim takes its runs with the rest (its due query skips every
+key that has a row, in the same statement, so the two never both take a key's runs).
+
+Race-free across workers: the claim locks the key's row (FOR UPDATE on PostgreSQL, the
+database's write lock on SQLite), then counts the key's running runs in a statement that
+starts after the lock is held (READ COMMITTED: a fresh snapshot), and starts at most the
+room left, all in one transaction. Another worker claiming the same key waits on the row
+lock and then counts what this one started.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import datetime
+
+from django.db import transaction
+from django.db.models import Count, Exists, OuterRef, Q
+
+from ..db import is_postgres, retry_on_lock
+from ..limits import effective_limit, settings_limits
+from ..models import AgentLimit, AgentRun, Status
+from ..outcomes import ScopePolicy
+from .claiming import _announce_started, _start
+from .due import claim_row, due_queued, recheck_order
+from .events import STARTED, append_events, lifecycle, now
+
+
+def open_at(at: datetime) -> Q:
+    """Limits rows whose key is not closed at `at`."""
+    return Q(closed_until__isnull=True) | Q(closed_until__lte=at)
+
+
+def limits_in_use() -> bool:
+    """Whether any key has a row, so that the limited claim has anything to look at."""
+    return AgentLimit.objects.exists()
+
+
+@retry_on_lock()
+def claim_limited(
+    worker_id: str,
+    queues: Sequence[str],
+    limit: int,
+    scopes: ScopePolicy,
+    lease_ttls: dict[str, float],
+    default_ttl: float,
+    at: datetime | None = None,
+    *,
+    agents: frozenset[str] | None = None,
+) -> list[AgentRun]:
+    """Take up to `limit` due runs of limited (or closed) keys for `worker_id`, never more
+    of a key than its limit leaves room for, and none of a closed key."""
+    at = at or now()
+    if limit <= 0 or (agents is not None and not agents):
+        return []
+    due = AgentRun.objects.due(queues, at).of_agents(agents)
+    keys = list(AgentLimit.objects.filter(open_at(at)).filter(
+        Exists(due.filter(limit_key=OuterRef("key")))).values_list("key", flat=True))
+    if not keys:
+        return []  # the common case: no transaction at all
+    claimed: list[AgentRun] = []
+    with transaction.atomic():
+        rows = AgentLimit.objects.filter(key__in=keys).order_by("key")
+        if is_postgres():
+            rows = rows.select_for_update()  # in key order: claimers never deadlock
+        locked = list(rows.values_list("key", "max_running", "closed_until"))
+        # After the locks: a fresh snapshot, which sees what other claimers committed.
+        running = dict(AgentRun.objects.filter(status=Status.RUNNING, limit_key__in=keys)
+                       .values_list("limit_key").annotate(n=Count("id")).order_by())
+        for key, max_running, closed_until in locked:
+            if closed_until is not None and closed_until > at:
+                continue  # closed since the keys were read
+            cap = effective_limit(key, max_running)
+            room = limit - len(claimed)
+            if cap is not None:
+                room = min(room, cap - running.get(key, 0))
+            if room > 0:
+                claimed += _start_key(worker_id, key, queues, room, scopes, lease_ttls,
+                                      default_ttl, at, agents)
+            if len(claimed) >= limit:
+                break
+        append_events([lifecycle(r.pk, STARTED, r.attempt, worker=worker_id)
+                       for r in claimed], at)
+        _announce_started(claimed, worker_id)
+    return claimed
+
+
+def _start_key(
+    worker_id: str, key: str, queues: Sequence[str], room: int, scopes: ScopePolicy,
+    lease_ttls: dict[str, float], default_ttl: float, at: datetime,
+    agents: frozenset[str] | None,
+) -> list[AgentRun]:
+    qs = due_queued(queues, at, scopes, agents).filter(limit_key=key)
+    if is_postgres():
+        qs = qs.select_for_update(skip_locked=True, of=("self",))
+    picked = list(qs[:room])
+    ids = [c["id"] for c in recheck_order([claim_row(r) for r in picked], scopes)]
+    return _start(worker_id, ids, {r.pk: r.agent for r in picked}, lease_ttls, default_ttl,
+                  at, read_back=picked)
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def write_limit(key: str, max_running: int | None, at: datetime | None = None) -> None:
+    """Set (or, with None, clear) a key's limit; its row stays, so its closure too."""
+    at = at or now()
+    AgentLimit.objects.update_or_create(key=key, defaults={"max_running": max_running,
+                                                           "updated_at": at})
+
+
+def close_key(key: str, until: datetime, reason: str, at: datetime | None = None) -> None:
+    """No run of `key` starts before `until`, on any worker (a provider's 429). A later
+    closure wins; an earlier one leaves it. Joins the caller's transaction."""
+    at = at or now()
+    AgentLimit.objects.get_or_create(key=key, defaults={"updated_at": at})
+    AgentLimit.objects.filter(Q(closed_until__isnull=True) | Q(closed_until__lt=until),
+                              key=key).update(closed_until=until, closed_reason=reason[:255],
+                                              updated_at=at)
+
+
+def seed_settings_limits() -> None:
+    """A row for each key of the LIMITS setting, so that its runs go through the limited
+    claim (a row's own `max_running` stays: set_limit overrides the setting)."""
+    keys = settings_limits()
+    if keys:
+        AgentLimit.objects.bulk_create([AgentLimit(key=k) for k in keys], ignore_conflicts=True)
+
+
+class LimitedClaim:
+    """A worker's claim of the runs of keys with a limits row (`claim_limited`).
+
+    Whether any key has a row is read at most once per `refresh` seconds: until then a new
+    row only delays its key's runs (the ordinary claim skips them in its own statement),
+    never lets one past its limit. `seed` gives the LIMITS setting's keys their rows, at
+    the worker's start.
+    """
+
+    def __init__(self, refresh: float = 1.0) -> None:
+        self.refresh = refresh
+        self._read_at = float("-inf")
+        self._in_use = False
+
+    def seed(self) -> None:
+        seed_settings_limits()
+
+    def claim(self, worker_id: str, queues: Sequence[str], batch: int, scopes: ScopePolicy,
+              ttls: dict[str, float], default_ttl: float,
+              agents: frozenset[str] | None) -> list[AgentRun]:
+        now = time.monotonic()
+        if now - self._read_at >= self.refresh:
+            self._in_use = limits_in_use()
+            self._read_at = now
+        if not self._in_use or batch <= 0:
+            return []
+        return claim_limited(worker_id, queues, batch, scopes, ttls, default_ttl,
+                             agents=agents)

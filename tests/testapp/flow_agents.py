@@ -1,0 +1,86 @@
+"""Agents of flow control (limits per key, snoozes, budgets): tests/test_snooze.py,
+test_key_limits.py and test_budgets.py."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from django_agentruns import RunContext, Snooze, agent
+
+
+class RateLimitError(Exception):
+    """Shaped like an OpenAI-style client's error: a status and a response with headers."""
+
+    def __init__(self, status: int, retry_after: str | None) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status_code = status
+        self.response = type("Response", (), {
+            "status_code": status,
+            "headers": {} if retry_after is None else {"retry-after": retry_after}})()
+
+
+def _key(input: Any) -> str | None:
+    return input.get("key") if isinstance(input, dict) else None
+
+
+@agent("tests.rate_limited", limit_key=_key, max_requeues=3)
+def rate_limited(ctx: RunContext) -> dict[str, Any]:
+    """A 429 with `Retry-After: input["retry_after"]` (default "1") on its first
+    input["limited"] attempts (default: always), then succeeds."""
+    if ctx.attempt <= int(ctx.input.get("limited", 10**6)):
+        raise RateLimitError(int(ctx.input.get("status", 429)),
+                             str(ctx.input.get("retry_after", "1")))
+    return {"attempt": ctx.attempt}
+
+
+@agent("tests.snoozer", max_requeues=1)
+def snoozer(ctx: RunContext) -> dict[str, Any]:
+    """`raise Snooze(input["delay"])` on its first input["times"] attempts."""
+    if ctx.attempt <= int(ctx.input.get("times", 1)):
+        raise Snooze(ctx.input.get("delay", 0))
+    return {"attempt": ctx.attempt}
+
+
+@agent("tests.keyed", limit_key=_key)
+def keyed(ctx: RunContext) -> dict[str, Any]:
+    """Runs input["seconds"] (default 0.2) with heartbeats; its key is input["key"]."""
+    deadline = time.monotonic() + float(ctx.input.get("seconds", 0.2))
+    while time.monotonic() < deadline:
+        ctx.heartbeat()
+        time.sleep(0.02)
+    return {"key": ctx.input.get("key")}
+
+
+@agent("tests.keyed_openai", limit_key="openai")
+def keyed_openai(ctx: RunContext) -> None:
+    """Has a fixed key, which enqueue(limit_key=...) may override."""
+
+
+@agent("tests.spender", budget={"tokens": 1000})
+def spender(ctx: RunContext) -> dict[str, Any]:
+    """input["steps"] steps (default 5), each recording 400 tokens then checkpointing."""
+    state = ctx.state or {"step": 0}
+    for step in range(state["step"], int(ctx.input.get("steps", 5))):
+        ctx.record_usage(input_tokens=300, output_tokens=100, cost=0.01, model="gpt-test")
+        ctx.checkpoint({"step": step + 1})
+    return {"steps": ctx.state["step"] if ctx.state else 0}
+
+
+@agent("tests.async_spender", budget={"cost": 0.025})
+async def async_spender(ctx: RunContext) -> dict[str, Any]:
+    """As tests.spender, async, with a cost budget."""
+    state = ctx.state or {"step": 0}
+    for step in range(state["step"], int(ctx.input.get("steps", 5))):
+        await ctx.arecord_usage(input_tokens=300, output_tokens=100, cost=0.01, model="m")
+        await ctx.acheckpoint({"step": step + 1})
+    return {"done": True}
+
+
+def _broken_key(input: Any) -> str:
+    raise KeyError("tenant")
+
+
+@agent("tests.keyed_broken", limit_key=_broken_key)
+def keyed_broken(ctx: RunContext) -> None:
+    """Its limit_key callable raises: enqueue refuses the run."""
