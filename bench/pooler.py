@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 
 from bench.engines import OURS, Engine
 from bench.pg import SERVER_URL, TEMPLATE, Admin, db_url
-from bench.run import FULL, RUN_DB, PgTarget, Plan, latency, log, run_trial
+from bench.harness import RUN_DB, PgTarget, log, run_trial
+from bench.run import FULL, Plan, latency
 from tests.pgbouncer import PgBouncer, binary
 
 POOLED = "BENCH_LISTEN_URL"
