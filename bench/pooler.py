@@ -21,8 +21,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from bench.engines import OURS, Engine
-from bench.pg import SERVER_URL, TEMPLATE, Admin, db_url
 from bench.harness import RUN_DB, PgTarget, log, run_trial
+from bench.pg import SERVER_URL, TEMPLATE, Admin, db_url
 from bench.run import FULL, Plan, latency
 from tests.pgbouncer import PgBouncer, binary
 
