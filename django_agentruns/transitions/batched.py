@@ -35,7 +35,7 @@ from .attempts import checkpoint, emit, renew
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded, settle_succeeded
 from .snoozing import record_usage, record_usage_in
-from .waiting import children_settled
+from .waiting import parents_settled
 
 
 @dataclass(frozen=True)
@@ -256,10 +256,11 @@ def _succeed(writes: Sequence[Write], positions: list[int], results: list[Result
                                               with_events=False)
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
-            done = {row[0] for row in cursor.fetchall()}
+            settled: dict[int, int | None] = dict(cursor.fetchall())  # id: parent_id
+        done = set(settled)
         ended += [(run_id, SUCCEEDED, {}, attempt, event_id)
                   for run_id, attempt, _, event_id in rows if run_id in done]
-        children_settled(done, at)
+        parents_settled(settled.values(), at)
         _announce_succeeded(items, done)
         for i, (ref, _) in zip(group, items, strict=True):
             results[i] = Settlement.SUCCEEDED if ref.run_id in done else Settlement.LOST

@@ -209,8 +209,9 @@ def settle_succeeded(
 ) -> tuple[str, list[Any]]:
     """Mark (run_id, attempt, output, event_id) rows succeeded where the fence holds.
 
-    Returns the ids it updated: the rest lost their lease meanwhile. `with_events`
-    (PostgreSQL) appends their end events in the same statement.
+    Returns (id, parent_id) of the runs it updated: the rest lost their lease meanwhile;
+    a parent id says a waiting parent may need resuming, with no read to find out.
+    `with_events` (PostgreSQL) appends their end events in the same statement.
     """
     table = qn(AgentRun._meta.db_table)
     params: list[Any] = []
@@ -225,11 +226,12 @@ def settle_succeeded(
               f"AND {table}.status = %s AND {table}.claimed_by = %s ")
     head = f"WITH v (run_id, run_attempt, run_output, run_event) AS (VALUES {rows}) "
     if not with_events:
-        return f"{head}{update}RETURNING {table}.id", params
+        return f"{head}{update}RETURNING {table}.id, {table}.parent_id", params
     params += [event_type, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at)]
-    return (f"{head}, done AS ({update}RETURNING {table}.id, {table}.attempt), "
+    return (f"{head}, done AS ({update}RETURNING {table}.id, {table}.attempt, "
+            f"{table}.parent_id), "
             f"ended AS ({_events_from('done', 'done_v.run_event', 'done_v')}) "
-            f"SELECT id FROM done"), params
+            f"SELECT id, parent_id FROM done"), params
 
 
 def _events_from(rows: str, event_id: str, join: str = "") -> str:

@@ -54,34 +54,35 @@ def settle_succeeded_many(
             any(ref.worker_id != worker_id for ref, _ in items):
         raise ValueError("a batch settles distinct runs of one worker")
     rows = [(ref.run_id, ref.attempt, output, lifecycle_event_id()) for ref, output in items]
-    done: set[int] | None = None
+    settled: dict[int, int | None] | None = None
     if is_postgres() and not connection.in_atomic_block:
         # One statement, committed on its own: the UPDATE and the end events together.
-        done = _succeed_in_one_statement(worker_id, rows, at)
-    if done is None:
+        settled = _succeed_in_one_statement(worker_id, rows, at)
+    if settled is None:
         sql, params = rawsql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
                                               Reason.COMPLETED, SUCCEEDED, at,
                                               with_events=False)
         with transaction.atomic():
             with connection.cursor() as cursor:
                 cursor.execute(sql, params)
-                done = {row[0] for row in cursor.fetchall()}
+                settled = dict(cursor.fetchall())
             append_events([(run_id, SUCCEEDED, {}, attempt, event_id)
-                            for run_id, attempt, _, event_id in rows if run_id in done], at)
-            waiting.children_settled(done, at)
-            _announce_succeeded(items, done)
+                            for run_id, attempt, _, event_id in rows if run_id in settled], at)
+            waiting.parents_settled(settled.values(), at)
+            _announce_succeeded(items, set(settled))
     else:
         # Committed already: parents waiting on these runs are resumed just after (and by
         # the reaper, should this worker die in between).
-        waiting.resume_parents(done, at)
-        _announce_succeeded(items, done)
+        waiting.resume_parents(settled.values(), at)
+        _announce_succeeded(items, set(settled))
+    done = set(settled)
     return {ref: Settlement.SUCCEEDED if ref.run_id in done else Settlement.LOST
             for ref, _ in items}
 
 
 def _succeed_in_one_statement(
     worker_id: str, rows: list[tuple[int, int, Any, uuid.UUID]], at: datetime
-) -> set[int] | None:
+) -> dict[int, int | None] | None:
     """None when an event of these runs was appended after the statement's snapshot (an
     operator's cancel request, racing): its seq collided, nothing was written, and the
     caller writes in two statements instead, the second seeing that event."""
@@ -90,7 +91,7 @@ def _succeed_in_one_statement(
     try:
         with rawsql.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
             cursor.execute(sql, params)
-            return {row[0] for row in cursor.fetchall()}
+            return dict(cursor.fetchall())  # id: parent_id
     except IntegrityError:
         return None
 

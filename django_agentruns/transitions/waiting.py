@@ -219,7 +219,13 @@ def spawn(ref: AttemptRef, key: str, new: NewRun,
 def children_settled(run_ids: Iterable[int], at: datetime) -> None:
     """Inside the transaction that finished `run_ids`: resume each parent whose wait for
     children they ended. One indexed read; nothing more for runs without a parent."""
-    for parent_id in _parents_of(run_ids):
+    parents_settled(_parents_of(run_ids), at)
+
+
+def parents_settled(parent_ids: Iterable[int | None], at: datetime) -> None:
+    """`children_settled` for a caller that knows the finished runs' parents already (a
+    settle's RETURNING): no read at all when none has a parent, as most runs have not."""
+    for parent_id in sorted({p for p in parent_ids if p is not None}):
         _resume_if_children_done(parent_id, at)
 
 
@@ -233,14 +239,13 @@ def _parents_of(run_ids: Iterable[int]) -> list[int]:
 
 
 @retry_on_lock()
-def resume_parents(run_ids: Iterable[int], at: datetime | None = None) -> None:
-    """`children_settled` after a one-statement settle that committed on its own: the read
-    first, and a transaction only for runs that have a parent."""
-    parents = _parents_of(run_ids)
+def resume_parents(parent_ids: Iterable[int | None], at: datetime | None = None) -> None:
+    """`parents_settled` after a one-statement settle that committed on its own: a
+    transaction only when some finished run has a parent."""
+    parents = [p for p in parent_ids if p is not None]
     if parents:
         with transaction.atomic():
-            for parent_id in parents:
-                _resume_if_children_done(parent_id, at or now())
+            parents_settled(parents, at or now())
 
 
 def _resume_if_children_done(parent_id: int, at: datetime) -> bool:
