@@ -205,8 +205,11 @@ class AttemptStore:
             try:
                 connection.ensure_connection()
                 opened = connection.connection
-                with transaction.atomic():
-                    results = self._apply(writes)
+                if batched.only_successes(writes):
+                    results = self._apply(writes)  # a statement of its own (see apply_writes)
+                else:
+                    with transaction.atomic():
+                        results = self._apply(writes)
             except DatabaseError as exc:
                 if is_transient_lock_error(exc) and locks < self._lock_retries - 1:
                     locks += 1

@@ -33,7 +33,7 @@ from ..outcomes import AttemptRef, Renewal, Settlement, UsageTotals
 from . import rawsql
 from .attempts import checkpoint, emit, renew
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
-from .settling import _announce_succeeded, settle_succeeded
+from .settling import _announce_succeeded, settle_succeeded, settle_succeeded_many
 from .snoozing import record_usage, record_usage_in
 from .waiting import parents_settled
 
@@ -105,12 +105,20 @@ Event = tuple[int, str, dict[str, Any], int, uuid.UUID]
 def apply_writes(writes: Sequence[Write], at: datetime | None = None) -> list[Result]:
     """Apply `writes` in the current transaction; one result per write, in order.
 
-    Must run inside `transaction.atomic()` (the caller commits them together). The effect
+    Must run inside `transaction.atomic()` (the caller commits them together), unless the
+    writes are successes alone (`only_successes`): those commit in a statement of their
+    own, one on PostgreSQL, as a worker's successes did before the store. The effect
     is that of applying them one after another: writes to distinct runs are applied
     together, and a second write to a run starts a new round after the first.
     """
     if not connection.in_atomic_block:
-        raise RuntimeError("apply_writes runs inside the caller's transaction")
+        if not only_successes(writes):
+            raise RuntimeError("apply_writes runs inside the caller's transaction")
+        # Successes alone (a no-op agent's only write): settle_succeeded_many's own
+        # statement, one on PostgreSQL, committed on its own.
+        items = [(w.ref, w.output) for w in writes if isinstance(w, SucceedWrite)]
+        settled = settle_succeeded_many(items[0][0].worker_id, items, at)
+        return [settled[ref] for ref, _ in items]
     at = at or now()
     results: list[Result | None] = [None] * len(writes)
     round_: list[int] = []
@@ -125,6 +133,14 @@ def apply_writes(writes: Sequence[Write], at: datetime | None = None) -> list[Re
     done = [r for r in results if r is not None]
     assert len(done) == len(writes), "every write has its result"
     return done
+
+
+def only_successes(writes: Sequence[Write]) -> bool:
+    """Whether `writes` are successes of distinct runs of one worker: what
+    `settle_succeeded_many` writes in one statement of its own, outside a transaction."""
+    return bool(writes) and all(isinstance(w, SucceedWrite) for w in writes) \
+        and len({w.ref.run_id for w in writes}) == len(writes) \
+        and len({w.ref.worker_id for w in writes}) == 1
 
 
 def _apply_round(writes: Sequence[Write], positions: list[int],
