@@ -93,7 +93,8 @@ def test_a_step_out_of_retries_fails_the_attempt(transactional_db: None) -> None
     assert (run.status, run.reason) == (Status.FAILED, Reason.RETRIES_EXHAUSTED)
     assert len(executions(run.pk)) == 2
     step = RunStep.objects.get(run=run)
-    assert step.status == "failed" and "blip" in step.error
+    assert step.status == "failed"
+    assert "blip" in step.error
 
 
 def test_a_not_retryable_error_is_not_retried_by_the_step(transactional_db: None) -> None:
@@ -113,7 +114,7 @@ def test_a_sync_step_past_its_timeout_is_failed_and_its_late_result_discarded(
     assert run.error_type == "django_agentruns.exceptions.StepTimeout"
     assert f"run-{run.pk}/slow/1" in run.error_message
     step = RunStep.objects.get(run=run)
-    assert step.status == "failed" and step.result is None
+    assert (step.status, step.result) == ("failed", None)
     # The thread ran on and returned later: its result is nowhere.
     helpers.wait_until(lambda: "late" in executions(run.pk), message="the thread to end")
     step.refresh_from_db()
@@ -162,7 +163,8 @@ def test_the_cap_on_steps_per_run(transactional_db: None, settings: Any) -> None
     burst()
     run.refresh_from_db()
     assert run.status == Status.FAILED
-    assert "MAX_STEPS_PER_RUN" in run.error_message and "'draft'" in run.error_message
+    assert "MAX_STEPS_PER_RUN" in run.error_message
+    assert "'draft'" in run.error_message
     assert RunStep.objects.filter(run=run).count() == 2
 
 

@@ -247,8 +247,8 @@ def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
         except BaseException as exc:
             box["error"] = exc
         finally:
-            finished.set()
             close_all_connections()  # this thread is the step's alone
+            finished.set()
 
     threading.Thread(target=execute, daemon=True, name=f"agentruns-step-{step.key}"[:60]).start()
     if not finished.wait(timeout):

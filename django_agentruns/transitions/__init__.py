@@ -29,7 +29,7 @@ from __future__ import annotations
 from .. import policy
 from ..outcomes import AttemptRef, CancelResult, ErrorInfo, Renewal, ScopePolicy, Settlement
 from . import waiting
-from .attempts import checkpoint, emit, renew, renew_many
+from .attempts import checkpoint, emit, migrate_version, renew, renew_many
 from .batched import (
     CheckpointWrite,
     EmitWrite,
@@ -87,8 +87,9 @@ __all__ = [
     "apply_alone", "apply_writes", "awaited", "cancel", "checkpoint", "claim",
     "claim_limited", "close_key", "due_elsewhere", "due_queued", "emit", "emitted_event_id",
     "end_step", "exhaust_budget", "find_stale", "insert_fork", "insert_runs", "interrupt",
-    "lapsed", "lifecycle_event_id", "limits_in_use", "now", "operator_retry", "policy",
-    "reap_one", "record_usage", "renew", "renew_many", "seed_settings_limits",
-    "settle_cancelled", "settle_failed", "settle_succeeded", "settle_succeeded_many",
-    "snooze", "start_interactive", "start_step", "waiting", "write_limit",
+    "lapsed", "lifecycle_event_id", "limits_in_use", "migrate_version", "now",
+    "operator_retry", "policy", "reap_one", "record_usage", "renew", "renew_many",
+    "seed_settings_limits", "settle_cancelled", "settle_failed", "settle_succeeded",
+    "settle_succeeded_many", "snooze", "start_interactive", "start_step", "waiting",
+    "write_limit",
 ]

@@ -18,6 +18,16 @@ def executed(ctx: RunContext, step: int, note: str = "") -> None:
                               note=note or str(ctx.step_key))
 
 
+def executed_off_loop(ctx: RunContext, step: int, note: str) -> None:
+    """`executed` on a thread of the loop's executor, whose connection is closed after."""
+    from django.db import connection
+
+    try:
+        executed(ctx, step, note)
+    finally:
+        connection.close()
+
+
 def executions(run_id: int, step: int | None = None) -> list[str]:
     qs = SideEffect.objects.filter(run_id=run_id).order_by("id")
     if step is not None:
@@ -103,7 +113,7 @@ def step_loop(ctx: RunContext) -> dict[str, Any]:
 async def async_step_chain(ctx: RunContext) -> dict[str, Any]:
     """input: {"n": steps, "timeout": s, "sleep": s}: async steps (astep)."""
     async def call(i: int) -> dict[str, Any]:
-        await asyncio.to_thread(executed, ctx, i, str(ctx.step_key))
+        await asyncio.to_thread(executed_off_loop, ctx, i, str(ctx.step_key))
         await asyncio.sleep(float(ctx.input.get("sleep", 0)))
         return {"i": i, "key": ctx.step_key}
 
@@ -111,3 +121,11 @@ async def async_step_chain(ctx: RunContext) -> dict[str, Any]:
     for i in range(int(ctx.input.get("n", 3))):
         results.append(await ctx.astep("call", call, i, timeout=ctx.input.get("timeout")))
     return {"results": results}
+
+
+@agent("tests.step_chain_more")
+def step_chain_more(ctx: RunContext) -> dict[str, Any]:
+    """tests.step_chain's steps, then one more that it never had: a changed agent a
+    replaying fork runs against the recorded steps."""
+    chained = step_chain(ctx)
+    return {**chained, "review": ctx.step("review", lambda: executed(ctx, 99) or "fine")}
