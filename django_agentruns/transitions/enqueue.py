@@ -230,9 +230,11 @@ def insert_fork(
                     f"SELECT %s, number, state, created_at FROM {table} "
                     f"WHERE run_id = %s AND number <= %s", [run.pk, origin_id, n])
         _copy_steps(origin_id, run.pk, None if replay else n)
+        extra: dict[str, Any] = {"replay": True} if replay else {}
+        if run.agent != origin.agent:
+            extra["agent"] = run.agent
         append_events([lifecycle(run.pk, FORKED, 0, origin=origin_id, checkpoint=n, by=by,
-                                 input_replaced=input is not None, replay=replay,
-                                 agent=run.agent)], at)
+                                 input_replaced=input is not None, **extra)], at)
     return run
 
 
