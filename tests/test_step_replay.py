@@ -142,3 +142,16 @@ def test_a_run_of_a_newer_version_is_not_claimed_by_an_older_worker(
     assert (run.status, run.attempt) == (Status.QUEUED, 0)  # queued, never waiting
     [hold] = [h for h in why_not_started(run) if h.code == VERSION]
     assert "version 3" in hold.message and "version 2" in hold.message
+
+
+def test_a_runs_steps_are_purged_with_it(transactional_db: None) -> None:
+    from datetime import timedelta
+
+    from django_agentruns.retention import purge
+
+    origin = recorded_run(2)
+    replay = fork(origin.pk, replay=True)
+    AgentRun.objects.filter(pk=origin.pk).update(finished_at=origin.finished_at - timedelta(days=60))
+    assert purge(timedelta(days=30)).runs == 1
+    assert not RunStep.objects.filter(run_id=origin.pk).exists()
+    assert RunStep.objects.filter(run=replay).count() == 2  # the fork's copies stay
