@@ -10,12 +10,15 @@ claims it, or leaves it for a worker with the old code.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 
 from django_agentruns import agent, deliver, enqueue, fork, transitions
+from django_agentruns.checks import check_pinned_versions
 from django_agentruns.models import AgentRun, RunEvent, RunStep, Status
 from django_agentruns.registry import unregister
 from django_agentruns.transitions.due import compiled_due
@@ -126,6 +129,12 @@ def test_an_older_run_without_a_migrate_waits_for_the_old_code(
     assert (run.status, run.agent_version) == (Status.QUEUED, 1)
     [hold] = [h for h in why_not_started(run) if h.code == VERSION]
     assert "no migrate" in hold.message
+    out = io.StringIO()
+    call_command("agentruns_versions", stdout=out)
+    assert "tests.versioned v1: 1 unfinished run, version 2 here has no migrate" in \
+        out.getvalue()
+    [warning] = check_pinned_versions(databases=["default"])
+    assert warning.id == "agentruns.W009"
     versioned(1)  # a worker with the old code finishes it
     burst()
     assert AgentRun.objects.get(pk=run.pk).status == Status.SUCCEEDED
@@ -141,7 +150,8 @@ def test_a_run_of_a_newer_version_is_not_claimed_by_an_older_worker(
     run.refresh_from_db()
     assert (run.status, run.attempt) == (Status.QUEUED, 0)  # queued, never waiting
     [hold] = [h for h in why_not_started(run) if h.code == VERSION]
-    assert "version 3" in hold.message and "version 2" in hold.message
+    assert "version 3" in hold.message
+    assert "version 2" in hold.message
 
 
 def test_a_runs_steps_are_purged_with_it(transactional_db: None) -> None:
@@ -151,7 +161,9 @@ def test_a_runs_steps_are_purged_with_it(transactional_db: None) -> None:
 
     origin = recorded_run(2)
     replay = fork(origin.pk, replay=True)
-    AgentRun.objects.filter(pk=origin.pk).update(finished_at=origin.finished_at - timedelta(days=60))
+    assert origin.finished_at is not None
+    AgentRun.objects.filter(pk=origin.pk).update(
+        finished_at=origin.finished_at - timedelta(days=60))
     assert purge(timedelta(days=30)).runs == 1
     assert not RunStep.objects.filter(run_id=origin.pk).exists()
     assert RunStep.objects.filter(run=replay).count() == 2  # the fork's copies stay
