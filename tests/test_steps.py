@@ -256,3 +256,27 @@ def test_a_sigkill_inside_a_step_repeats_it_once_with_the_same_key(
     assert executions(run.pk) == [key + "1", key + "2", key + "2", key + "3"]
     assert steps_of(run) == [("call", 1, "done", 1), ("call", 2, "done", 2),
                              ("call", 3, "done", 2)]
+
+
+def test_the_guides_examples_run_as_printed(transactional_db: None) -> None:
+    import re
+
+    from django_agentruns import run_now
+    from django_agentruns.registry import unregister
+
+    guide = (helpers.REPO_ROOT / "docs" / "steps.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
+    for block in blocks:
+        compile(block, "docs/steps.md", "exec")
+    try:
+        exec(blocks[0], {})
+        exec(blocks[2], {})
+        assert run_now("support.triage", {"message": "hi"}) == {
+            "verdict": "answer to 'Classify: hi'", "ticket": 1234}
+        run = AgentRun.objects.get(agent="support.triage")
+        assert [s.name for s in RunStep.objects.filter(run=run)] == ["classify", "ticket"]
+        assert run.input_tokens == 120
+        assert run_now("support.summarise") == {"done": 0}
+    finally:
+        unregister("support.triage")
+        unregister("support.summarise")
