@@ -73,7 +73,7 @@ def python_blocks(path: Path) -> list[Block]:
 class _Ticket:
     """`Ticket.objects.create(...)`: a row of the reader's own model."""
 
-    class objects:  # noqa: N801 (a model's manager)
+    class objects:  # a model's manager, by its name
         ids = itertools.count(7)
 
         @classmethod
