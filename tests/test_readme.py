@@ -101,9 +101,17 @@ def _openai_stand_in() -> types.ModuleType:
     class RateLimitError(APIStatusError):
         status_code = 429
 
+    def create(**request: Any) -> types.SimpleNamespace:
+        usage = types.SimpleNamespace(prompt_tokens=120, completion_tokens=30, total_tokens=150)
+        message = types.SimpleNamespace(content="It ships today.")
+        return types.SimpleNamespace(usage=usage, model=request["model"],
+                                     choices=[types.SimpleNamespace(message=message)])
+
     class OpenAI:
+        """A client whose every completion answers the same, with its usage."""
+
         def __init__(self, **options: Any) -> None:
-            self.options = options
+            self.chat = types.SimpleNamespace(completions=types.SimpleNamespace(create=create))
 
     module.APIStatusError = APIStatusError  # type: ignore[attr-defined]
     module.RateLimitError = RateLimitError  # type: ignore[attr-defined]
@@ -234,6 +242,17 @@ def test_the_approval_example_waits_then_refunds_what_was_approved() -> None:
     run = AgentRun.objects.get(pk=run.pk)
     assert run.output == {"refunded": 20, "approved_by": "alice"}
     assert paid == [{"order": 42, "amount": 20}]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_provider_example_records_its_usage() -> None:
+    with run_document(helpers.REPO_ROOT / "docs/providers-limits-budgets.md") as namespace:
+        drain(["default"])
+    run = AgentRun.objects.get(pk=namespace["run"].pk)
+    assert (run.status, run.output) == ("succeeded", {"text": "It ships today."})
+    assert (run.limit_key, run.input_tokens, run.output_tokens) == ("openai", 120, 30)
+    assert run.cost == pytest.approx(150 * 0.15e-6)
+    assert run.events.filter(type="run.usage").count() == 1
 
 
 @pytest.mark.django_db(transaction=True)
