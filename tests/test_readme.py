@@ -210,6 +210,30 @@ def test_the_docs_have_examples_and_mark_what_is_shown_only() -> None:
             "waits-and-approvals.md", "django-tasks.md"} <= set(run)
 
 
+def anchors(path: Path) -> set[str]:
+    """The ids GitHub gives a file's headings (lowercased, punctuation dropped, spaces to -)."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.DOTALL | re.MULTILINE)
+    titles = re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-") for title in titles}
+
+
+def test_links_between_the_docs_resolve() -> None:
+    """A guide moved or a heading renamed breaks no link of the README or the guides."""
+    broken = []
+    for path in DOCUMENTS:
+        text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.DOTALL | re.MULTILINE)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto: not ours to check
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists():
+                broken.append(f"{path.name}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                broken.append(f"{path.name}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("path", DOCUMENTS, ids=[path.name for path in DOCUMENTS])
 def test_every_example_runs_as_printed(path: Path) -> None:
