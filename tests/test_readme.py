@@ -206,8 +206,9 @@ def test_the_docs_have_examples_and_mark_what_is_shown_only() -> None:
         assert not unseen, f"{path.name}: write ```python (or ```python skip), not {unseen}"
     run = [path.name for path in DOCUMENTS
            if any(not block.shown_only for block in python_blocks(path))]
-    assert {"README.md", "getting-started.md", "writing-agents.md",
-            "waits-and-approvals.md", "django-tasks.md"} <= set(run)
+    assert {"README.md", "getting-started.md", "writing-agents.md", "waits-and-approvals.md",
+            "providers-limits-budgets.md", "schedules-and-dedupe.md", "live-output.md",
+            "django-tasks.md", "operations.md", "settings.md"} <= set(run)
 
 
 def anchors(path: Path) -> set[str]:
@@ -252,6 +253,25 @@ def test_the_first_agent_runs_to_its_output(name: str) -> None:
     assert (run.status, run.output) == ("succeeded", {"label": "billing"})
     steps = run.events.filter(type="step").order_by("seq")
     assert [event.payload for event in steps] == [{"n": 0}, {"n": 1}, {"n": 2}]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_fork_example_runs_only_the_tail() -> None:
+    with run_document(helpers.REPO_ROOT / "docs/writing-agents.md") as namespace:
+        drain(["default"])
+    forked = AgentRun.objects.get(pk=namespace["forked"].pk)
+    assert (forked.status, forked.output) == ("succeeded", {"summary": "A C"})
+    assert [event.payload for event in forked.events.filter(type="page")] == [{"n": 1}]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_streaming_example_stores_its_text_once() -> None:
+    with run_document(helpers.REPO_ROOT / "docs/live-output.md") as namespace:
+        drain(["default"])
+    run = AgentRun.objects.get(pk=namespace["run"].pk)
+    assert (run.status, run.output) == ("succeeded", {"words": 4})
+    stored = [event.payload for event in run.events.filter(type="stream")]
+    assert [(p["channel"], p["text"]) for p in stored] == [("output", "Your order ships today. ")]
 
 
 @pytest.mark.django_db(transaction=True)
