@@ -280,3 +280,29 @@ def test_the_guides_examples_run_as_printed(transactional_db: None) -> None:
     finally:
         unregister("support.triage")
         unregister("support.summarise")
+
+
+def test_step_writes_of_many_runs_in_one_batch_keep_their_own_fences(db: None) -> None:
+    from django.db import transaction
+
+    from django_agentruns.outcomes import StepStart
+    from django_agentruns.transitions import batched
+
+    first, second = enqueue("tests.noop"), enqueue("tests.noop")
+    [a, b] = [AttemptRef(r.pk, r.attempt, "w-steps", 2.0) for r in transitions.claim(
+        "w-steps", ["default"], 2, scope_policy(), {}, 2.0)]
+    AgentRun.objects.filter(pk=b.run_id).update(claimed_by="w-other")  # b lost its run
+    with transaction.atomic():
+        started = batched.apply_writes([transitions.StepStartWrite(a, "s", None, 0, 10),
+                                        transitions.StepStartWrite(b, "s", None, 0, 10)])
+    assert started == [StepStart(Renewal.OK, 1), StepStart(Renewal.LOST)]
+    with transaction.atomic():
+        ended = batched.apply_writes([transitions.StepEndWrite(a, "s", 1, True, [1]),
+                                      transitions.StepEndWrite(b, "s", 1, True, [2])])
+    assert ended == [Renewal.OK, Renewal.LOST]
+    assert list(RunStep.objects.values_list("run_id", "status", "result")) == [
+        (first.pk if a.run_id == first.pk else second.pk, "done", [1])]
+    assert RunEvent.objects.filter(type=transitions.STEP).count() == 1
+    with transaction.atomic():  # a later attempt reaching it gets the stored result
+        [again] = batched.apply_writes([transitions.StepStartWrite(a, "s", 1, 0, 10)])
+    assert again == StepStart(Renewal.OK, 1, done=True, result=[1])

@@ -35,7 +35,7 @@ from .attempts import checkpoint, emit, renew
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded, settle_succeeded, settle_succeeded_many
 from .snoozing import record_usage, record_usage_in
-from .steps import StepEndWrite, StepStartWrite, end_step, end_step_in, start_step, start_step_in
+from .steps import StepEndWrite, StepStartWrite, close_step, end_step, open_steps, start_step
 from .waiting import parents_settled
 
 
@@ -180,6 +180,7 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
     # A checkpoint not saved may be a replay (its number stored already): it only renews.
     replays = [i for i in pointing if i not in saved and results[i] is Renewal.OK]
     _fenced(writes, replays, results, [(LEASE, TIMESTAMP)], lambda w: (w.ref.lease_until(at),))
+    _steps(writes, positions, results, at, events, caps)
     succeeding = [i for i in positions if isinstance(writes[i], SucceedWrite)]
     ended = _succeed(writes, succeeding, results, at)
     if events or ended:
@@ -195,10 +196,37 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
             results[i] = write.settle()
         elif isinstance(write, UsageWrite):
             results[i] = _usage(write, at)
-        elif isinstance(write, StepStartWrite):  # a durable step's start and end: each its own
-            results[i] = start_step_in(write, at)
-        elif isinstance(write, StepEndWrite):
-            results[i] = end_step_in(write, at)
+
+
+def _steps(writes: Sequence[Write], positions: list[int], results: list[Result | None],
+           at: datetime, events: list[Event], caps: list[int | None]) -> None:
+    """Durable steps' starts and ends: every renewal of the round in one fenced UPDATE,
+    the starts' records found and opened together (`open_steps`), each end stored, its
+    `run.step` event joining the round's INSERT. An end is recorded under a cancel
+    request too (the fence holds); nothing of a write whose attempt lost the run."""
+    starting = [i for i in positions if isinstance(writes[i], StepStartWrite)]
+    opened = _fenced(writes, starting, results, [(LEASE, TIMESTAMP)],
+                     lambda w: (w.ref.lease_until(at),))
+    for i in starting:
+        if i not in opened:
+            renewal = results[i]
+            assert isinstance(renewal, Renewal)
+            results[i] = StepStart(renewal)
+    if opened:
+        starts = [w for w in (writes[i] for i in opened) if isinstance(w, StepStartWrite)]
+        for i, answer in zip(opened, open_steps(starts, at), strict=True):
+            results[i] = answer
+    ending = [i for i in positions if isinstance(writes[i], StepEndWrite)]
+    _fenced(writes, ending, results, [(LEASE, TIMESTAMP)], lambda w: (w.ref.lease_until(at),))
+    for i in ending:
+        write = writes[i]
+        assert isinstance(write, StepEndWrite)
+        if results[i] is Renewal.LOST:
+            continue
+        event = close_step(write, at)
+        if event is not None:
+            events.append(event)
+            caps.append(write.max_events)
 
 
 def _refuse_over_cap(missing: list[EmitWrite]) -> None:

@@ -9,11 +9,16 @@ after losing the lease is executed again by the run's new owner, never half-reco
 
 from __future__ import annotations
 
+import functools
+import operator
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Count, Q
 
 from ..conf import SETTING_NAME
 from ..db import retry_on_lock
@@ -27,6 +32,7 @@ STEP = "run.step"
 """The timeline event of a finished step (done or failed)."""
 
 DONE, FAILED, STARTED = RunStep.State.DONE, RunStep.State.FAILED, RunStep.State.STARTED
+Event = tuple[int, str, dict[str, Any], int, uuid.UUID]
 
 
 @dataclass(frozen=True)
@@ -62,61 +68,94 @@ class StepEndWrite:
 
 
 def start_step_in(write: StepStartWrite, at: datetime) -> StepStart:
-    """`StepStartWrite` in the caller's transaction."""
-    ref = write.ref
-    renewal = _renew_locked(ref, at)
+    """`StepStartWrite` alone, in the caller's transaction."""
+    renewal = _renew_locked(write.ref, at)
     if renewal is not Renewal.OK:
         return StepStart(renewal)
-    occurrence = write.occurrence
-    if occurrence is None:
-        occurrence = 1 + (RunStep.objects.filter(
-            run_id=ref.run_id, name=write.name, checkpoint__lt=write.checkpoint).count()
-            if write.checkpoint else 0)
-    mine = RunStep.objects.filter(run_id=ref.run_id, name=write.name, occurrence=occurrence)
-    row = mine.values("status", "result", "replayed_from").first()
-    if row is not None and row["status"] == DONE:
-        return StepStart(Renewal.OK, occurrence, done=True, result=row["result"],
-                         replayed=row["replayed_from"] is not None)
-    if row is not None:  # started or failed before: executed again, same key
-        mine.update(status=STARTED, attempt=ref.attempt, started_at=at, finished_at=None,
-                    error="")
-        return StepStart(Renewal.OK, occurrence)
-    if RunStep.objects.filter(run_id=ref.run_id).count() >= write.max_steps:
-        raise LimitExceeded(f"run {ref.run_id} holds {write.max_steps} steps, the most "
-                            f"{SETTING_NAME}['MAX_STEPS_PER_RUN'] allows; the step "
-                            f"{write.name!r} was not started")
-    RunStep.objects.create(run_id=ref.run_id, name=write.name, occurrence=occurrence,
-                           status=STARTED, attempt=ref.attempt, checkpoint=write.checkpoint,
-                           started_at=at)
-    return StepStart(Renewal.OK, occurrence)
+    return open_steps([write], at)[0]
+
+
+def open_steps(writes: Sequence[StepStartWrite], at: datetime) -> list[StepStart]:
+    """The starts of steps whose fence held (renewed already), of distinct runs, in the
+    caller's transaction: a few statements for all of them, however many. A step done
+    already answers its result; one started or failed before is opened again (same key);
+    a new one is inserted, unless its run holds `max_steps` already (`LimitExceeded`)."""
+    keys = [(w.ref.run_id, w.name, _occurrence(w)) for w in writes]
+    found = {(r["run_id"], r["name"], r["occurrence"]): r for r in RunStep.objects.filter(
+        functools.reduce(operator.or_, [Q(run_id=run, name=name, occurrence=n)
+                                        for run, name, n in keys])).values(
+        "run_id", "name", "occurrence", "status", "result", "replayed_from")}
+    new = [(w, key) for w, key in zip(writes, keys, strict=True) if key not in found]
+    if new:
+        held = dict(RunStep.objects.filter(run_id__in=[w.ref.run_id for w, _ in new])
+                    .order_by().values_list("run_id").annotate(n=Count("id")))
+        for w, _ in new:
+            if held.get(w.ref.run_id, 0) >= w.max_steps:
+                raise LimitExceeded(f"run {w.ref.run_id} holds {w.max_steps} steps, the most "
+                                    f"{SETTING_NAME}['MAX_STEPS_PER_RUN'] allows; the step "
+                                    f"{w.name!r} was not started")
+        RunStep.objects.bulk_create([
+            RunStep(run_id=run, name=name, occurrence=n, status=STARTED, attempt=w.ref.attempt,
+                    checkpoint=w.checkpoint, started_at=at) for w, (run, name, n) in new])
+    answers = []
+    for w, key in zip(writes, keys, strict=True):
+        row = found.get(key)
+        if row is not None and row["status"] == DONE:
+            answers.append(StepStart(Renewal.OK, key[2], done=True, result=row["result"],
+                                     replayed=row["replayed_from"] is not None))
+            continue
+        if row is not None:  # started or failed before: executed again, same key
+            RunStep.objects.filter(run_id=key[0], name=key[1], occurrence=key[2]).update(
+                status=STARTED, attempt=w.ref.attempt, started_at=at, finished_at=None,
+                error="")
+        answers.append(StepStart(Renewal.OK, key[2]))
+    return answers
+
+
+def _occurrence(write: StepStartWrite) -> int:
+    """The write's occurrence; for the first call of its name in an attempt resumed from a
+    checkpoint, 1 + the run's steps of that name started before it (rare: one COUNT)."""
+    if write.occurrence is not None:
+        return write.occurrence
+    if not write.checkpoint:
+        return 1
+    return 1 + RunStep.objects.filter(run_id=write.ref.run_id, name=write.name,
+                                      checkpoint__lt=write.checkpoint).count()
 
 
 def end_step_in(write: StepEndWrite, at: datetime) -> Renewal:
-    """`StepEndWrite` in the caller's transaction: nothing if the lease is lost. A cancel
-    request does not keep a finished step from being recorded (it is not executed again
-    by a retry the operator may make)."""
-    ref = write.ref
-    renewal = _renew_locked(ref, at)
+    """`StepEndWrite` alone, in the caller's transaction: nothing if the lease is lost. A
+    cancel request does not keep a finished step from being recorded (it is not executed
+    again by a retry the operator may make)."""
+    renewal = _renew_locked(write.ref, at)
     if renewal is Renewal.LOST:
         return renewal
+    event = close_step(write, at)
+    if event is not None:
+        # Past MAX_EVENTS_PER_RUN the marker is left out: the step's record is what counts.
+        append_one(event, at, below=write.max_events)
+    return renewal
+
+
+def close_step(write: StepEndWrite, at: datetime) -> Event | None:
+    """Store a step's end whose fence held; its `run.step` event to append, if recorded."""
+    ref = write.ref
     updated = RunStep.objects.filter(
         run_id=ref.run_id, name=write.name, occurrence=write.occurrence, status=STARTED,
         attempt=ref.attempt,
     ).update(status=DONE if write.done else FAILED, result=write.result if write.done else None,
              error=write.error, finished_at=at, input_tokens=write.input_tokens,
              output_tokens=write.output_tokens, cost=write.cost)
-    if updated:
-        payload: dict[str, Any] = {"name": write.name, "occurrence": write.occurrence,
-                                   "status": str(DONE if write.done else FAILED),
-                                   "duration_ms": write.duration_ms}
-        if write.error:
-            payload["error"] = write.error[:500]
-        if write.input_tokens or write.output_tokens or write.cost:
-            payload.update(tokens=write.input_tokens + write.output_tokens, cost=write.cost)
-        # Past MAX_EVENTS_PER_RUN the marker is left out: the step's record is what counts.
-        append_one(lifecycle(ref.run_id, STEP, ref.attempt, **payload), at,
-                   below=write.max_events)
-    return renewal
+    if not updated:
+        return None
+    payload: dict[str, Any] = {"name": write.name, "occurrence": write.occurrence,
+                               "status": str(DONE if write.done else FAILED),
+                               "duration_ms": write.duration_ms}
+    if write.error:
+        payload["error"] = write.error[:500]
+    if write.input_tokens or write.output_tokens or write.cost:
+        payload.update(tokens=write.input_tokens + write.output_tokens, cost=write.cost)
+    return lifecycle(ref.run_id, STEP, ref.attempt, **payload)
 
 
 @retry_on_lock()
