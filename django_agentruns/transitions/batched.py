@@ -35,7 +35,7 @@ from .attempts import checkpoint, emit, renew
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded, settle_succeeded, settle_succeeded_many
 from .snoozing import record_usage, record_usage_in
-from .steps import StepEndWrite, StepStartWrite, close_step, end_step, open_steps, start_step
+from .steps import StepEndWrite, StepStartWrite, close_steps, end_step, open_steps, start_step
 from .waiting import parents_settled
 
 
@@ -153,7 +153,9 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
     events: list[Event] = []
     caps: list[int | None] = []
     emits: dict[int, EmitWrite] = {}
-    renewing = [i for i in positions if isinstance(writes[i], RenewWrite | EmitWrite)]
+    # Durable steps' starts and ends renew in the same UPDATE (see `_steps`).
+    renewing = [i for i in positions if isinstance(writes[i], RenewWrite | EmitWrite
+                                                    | StepStartWrite | StepEndWrite)]
     for i in _fenced(writes, renewing, results, [(LEASE, TIMESTAMP)],
                      lambda w: (w.ref.lease_until(at),)):
         write = writes[i]
@@ -200,15 +202,15 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
 
 def _steps(writes: Sequence[Write], positions: list[int], results: list[Result | None],
            at: datetime, events: list[Event], caps: list[int | None]) -> None:
-    """Durable steps' starts and ends: every renewal of the round in one fenced UPDATE,
-    the starts' records found and opened together (`open_steps`), each end stored, its
-    `run.step` event joining the round's INSERT. An end is recorded under a cancel
-    request too (the fence holds); nothing of a write whose attempt lost the run."""
+    """Durable steps' starts and ends, renewed with the round's emits: the starts whose
+    fence held opened in one INSERT (`open_steps`), the ends stored in one UPDATE
+    (`close_steps`), their `run.step` events joining the round's INSERT. An end is
+    recorded under a cancel request too (the fence holds); nothing of a write whose
+    attempt lost the run."""
     starting = [i for i in positions if isinstance(writes[i], StepStartWrite)]
-    opened = _fenced(writes, starting, results, [(LEASE, TIMESTAMP)],
-                     lambda w: (w.ref.lease_until(at),))
+    opened = [i for i in starting if results[i] is Renewal.OK]
     for i in starting:
-        if i not in opened:
+        if results[i] is not Renewal.OK:
             renewal = results[i]
             assert isinstance(renewal, Renewal)
             results[i] = StepStart(renewal)
@@ -216,17 +218,12 @@ def _steps(writes: Sequence[Write], positions: list[int], results: list[Result |
         starts = [w for w in (writes[i] for i in opened) if isinstance(w, StepStartWrite)]
         for i, answer in zip(opened, open_steps(starts, at), strict=True):
             results[i] = answer
-    ending = [i for i in positions if isinstance(writes[i], StepEndWrite)]
-    _fenced(writes, ending, results, [(LEASE, TIMESTAMP)], lambda w: (w.ref.lease_until(at),))
-    for i in ending:
-        write = writes[i]
-        assert isinstance(write, StepEndWrite)
-        if results[i] is Renewal.LOST:
-            continue
-        event = close_step(write, at)
-        if event is not None:
+    ends = [w for w in (writes[i] for i in positions if results[i] is not Renewal.LOST)
+            if isinstance(w, StepEndWrite)]
+    if ends:
+        for event in close_steps(ends, at):
             events.append(event)
-            caps.append(write.max_events)
+            caps.append(next(w.max_events for w in ends if w.ref.run_id == event[0]))
 
 
 def _refuse_over_cap(missing: list[EmitWrite]) -> None:

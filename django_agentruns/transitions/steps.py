@@ -17,14 +17,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
-from django.db.models import Count, Q
+from django.db import connection, transaction
+from django.db.models import Q
 
 from ..conf import SETTING_NAME
 from ..db import retry_on_lock
 from ..exceptions import LimitExceeded
-from ..models import RunStep
+from ..models import RunEvent, RunStep
 from ..outcomes import AttemptRef, Renewal, StepStart
+from . import rawsql
 from .attempts import _renew_locked
 from .events import append_one, lifecycle, now
 
@@ -77,39 +78,78 @@ def start_step_in(write: StepStartWrite, at: datetime) -> StepStart:
 
 def open_steps(writes: Sequence[StepStartWrite], at: datetime) -> list[StepStart]:
     """The starts of steps whose fence held (renewed already), of distinct runs, in the
-    caller's transaction: a few statements for all of them, however many. A step done
-    already answers its result; one started or failed before is opened again (same key);
-    a new one is inserted, unless its run holds `max_steps` already (`LimitExceeded`)."""
+    caller's transaction. One INSERT opens every new step (the common case: nothing
+    else is asked); for a step it could not insert, its record says whether it is done
+    already (its result is the answer), started or failed before (opened again, same
+    key), or missing: its run holds `max_steps` already (`LimitExceeded`)."""
     keys = [(w.ref.run_id, w.name, _occurrence(w)) for w in writes]
+    sql, params = _insert_steps([(run, name, n, w.ref.attempt, w.checkpoint, w.max_steps)
+                                 for w, (run, name, n) in zip(writes, keys, strict=True)], at)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        opened = {row[0] for row in cursor.fetchall()}
+    rest = [(w, key) for w, key in zip(writes, keys, strict=True) if key[0] not in opened]
     found = {(r["run_id"], r["name"], r["occurrence"]): r for r in RunStep.objects.filter(
         functools.reduce(operator.or_, [Q(run_id=run, name=name, occurrence=n)
-                                        for run, name, n in keys])).values(
-        "run_id", "name", "occurrence", "status", "result", "replayed_from")}
-    new = [(w, key) for w, key in zip(writes, keys, strict=True) if key not in found]
-    if new:
-        held = dict(RunStep.objects.filter(run_id__in=[w.ref.run_id for w, _ in new])
-                    .order_by().values_list("run_id").annotate(n=Count("id")))
-        for w, _ in new:
-            if held.get(w.ref.run_id, 0) >= w.max_steps:
-                raise LimitExceeded(f"run {w.ref.run_id} holds {w.max_steps} steps, the most "
-                                    f"{SETTING_NAME}['MAX_STEPS_PER_RUN'] allows; the step "
-                                    f"{w.name!r} was not started")
-        RunStep.objects.bulk_create([
-            RunStep(run_id=run, name=name, occurrence=n, status=STARTED, attempt=w.ref.attempt,
-                    checkpoint=w.checkpoint, started_at=at) for w, (run, name, n) in new])
-    answers = []
-    for w, key in zip(writes, keys, strict=True):
+                                        for _, (run, name, n) in rest])).values(
+        "run_id", "name", "occurrence", "status", "result", "replayed_from")} if rest else {}
+    answers = {}
+    for w, key in rest:
         row = found.get(key)
-        if row is not None and row["status"] == DONE:
-            answers.append(StepStart(Renewal.OK, key[2], done=True, result=row["result"],
-                                     replayed=row["replayed_from"] is not None))
+        if row is None:
+            raise LimitExceeded(f"run {w.ref.run_id} holds {w.max_steps} steps, the most "
+                                f"{SETTING_NAME}['MAX_STEPS_PER_RUN'] allows; the step "
+                                f"{w.name!r} was not started")
+        if row["status"] == DONE:
+            answers[key] = StepStart(Renewal.OK, key[2], done=True, result=row["result"],
+                                     replayed=row["replayed_from"] is not None)
             continue
-        if row is not None:  # started or failed before: executed again, same key
-            RunStep.objects.filter(run_id=key[0], name=key[1], occurrence=key[2]).update(
-                status=STARTED, attempt=w.ref.attempt, started_at=at, finished_at=None,
-                error="")
-        answers.append(StepStart(Renewal.OK, key[2]))
-    return answers
+        # Started or failed before: executed again, with the same key.
+        RunStep.objects.filter(run_id=key[0], name=key[1], occurrence=key[2]).update(
+            status=STARTED, attempt=w.ref.attempt, started_at=at, finished_at=None, error="")
+    return [answers.get(key) or StepStart(Renewal.OK, key[2]) for key in keys]
+
+
+_STEP_START = (("run_id", "bigint"), ("name", "varchar"), ("occurrence", "integer"),
+               ("attempt", "integer"), ("checkpoint", "integer"), ("cap", "integer"))
+_STEP_END = (("run_id", "bigint"), ("name", "varchar"), ("occurrence", "integer"),
+             ("attempt", "integer"), ("status", "varchar"), ("result", "jsonb"),
+             ("error", "text"), ("input_tokens", "bigint"), ("output_tokens", "bigint"),
+             ("cost", "double precision"))
+
+
+def _insert_steps(rows: Sequence[tuple[Any, ...]], at: datetime) -> tuple[str, list[Any]]:
+    """New steps' records, each only while its run holds fewer than its cap and none of
+    that name and occurrence exists; returns the run ids of those inserted."""
+    table = rawsql.qn(RunStep._meta.db_table)
+    held = f"(SELECT COUNT(*) FROM {table} h WHERE h.run_id = v.run_id)"
+    sql = (f"WITH v AS {rawsql.json_rows(_STEP_START)} INSERT INTO {table} (run_id, name, "
+           f"occurrence, status, error, attempt, checkpoint, started_at, input_tokens, "
+           f"output_tokens, cost) SELECT v.run_id, v.name, v.occurrence, %s, '', v.attempt, "
+           f"v.checkpoint, %s, 0, 0, 0 FROM v WHERE {held} < v.cap "
+           f"ON CONFLICT DO NOTHING RETURNING run_id")
+    return sql, [rawsql.json_values(rows, [t for _, t in _STEP_START]), str(STARTED),
+                 rawsql.prep(RunEvent, "created_at", at)]
+
+
+def close_steps(writes: Sequence[StepEndWrite], at: datetime) -> list[Event]:
+    """Store the ends of steps whose fence held, of distinct runs, in one UPDATE; the
+    `run.step` events of those recorded (a step this attempt did not open is not)."""
+    table = rawsql.qn(RunStep._meta.db_table)
+    rows = [(w.ref.run_id, w.name, w.occurrence, w.ref.attempt, str(DONE if w.done else FAILED),
+             w.result if w.done else None, w.error, w.input_tokens, w.output_tokens, w.cost)
+            for w in writes]
+    sets = ", ".join(f"{c} = v.{c}" for c in ("status", "result", "error", "input_tokens",
+                                               "output_tokens", "cost"))
+    sql = (f"WITH v AS {rawsql.json_rows(_STEP_END)} UPDATE {table} SET {sets}, "
+           f"finished_at = %s FROM v WHERE {table}.run_id = v.run_id AND {table}.name = v.name "
+           f"AND {table}.occurrence = v.occurrence AND {table}.attempt = v.attempt "
+           f"AND {table}.status = %s RETURNING {table}.run_id")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [rawsql.json_values(rows, [t for _, t in _STEP_END]),
+                             rawsql.prep(RunEvent, "created_at", at), str(STARTED)])
+        closed = {row[0] for row in cursor.fetchall()}
+    return [_event(w) for w in writes if w.ref.run_id in closed]
 
 
 def _occurrence(write: StepStartWrite) -> int:
@@ -130,24 +170,13 @@ def end_step_in(write: StepEndWrite, at: datetime) -> Renewal:
     renewal = _renew_locked(write.ref, at)
     if renewal is Renewal.LOST:
         return renewal
-    event = close_step(write, at)
-    if event is not None:
+    for event in close_steps([write], at):
         # Past MAX_EVENTS_PER_RUN the marker is left out: the step's record is what counts.
         append_one(event, at, below=write.max_events)
     return renewal
 
 
-def close_step(write: StepEndWrite, at: datetime) -> Event | None:
-    """Store a step's end whose fence held; its `run.step` event to append, if recorded."""
-    ref = write.ref
-    updated = RunStep.objects.filter(
-        run_id=ref.run_id, name=write.name, occurrence=write.occurrence, status=STARTED,
-        attempt=ref.attempt,
-    ).update(status=DONE if write.done else FAILED, result=write.result if write.done else None,
-             error=write.error, finished_at=at, input_tokens=write.input_tokens,
-             output_tokens=write.output_tokens, cost=write.cost)
-    if not updated:
-        return None
+def _event(write: StepEndWrite) -> Event:
     payload: dict[str, Any] = {"name": write.name, "occurrence": write.occurrence,
                                "status": str(DONE if write.done else FAILED),
                                "duration_ms": write.duration_ms}
@@ -155,7 +184,7 @@ def close_step(write: StepEndWrite, at: datetime) -> Event | None:
         payload["error"] = write.error[:500]
     if write.input_tokens or write.output_tokens or write.cost:
         payload.update(tokens=write.input_tokens + write.output_tokens, cost=write.cost)
-    return lifecycle(ref.run_id, STEP, ref.attempt, **payload)
+    return lifecycle(write.ref.run_id, STEP, write.ref.attempt, **payload)
 
 
 @retry_on_lock()
