@@ -62,12 +62,17 @@ def test_a_retried_run_gets_completed_steps_from_their_records(transactional_db:
     assert run.input_tokens == 30  # nor recorded their usage again
 
 
-def test_steps_across_a_wait_and_its_resume(transactional_db: None) -> None:
+def worker_burst(env: dict[str, str]) -> None:
+    result = helpers.run_manage(["runworker", "--burst"], env)
+    assert result.returncode == 0, result.stderr
+
+
+def test_steps_across_a_wait_and_its_resume(worker_env: dict[str, str]) -> None:
     run = enqueue("tests.step_wait")
-    burst()
+    worker_burst(worker_env)
     assert AgentRun.objects.get(pk=run.pk).status == Status.WAITING
     deliver(run.pk, "go", 7)
-    burst()
+    worker_burst(worker_env)
     run.refresh_from_db()
     assert run.status == Status.SUCCEEDED, run.error_message
     assert run.output == {"before": "b", "after": "a:7"}
@@ -121,9 +126,9 @@ def test_a_sync_step_past_its_timeout_is_failed_and_its_late_result_discarded(
     assert (step.status, step.result) == ("failed", None)
 
 
-def test_an_async_agents_asteps(transactional_db: None) -> None:
+def test_an_async_agents_asteps(worker_env: dict[str, str]) -> None:
     run = enqueue("tests.async_step_chain", {"n": 3})
-    burst()
+    worker_burst(worker_env)
     run.refresh_from_db()
     assert run.status == Status.SUCCEEDED, run.error_message
     keys = [f"run-{run.pk}/call/{n}" for n in (1, 2, 3)]
