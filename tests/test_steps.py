@@ -311,3 +311,28 @@ def test_step_writes_of_many_runs_in_one_batch_keep_their_own_fences(db: None) -
     with transaction.atomic():  # a later attempt reaching it gets the stored result
         [again] = batched.apply_writes([transitions.StepStartWrite(a, "s", 1, 0, 10)])
     assert again == StepStart(Renewal.OK, 1, done=True, result=[1])
+
+
+def test_steps_are_counted_by_outcome_and_traced(transactional_db: None) -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    def count(outcome: str) -> float:
+        return prometheus_client.REGISTRY.get_sample_value(
+            "agentruns_steps_total", {"agent": "tests.step_loop", "outcome": outcome}) or 0.0
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    before = {o: count(o) for o in ("done", "replayed", "failed")}
+    from unittest import mock
+
+    with mock.patch("opentelemetry.trace.get_tracer", provider.get_tracer):
+        run = enqueue("tests.step_loop", {"n": 3, "fail": True})
+        burst()
+    assert {o: count(o) - before[o] for o in before} == {"done": 3, "replayed": 3, "failed": 0}
+    steps = [s for s in exporter.get_finished_spans() if s.name == "step draft"]
+    assert [s.attributes["agentruns.step.key"] for s in steps] == [
+        f"run-{run.pk}/draft/{n}" for n in (1, 2, 3)]  # executions only, not replays
