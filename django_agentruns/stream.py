@@ -22,7 +22,9 @@ per process (`STREAMS_PER_USER`, `STREAMS_PER_PROCESS`); past a cap the answer i
 `Retry-After`. A response lasts at most `MAX_LIFE`, then ends without `end` and the
 browser reconnects and resumes. A comment every `HEARTBEAT` s of silence keeps idle
 proxies from cutting it, and is how a WSGI server learns that a client left (a write
-fails): the stream then unsubscribes and gives its slot back.
+fails): the stream then unsubscribes and gives its slot back. A client too slow to read
+what the hub hands it gets `event: resync` (`{"after": seq}`), then the stored events
+again from its position: the process never buffers without bound for it (fanout).
 """
 
 from __future__ import annotations
@@ -172,6 +174,10 @@ class EventStream:
         chunks = []
         if self._last_sent is None:
             chunks.append(f"retry: {RETRY_MS}\n\n")
+        if found and found.resync:
+            # This client fell behind and the hub dropped what it held: the stored events
+            # follow again from its position; live chunks in between are lost.
+            chunks.append(f"event: resync\ndata: {json.dumps({'after': self.after})}\n\n")
         for row in found.rows if found else ():
             chunks.append(_message(row))
             self.after = row["seq"]
