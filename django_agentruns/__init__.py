@@ -20,6 +20,7 @@ from .exceptions import (
     RunCancelledError,
     RunNotFoundError,
     Snooze,
+    TooManyWaitersError,
     UnknownAgentError,
     WaitTimedOut,
 )
@@ -31,9 +32,10 @@ if TYPE_CHECKING:
     from .context import RunContext
     from .queues import pause_queue, resume_queue
     from .schedules import add_schedule, remove_schedule
+    from .streaming.waiters import await_run, wait_for_run
     from .transitions import CancelResult
     from .wait_results import Approval, DeliverResult, RunResult
-    from .waiting import approve, await_run, deliver, reject, wait_for_run
+    from .waiting import approve, deliver, reject
 
 __version__ = "0.1.0"
 
@@ -52,6 +54,7 @@ __all__ = [
     "RunRequest",
     "RunResult",
     "Snooze",
+    "TooManyWaitersError",
     "UnknownAgentError",
     "WaitTimedOut",
     "add_schedule",
@@ -78,7 +81,7 @@ _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "enqueue_many": "api", "cancel": "api", "retry": "api", "run_now": "api",
          "RunRequest": "api", "Approval": "wait_results", "DeliverResult": "wait_results",
          "RunResult": "wait_results", "deliver": "waiting", "approve": "waiting",
-         "reject": "waiting", "wait_for_run": "waiting", "await_run": "waiting",
+         "reject": "waiting", "wait_for_run": "streaming.waiters", "await_run": "streaming.waiters",
          "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
          "add_schedule": "schedules", "remove_schedule": "schedules", "set_limit": "api",
          "stream_chunks": "chunks"}

@@ -54,6 +54,9 @@ class Defaults:
     STREAMS_PER_PROCESS: int = 50
     """Event streams one web process serves at once (each holds a server thread under WSGI:
     keep it below the process's threads); past it, 429 with Retry-After."""
+    WAITERS_PER_PROCESS: int = 1000
+    """Callers of `wait_for_run` / `await_run` waiting at once in one process (they share
+    one LISTEN connection on PostgreSQL); past it the call raises `TooManyWaitersError`."""
     WRITER_CONNECTIONS: int = 2
     """Connections (and threads) of a worker's attempt store, which commits every write its
     attempts make (events, checkpoints, renewals, successes) in group commits."""

@@ -154,12 +154,14 @@ def test_a_subscriber_that_does_not_read_is_bounded_then_resyncs_from_the_stored
         received += seqs(prompt.take() or Found(None))
         assert held(slow) <= fanout.PENDING_ITEMS
     assert received == list(range(1, 13))  # the reader that keeps up lost nothing
-    assert slow.parked and slow_woken.is_set()
+    assert slow.parked
+    assert slow_woken.is_set()
     assert held(slow) == 0  # what it held was dropped, and nothing more was handed to it
 
     # Its next take says so, and the stored events come again from where it was.
     found = slow.take()
-    assert found is not None and found.resync
+    assert found is not None
+    assert found.resync
     again: list[int] = []
     while len(again) < 12:
         hub.poll_once()
@@ -168,7 +170,8 @@ def test_a_subscriber_that_does_not_read_is_bounded_then_resyncs_from_the_stored
 
     # A chunk flood parks it too (PENDING_CHARS), whatever the count.
     hub.deliver_chunks(run.pk, [{"channel": "output", "text": "y" * 2000, "attempt": 0}])
-    assert slow.parked and held(slow) == 0
+    assert slow.parked
+    assert held(slow) == 0
     # The event stream tells its client to resync (live chunks were lost).
     events = stream.EventStream(run.pk, 12, fanout=hub)
     text, _ = events.compose(slow.take())
