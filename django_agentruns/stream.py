@@ -8,7 +8,8 @@ event once the run is terminal, and closes. In between, live chunks the agent st
 chunks whose `end` is at most its own, so a client drops those if it still holds them.
 Each event's SSE `id` is its `seq`, so a browser that reconnects (its EventSource does so
 by itself) sends `Last-Event-ID` and resumes where it was; `?after=<seq>` sets the first
-position. Needs `view_agentrun`.
+position. Who may watch: streaming/access.py (`view_agentrun`, an object permission,
+`STREAM_ACCESS`, or a signed link from `stream_url`).
 
 A stream first catches up on its own (the request's connection, a batch at a time), then
 gives that connection back and waits on the process's `hub` (django_agentruns.fanout):
@@ -42,13 +43,12 @@ from functools import reduce
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.core.exceptions import PermissionDenied
 from django.core.handlers.asgi import ASGIRequest
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection
 from django.db.models import F, Q, Window
 from django.db.models.functions import RowNumber
-from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.views.decorators.http import require_GET
 
@@ -57,6 +57,7 @@ from .conf import app_settings
 from .fanout import Found, Hub, Row
 from .models import AgentRun, RunEvent
 from .states import TERMINAL
+from .streaming import access
 
 POLL_INTERVAL = 0.2
 """Seconds between two reads of the hub while nothing new was found."""
@@ -71,8 +72,6 @@ RETRY_MS = 1000
 """The reconnection delay the browser is told to use."""
 RETRY_AFTER = 10
 """Seconds a client refused for too many open streams is told to wait (`Retry-After`)."""
-
-VIEW_PERMISSION = "django_agentruns.view_agentrun"
 
 MORE, WAIT, DONE = "more", "wait", "done"
 
@@ -322,15 +321,16 @@ def _position(request: HttpRequest) -> int | None:
 @require_GET
 def run_events(request: HttpRequest, run_id: int) -> HttpResponseBase:
     """The run's event stream (see the module docstring)."""
-    if not request.user.has_perm(VIEW_PERMISSION):
-        raise PermissionDenied
+    refused = access.refusal(request, run_id)  # 403 alike for a missing run
+    if refused is not None:
+        return refused
     after = _position(request)
     if after is None:
         return HttpResponse("Last-Event-ID and ?after= must be a sequence number >= 0.\n",
                             status=400, content_type="text/plain")
-    if not AgentRun.objects.filter(pk=run_id).exists():
-        raise Http404(f"No run with id {run_id}")
-    release = caps.take(request.user.pk)
+    # Anonymous holders of signed links are counted per run, not as one user.
+    user = request.user.pk if request.user.pk is not None else ("run", run_id)
+    release = caps.take(user)
     if isinstance(release, str):
         refused = HttpResponse(f"Too many event streams: {release}. Close one, or retry "
                                f"after {RETRY_AFTER} s.\n", status=429,
