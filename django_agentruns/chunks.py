@@ -95,6 +95,7 @@ class Buffer:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.channels: dict[str, _Channel] = {}
+        self.capped = False  # the run's stream is full: the rest of the text is dropped
 
     def add(self, channel: str, text: str) -> tuple[int, bool]:
         """Buffer a chunk: its index in the channel, and whether to coalesce now."""
@@ -174,6 +175,9 @@ def event_writes(control: Any) -> list[tuple[list[EmitWrite], Prune]]:
     cap = int(app_settings.MAX_EVENTS_PER_RUN)
     out = []
     for pending in buffer.take(ref.run_id, ref.attempt, control.checkpoints):
+        if buffer.capped:  # a stream never shrinks: no write (and failed batch) per step
+            sender().prune(ref.run_id, ref.attempt, pending.channel, pending.payload["end"])
+            continue
         base = pending.event_id
         writes = [EmitWrite(ref, base if number == 0 else uuid.uuid5(base, str(number)),
                             STREAM, payload, max_events=cap, despite_cancel=True)
@@ -191,11 +195,13 @@ def coalesce(control: Any) -> Renewal:
     worst = Renewal.OK
     for writes, prune in event_writes(control):
         for write in writes:
+            if _capped(control):
+                break
             try:
                 worst = _worse(worst, control.write(write))
             except LimitExceeded:
-                _over_cap(write)
-                continue
+                _over_cap(control, write)
+                break
             if worst is Renewal.LOST:
                 return worst  # fenced: nothing was stored, and nothing more will be
         sender().prune(*prune)
@@ -207,21 +213,31 @@ async def acoalesce(control: Any) -> Renewal:
     worst = Renewal.OK
     for writes, prune in event_writes(control):
         for write in writes:
+            if _capped(control):
+                break
             try:
                 worst = _worse(worst, await control.awrite(write))
             except LimitExceeded:
-                _over_cap(write)
-                continue
+                _over_cap(control, write)
+                break
             if worst is Renewal.LOST:
                 return worst
         sender().prune(*prune)
     return worst
 
 
-def _over_cap(write: EmitWrite) -> None:
-    logger.warning("run %s: its stream holds MAX_EVENTS_PER_RUN (%s) events; %s characters "
-                   "of streamed text on channel %r were not stored", write.ref.run_id,
-                   write.max_events, len(write.payload.get("text", "")),
+def _capped(control: Any) -> bool:
+    with _buffers_lock:
+        buffer = _buffers.get(control)
+    return buffer is not None and buffer.capped
+
+
+def _over_cap(control: Any, write: EmitWrite) -> None:
+    """Once per attempt: from now on its streamed text is live only."""
+    buffer_of(control).capped = True
+    logger.warning("run %s: its stream holds MAX_EVENTS_PER_RUN (%s) events; streamed text "
+                   "from here on (%s characters on channel %r now) is not stored",
+                   write.ref.run_id, write.max_events, len(write.payload.get("text", "")),
                    write.payload.get("channel"))
 
 
