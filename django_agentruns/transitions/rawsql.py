@@ -138,12 +138,14 @@ _FENCE = (("run_id", "bigint"), ("run_attempt", "integer"), ("run_worker", "varc
 
 def fenced_update(
     items: Sequence[tuple[Any, ...]], running: str, fields: Sequence[tuple[str, str]],
-    *, below: str | None = None,
+    *, below: str | None = None, despite_cancel: bool = False,
 ) -> tuple[str, list[Any]]:
     """Set `fields` ((name, PostgreSQL type) of AgentRun) from (run_id, attempt, worker,
     *values) rows whose fence holds and whose run has no cancel request; returns the ids
     it updated (a renewal: `lease_expires` alone; a checkpoint: its state too). With
-    `below` (one of `fields`), only rows whose stored value is less than the new one."""
+    `below` (one of `fields`), only rows whose stored value is less than the new one.
+    With `despite_cancel`, rows with a cancel request too, each id returned with whether
+    its run has one (its value: SQLite answers `IS NOT NULL` there wrongly)."""
     table = qn(AgentRun._meta.db_table)
     columns = [*_FENCE, *((f"f{i}", t) for i, (_, t) in enumerate(fields))]
     sets = ", ".join(f"{qn(_column(name))} = v.f{i}" for i, (name, _) in enumerate(fields))
@@ -151,10 +153,15 @@ def fenced_update(
     if below is not None:
         at = [name for name, _ in fields].index(below)
         guard = f"AND {table}.{qn(_column(below))} < v.f{at} "
+    if despite_cancel:
+        returning = f"{table}.id, {table}.{qn(_column('cancel_requested_at'))}"
+    else:
+        guard = f"AND {table}.cancel_requested_at IS NULL {guard}"
+        returning = f"{table}.id"
     sql = (f"WITH v AS {json_rows(columns)} UPDATE {table} SET {sets} FROM v "
            f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
            f"AND {table}.status = %s AND {table}.claimed_by = v.run_worker "
-           f"AND {table}.cancel_requested_at IS NULL {guard}RETURNING {table}.id")
+           f"{guard}RETURNING {returning}")
     return sql, [json_values(items, [t for _, t in columns]), running]
 
 
