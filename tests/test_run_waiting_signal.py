@@ -90,3 +90,37 @@ def test_a_raising_receiver_does_not_undo_the_wait(heard: list[dict[str, Any]]) 
     assert AgentRun.objects.get(pk=run.pk).status == Status.WAITING
     assert RunWait.objects.get(run=run).kind == "approval"
     assert len(heard) == 1
+
+
+def test_the_documented_mail_to_the_approvers_is_sent() -> None:
+    """The receiver in docs/waits-and-approvals.md, run as written (the test runner's mail
+    backend keeps the mail in `mail.outbox`)."""
+    import re
+
+    from django.core import mail
+
+    from tests.helpers import REPO_ROOT
+    from tests.test_admin import staff
+
+    doc = (REPO_ROOT / "docs/waits-and-approvals.md").read_text()
+    (code,) = [block for block in re.findall(r"```python\n(.*?)```", doc, re.S)
+               if "mail_the_approvers" in block]
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "docs/waits-and-approvals.md", "exec"), namespace)
+    try:
+        approver = staff("alice", "view_agentrun", "approve_agentrun")
+        approver.email = "alice@example.com"
+        approver.save()
+        bystander = staff("bob", "view_agentrun")
+        bystander.email = "bob@example.com"
+        bystander.save()
+        run = enqueue("tests.approves", {"amount": 70})
+        enqueue("tests.waits")  # an input wait: no mail
+        burst()
+    finally:
+        run_waiting.disconnect(namespace["mail_the_approvers"])
+    (message,) = mail.outbox
+    assert message.to == ["alice@example.com"]
+    assert message.subject == f"Approval needed: tests.approves #{run.pk} (refund)"
+    assert f"/admin/django_agentruns/agentrun/{run.pk}/change/" in message.body
+    assert "'refund': 70" in message.body
