@@ -91,6 +91,7 @@ class AgentRun(models.Model):
             ("retry_agentrun", "Can retry failed or cancelled runs"),
             ("cancel_agentrun", "Can cancel queued or running runs"),
             ("approve_agentrun", "Can approve or reject what a waiting run proposes"),
+            ("deliver_agentrun", "Can deliver input a waiting run asks for"),
         )
         indexes = (
             # The due query: queued runs of a queue in claim order. Partial, so it holds

@@ -49,7 +49,7 @@ class RunChangeList(ChangeList):
         # The list shows the error's first words: a prefix, never the whole message.
         runs: QuerySet[AgentRun] = super().get_queryset(request, *args, **kwargs)
         return runs.defer(*HEAVY_FIELDS).annotate(
-            error_head=Substr("error_message", 1, ERROR_HEAD))
+            error_head=Substr("error_message", 1, ERROR_HEAD), **approvals.wait_columns())
 
 
 def visibility() -> Any:
@@ -181,8 +181,10 @@ class AgentRunAdmin(ModelAdminBase):
                             head, short_error(head, ERROR_SHOWN)) \
             if head and run.status == Status.FAILED else mark_safe("")
         reason = show.reason(run)
-        return format_html("{}{}{}", show.status_badge(run),
-                           format_html("<br>{}", reason) if reason else "", error)
+        waiting = approvals.waiting_label(run)
+        return format_html("{}{}{}{}", show.status_badge(run),
+                           format_html("<br>{}", reason) if reason else "", error,
+                           format_html("<br>{}", waiting) if waiting else "")
 
     @admin.display(description="created / duration", ordering="created_at")
     def when(self, run: AgentRun) -> SafeString:
@@ -289,6 +291,8 @@ class AgentRunAdmin(ModelAdminBase):
                  name=f"{name}_cancel"),
             path("<int:run_id>/approval/", wrap(approvals.answer(self)),
                  name=f"{name}_approval"),
+            path("<int:run_id>/deliver/", wrap(approvals.deliver_input(self)),
+                 name=f"{name}_deliver"),
             path("<int:run_id>/fork/", wrap(views.fork_run(self)), name=f"{name}_fork"),
             path("queues/pause/", wrap(views.pause_or_resume(self, True)),
                  name=f"{name}_pause_queue"),
