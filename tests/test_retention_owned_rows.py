@@ -129,3 +129,17 @@ def test_the_reaper_prunes_live_output_left_by_finished_runs_only() -> None:
 
     assert report.chunks_pruned == 1
     assert list(StreamChunk.objects.values_list("run_id", flat=True)) == [running.pk]
+
+
+def test_a_burst_worker_leaves_no_live_output_rows_when_it_exits(
+        worker_env: dict[str, str]) -> None:
+    from django_agentruns import enqueue
+    from tests import helpers
+
+    runs = [enqueue("tests.streamer", {"n": 50, "emit": True, "after": 50}) for _ in range(3)]
+    done = helpers.run_manage(["runworker", "--burst"], worker_env)
+    assert done.returncode == 0, done.stderr
+    assert set(AgentRun.objects.filter(pk__in=[r.pk for r in runs])
+               .values_list("status", flat=True)) == {Status.SUCCEEDED}
+    assert RunEvent.objects.filter(type="stream").count() == 6
+    assert not StreamChunk.objects.exists()
