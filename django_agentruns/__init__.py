@@ -4,7 +4,8 @@ Public API (stable): `agent`, `RunContext`, `Retryable`, `NotRetryable`, `enqueu
 `enqueue_many`, `RunRequest`, `cancel`, `retry`, `fork`, `run_now`, `CancelResult`,
 `add_schedule`, `remove_schedule`, `pause_queue`, `resume_queue`; waiting runs:
 `deliver`, `DeliverResult`, `approve`, `reject`, `wait_for_run`, `await_run`, `WaitTimedOut`,
-`Approval`, `RunResult`; live output: `stream_chunks`; flow control: `Snooze`, `set_limit`.
+`Approval`, `RunResult`; live output: `stream_chunks`; flow control: `Snooze`, `set_limit`;
+erasure: `erase`, `RunNotFinishedError`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .exceptions import (
     NotRetryable,
     Retryable,
     RunCancelledError,
+    RunNotFinishedError,
     RunNotFoundError,
     Snooze,
     UnknownAgentError,
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from .chunks import stream_chunks
     from .context import RunContext
     from .queues import pause_queue, resume_queue
+    from .retention import erase
     from .schedules import add_schedule, remove_schedule
     from .transitions import CancelResult
     from .wait_results import Approval, DeliverResult, RunResult
@@ -48,6 +51,7 @@ __all__ = [
     "Retryable",
     "RunCancelledError",
     "RunContext",
+    "RunNotFinishedError",
     "RunNotFoundError",
     "RunRequest",
     "RunResult",
@@ -62,6 +66,7 @@ __all__ = [
     "deliver",
     "enqueue",
     "enqueue_many",
+    "erase",
     "fork",
     "pause_queue",
     "reject",
@@ -81,7 +86,7 @@ _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "reject": "waiting", "wait_for_run": "waiting", "await_run": "waiting",
          "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
          "add_schedule": "schedules", "remove_schedule": "schedules", "set_limit": "api",
-         "stream_chunks": "chunks"}
+         "stream_chunks": "chunks", "erase": "retention"}
 
 
 def __getattr__(name: str) -> Any:
