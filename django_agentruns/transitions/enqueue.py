@@ -148,7 +148,7 @@ def _chunks(rows: list[list[Any]]) -> list[str]:
 
 def _json_time(value: datetime) -> str:
     """A datetime as the JSON rows carry it: text the database reads as that instant."""
-    return str(connection.ops.adapt_datetimefield_value(value.astimezone(UTC)))
+    return rawsql.db_time(value)
 
 
 @functools.cache
