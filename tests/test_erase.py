@@ -41,10 +41,12 @@ def test_erase_deletes_a_finished_run_and_all_it_stored_and_logs_who_asked(
 
     assert not AgentRun.objects.filter(pk=run.pk).exists()
     assert owned_rows(run.pk) == 0
-    assert report.rows["agentrun"] == 1 and report.rows["runwait"] == 2
+    assert report.rows["agentrun"] == 1
+    assert report.rows["runwait"] == 2
     assert owned_rows(other.pk) == 5  # another run's rows are untouched
     child.refresh_from_db()
-    assert child.parent_id is None and child.status == Status.RUNNING
+    assert child.parent_id is None
+    assert child.status == Status.RUNNING
     assert any(f"run {run.pk} erased by dpo@example.com" in r.getMessage()
                for r in caplog.records)
 
@@ -56,7 +58,8 @@ def test_erase_refuses_an_unfinished_run_and_deletes_nothing(status: str) -> Non
     with pytest.raises(RunNotFinishedError, match="cancel it first"):
         erase(run.pk)
     assert issubclass(RunNotFinishedError, InvalidInputError)
-    assert AgentRun.objects.filter(pk=run.pk).exists() and owned_rows(run.pk) == 5
+    assert AgentRun.objects.filter(pk=run.pk).exists()
+    assert owned_rows(run.pk) == 5
 
 
 def test_erase_of_a_missing_run_is_a_clear_error() -> None:
@@ -102,4 +105,5 @@ def test_the_admin_erase_action_needs_the_delete_permission() -> None:
     assert "1 run erased, stored rows and all" in response.content.decode()
     assert not AgentRun.objects.filter(pk=run.pk).exists()
     entry = LogEntry.objects.get(object_id=str(run.pk))
-    assert entry.action_flag == DELETION and entry.user.get_username() == "eraser"
+    assert entry.action_flag == DELETION
+    assert entry.user.get_username() == "eraser"

@@ -66,7 +66,8 @@ def test_a_run_that_owns_rows_is_purged_and_the_runs_after_it_are_too() -> None:
     assert report.runs == 4
     assert not AgentRun.objects.exists()
     assert owned_rows(first.pk) == 0
-    assert not RunWait.objects.exists() and not StreamChunk.objects.exists()
+    assert not RunWait.objects.exists()
+    assert not StreamChunk.objects.exists()
     assert later  # purged in later batches: the first run's rows did not stop them
 
 
@@ -86,7 +87,8 @@ def test_a_purged_parent_leaves_its_children_running_on_their_own() -> None:
     assert not AgentRun.objects.filter(pk=parent.pk).exists()
     for kept in (unfinished, done, fork):
         kept.refresh_from_db()
-        assert kept.parent_id is None and kept.forked_from_id is None
+        assert kept.parent_id is None
+        assert kept.forked_from_id is None
     assert AgentRun.objects.get(pk=unfinished.pk).status == Status.QUEUED
 
 

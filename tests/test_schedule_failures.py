@@ -152,7 +152,8 @@ def test_a_worker_does_not_spin_on_a_schedule_it_cannot_enqueue(
         helpers.wait_until(lambda: Schedule.objects.get().failures >= 1, timeout=30,
                            message="the failed tick to be recorded")
         row = Schedule.objects.get()
-        assert row.retry_at is not None and "limit_key" in row.last_error
+        assert row.retry_at is not None
+        assert "limit_key" in row.last_error
         # A bounded window well inside the first backoff (10 s): the worker's loop makes
         # many passes meanwhile, none of which may try the tick again.
         with pytest.raises(subprocess.TimeoutExpired):

@@ -29,9 +29,11 @@ def test_a_failed_tasks_error_line_carries_its_exception(
     errors = [r for r in caplog.records if r.name == "django.tasks"
               and r.levelno == logging.ERROR and result.id in r.getMessage()]
     assert len(errors) == 1
-    assert errors[0].exc_info is not None and errors[0].exc_info[0] is not None
+    assert errors[0].exc_info is not None
+    assert errors[0].exc_info[0] is not None
     assert errors[0].exc_info[0].__name__ == "NotRetryable"
-    assert "the ticket does not exist" in caplog.text and "Traceback" in caplog.text
+    assert "the ticket does not exist" in caplog.text
+    assert "Traceback" in caplog.text
 
 
 @pytest.mark.parametrize("name", ["exits", "interrupted"])
