@@ -45,6 +45,9 @@ OWNED_BY_RUN: tuple[tuple[type[models.Model], str, tuple[str, ...]], ...] = (
 )
 """Every table whose rows belong to one run. Usage totals are columns of the run itself."""
 
+CHUNK_GRACE = timedelta(seconds=60)
+"""How long a finished run's live-output rows stay for readers before a prune takes them."""
+
 LINKS_TO_RUN: tuple[tuple[type[models.Model], str], ...] = (
     # Other runs that point at a deleted run outlive it, with the link cleared.
     (AgentRun, "parent"),  # a child, finished or not, carries on as a run of its own
@@ -157,10 +160,12 @@ def _delete_owned(model: type[models.Model], field: str, payloads: tuple[str, ..
     return total
 
 
-def prune_finished_chunks(limit: int = 10_000) -> int:
-    """Delete live-output rows (SQLite) of runs that finished: what a crashed or stopped
-    worker left behind. A finished run's text is in its stored `stream` events."""
-    finished = AgentRun.objects.filter(status__in=TERMINAL).values("id")
+def prune_finished_chunks(limit: int = 10_000, at: datetime | None = None) -> int:
+    """Delete live-output rows (SQLite) of runs that finished over CHUNK_GRACE ago: what a
+    crashed or stopped worker left behind. A finished run's text is in its stored `stream`
+    events; the grace lets the web pollers read a run's last chunks first."""
+    before = (at or timezone.now()) - CHUNK_GRACE
+    finished = AgentRun.objects.filter(status__in=TERMINAL, finished_at__lt=before).values("id")
     ids = list(StreamChunk.objects.filter(run_id__in=finished).order_by("id")
                .values_list("id", flat=True)[:limit])
     if not ids:

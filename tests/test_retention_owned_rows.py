@@ -35,8 +35,9 @@ OLD = timezone.now() - timedelta(days=40)
 
 def finished_run(status: str = Status.SUCCEEDED, reason: str = Reason.COMPLETED,
                  **fields: object) -> AgentRun:
+    values: dict[str, object] = {"finished_at": OLD, "created_at": OLD, **fields}
     return AgentRun.objects.create(agent="tests.noop", queue="default", status=status,
-                                   reason=reason, finished_at=OLD, created_at=OLD, **fields)
+                                   reason=reason, **values)
 
 
 def give_it_everything(run: AgentRun) -> None:
@@ -121,16 +122,18 @@ def test_every_table_with_a_foreign_key_to_a_run_is_handled_by_retention() -> No
 
 def test_the_reaper_prunes_live_output_left_by_finished_runs_only() -> None:
     done = finished_run()
+    just_done = finished_run(finished_at=timezone.now())  # readers may still be reading
     running = AgentRun.objects.create(agent="tests.noop", queue="default",
                                       status=Status.RUNNING, attempt=1)
-    for run in (done, running):
+    for run in (done, just_done, running):
         StreamChunk.objects.create(run=run, attempt=1, channel="output", first=0, end=1,
                                    text="left")
 
     report = reaper.reap()
 
     assert report.chunks_pruned == 1
-    assert list(StreamChunk.objects.values_list("run_id", flat=True)) == [running.pk]
+    assert set(StreamChunk.objects.values_list("run_id", flat=True)) == {just_done.pk,
+                                                                          running.pk}
 
 
 def test_a_burst_worker_leaves_no_live_output_rows_when_it_exits(
