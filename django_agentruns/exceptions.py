@@ -41,6 +41,11 @@ class TooManyWaitersError(AgentRunsError):
     already (the message names the setting)."""
 
 
+class RunNotFinishedError(InvalidInputError):
+    """The call needs a finished (or cancelled) run, and this one is still queued, running
+    or waiting: `erase` refuses it, since its worker would go on writing for it."""
+
+
 class Retryable(Exception):
     """Raise from an agent for a transient failure: the run is retried within its budget.
 

@@ -25,7 +25,16 @@ from ..models import AgentRun, RunEvent, Status
 from . import approvals, views
 from . import display as show
 from . import limits as flow
-from .actions import CANCEL, RETRY, cancel_runs, has_permission, retry_runs, selected_ids
+from .actions import (
+    CANCEL,
+    ERASE,
+    RETRY,
+    cancel_runs,
+    erase_runs,
+    has_permission,
+    retry_runs,
+    selected_ids,
+)
 from .filters import AgentFilter, AttentionFilter, QueueFilter
 from .summary import summary
 
@@ -73,7 +82,7 @@ class AgentRunAdmin(ModelAdminBase):
     show_full_result_count = False  # no second COUNT(*) over the whole table
     show_facets = admin.ShowFacets.NEVER  # facets count every filter choice: a scan each
     list_per_page = 100
-    actions = (retry_runs, cancel_runs)
+    actions = (retry_runs, cancel_runs, erase_runs)
     change_list_template = "django_agentruns/admin/change_list.html"
     change_form_template = "django_agentruns/admin/change_form.html"
     fieldsets = (
@@ -112,6 +121,11 @@ class AgentRunAdmin(ModelAdminBase):
 
     def has_cancel_permission(self, request: HttpRequest) -> bool:
         return has_permission(self, request, CANCEL)
+
+    def has_erase_permission(self, request: HttpRequest) -> bool:
+        """The delete permission: erasing is the one deletion the admin offers (Django's
+        own delete stays off: it would load every payload and miss the rows a run owns)."""
+        return has_permission(self, request, ERASE)
 
     # ------------------------------------------------------------------ list
 
