@@ -1,1 +1,1 @@
-"""Operating the app: metrics, diagnosis, tracing, retention and reports."""
+"""Operators' reads: what the engine is doing and why, for the admin and the commands."""
