@@ -21,7 +21,7 @@ from django.db.models.deletion import Collector
 from django.utils import timezone
 
 from .exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
-from .models import TERMINAL, AgentRun, RunCheckpoint, RunEvent, RunWait, StreamChunk
+from .models import TERMINAL, AgentRun, RunCheckpoint, RunEvent, RunStep, RunWait, StreamChunk
 from .queries import dead_letter
 
 logger = logging.getLogger("django_agentruns.retention")
@@ -42,6 +42,7 @@ OWNED_BY_RUN: tuple[tuple[type[models.Model], str, tuple[str, ...]], ...] = (
     (RunCheckpoint, "run", ("state",)),
     (RunWait, "run", ("prompt", "payload")),  # waits and the deliveries stored on them
     (StreamChunk, "run", ("text",)),  # SQLite's live output on its way to the readers
+    (RunStep, "run", ("result", "error")),  # durable steps (a fork keeps its own copies)
 )
 """Every table whose rows belong to one run. Usage totals are columns of the run itself."""
 
