@@ -119,3 +119,15 @@ def test_every_module_is_in_the_architecture_doc() -> None:
         and f"`{path.stem}`" not in doc and f"`{path.name}`" not in doc
         and f"**`{path.name}`**" not in doc)
     assert missing == []
+
+
+def test_no_migration_imports_the_package() -> None:
+    """A migration runs on every install for ever: code it imports may move or change."""
+    offenders = sorted(
+        path.name for path in (PACKAGE / "migrations").glob("0*.py")
+        if any((isinstance(node, ast.ImportFrom)
+                and (node.level > 0 or (node.module or "").split(".")[0] == "django_agentruns"))
+               or (isinstance(node, ast.Import)
+                   and any(a.name.split(".")[0] == "django_agentruns" for a in node.names))
+               for node in ast.walk(ast.parse(path.read_text()))))
+    assert offenders == []
