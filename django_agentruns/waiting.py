@@ -15,8 +15,7 @@ from asgiref.sync import sync_to_async
 from . import transitions
 from .exceptions import InvalidInputError, RunNotFoundError
 from .models import TERMINAL, AgentRun
-from .receiving import check_key
-from .validation import capped_json, storable_text
+from .validation import capped_json, check_key, storable_text
 from .wait_results import DeliverResult
 
 FINISHED_CHANNEL = "agentruns_finished"
@@ -34,9 +33,9 @@ def deliver(run_id: int, key: str, payload: Any = None, *, by: str = "") -> Deli
 
     Raises `InvalidInputError` (bad id, key or payload) before anything is written.
     """
-    from .api import _run_id
+    from .api import run_id_of
 
-    rid = _run_id(run_id)
+    rid = run_id_of(run_id)
     key = check_key(key)
     capped_json(payload, f"Payload delivered for {key!r}", "MAX_INPUT_BYTES")
     if not isinstance(by, str):
@@ -70,10 +69,10 @@ def wait_for_run(run_id: int, *, timeout: float | None = None) -> AgentRun:
     PostgreSQL: LISTEN on a connection of its own (through `LISTEN_DATABASE` when set), so
     the answer comes as the run finishes; elsewhere, polling with backoff.
     """
-    from .api import _run_id
+    from .api import run_id_of
     from .db import is_postgres
 
-    rid = _run_id(run_id)
+    rid = run_id_of(run_id)
     if timeout is not None and (isinstance(timeout, bool)
                                 or not isinstance(timeout, int | float) or timeout < 0):
         raise InvalidInputError(f"timeout must be seconds >= 0 or None, not {timeout!r}")
@@ -117,7 +116,7 @@ def _poll_until_finished(rid: int, deadline: float | None) -> None:
 def _listen_until_finished(rid: int, deadline: float | None) -> None:
     import psycopg
 
-    from .notify import connect_params, listen_alias
+    from .db import connect_params, listen_alias
 
     with psycopg.connect(**connect_params(listen_alias()), autocommit=True) as conn:
         conn.execute(f"LISTEN {FINISHED_CHANNEL}")

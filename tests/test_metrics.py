@@ -28,9 +28,10 @@ from django.db.models import F
 from django.test import Client
 from django.utils import timezone
 
-from django_agentruns import enqueue, metrics
+from django_agentruns import enqueue
 from django_agentruns.models import AgentRun, Reason, Status
-from django_agentruns.worker import Worker
+from django_agentruns.ops import metrics
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 
 try:

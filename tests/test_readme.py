@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from django.test import override_settings
 
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.tasks import TASKS_AVAILABLE, UNAVAILABLE_REASON, compat
-from django_agentruns.worker import Worker
 from tests import helpers
 
 README = (helpers.REPO_ROOT / "README.md").read_text()

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 from django.utils import timezone
 
 from .. import signals
-from ..context import storage_call
 from ..registry import agent
+from ..runtime.context import storage_call
 from . import compat
 from .results import ASYNC_AGENT, SYNC_AGENT, TASK_AGENTS, as_enqueued, load_task, read_result
 
 if TYPE_CHECKING:
-    from ..context import RunContext
+    from ..runtime.context import RunContext
 
 
 @agent(SYNC_AGENT)
@@ -106,7 +106,7 @@ class Attempt:
 
     def finish(self, error: Exception | None, value: Any = None) -> None:
         """Keep how the task ended; `task_finished` goes once the worker has written it."""
-        from ..recording import describe
+        from ..runtime.recording import describe
 
         result = self.result
         if error is None:

@@ -12,9 +12,9 @@ from django.db.models import Q, signals
 from django.db.models.deletion import Collector
 from django.utils import timezone
 
-from .exceptions import InvalidInputError
-from .models import TERMINAL, AgentRun, RunCheckpoint, RunEvent
-from .queries import dead_letter
+from ..exceptions import InvalidInputError
+from ..models import TERMINAL, AgentRun, RunCheckpoint, RunEvent
+from ..queries import dead_letter
 
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

@@ -11,8 +11,8 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from . import transitions
-from .transitions import Settlement
+from .. import transitions
+from ..transitions import Settlement
 
 logger = logging.getLogger("django_agentruns.reaper")
 

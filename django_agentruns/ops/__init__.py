@@ -1,0 +1,1 @@
+"""What operators read and deployments check: metrics, triage, diagnosis, upkeep."""
