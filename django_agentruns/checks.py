@@ -31,7 +31,7 @@ W004_RECONNECT_PER_RUN = "agentruns.W004"
 W008_CONNECTIONS = "agentruns.W008"
 
 SHORTEST_SENSIBLE_LEASE = 1.0
-# Both SQLite warnings give the one fix, with the values the README and SQLITE_OPTIONS use.
+# Both SQLite warnings give the one fix, with the values SQLITE_OPTIONS and the guides use.
 SQLITE_HINT = ("from django_agentruns.sqlite import SQLITE_OPTIONS, then "
                "DATABASES['default']['OPTIONS'] = {**SQLITE_OPTIONS}, that is "
                f"{SQLITE_OPTIONS!r} (journal_mode=WAL: readers run while a worker writes)")

@@ -20,7 +20,7 @@ VERSION = "0.1.0"
 
 @dataclass(frozen=True)
 class Defaults:
-    """Every setting with its default; the README's settings table mirrors this."""
+    """Every setting with its default; docs/settings.md's table mirrors this."""
 
     LEASE_TTL: float = 60.0
     """Seconds a claim's lease lasts without renewal; a dead worker's run is reclaimed after it."""

@@ -40,6 +40,8 @@ OLD_NAMES = {
 
 def layer(module: str) -> int:
     """The rank of `module` (a dotted name inside the package) in LAYERS."""
+    if module.startswith("missing: "):
+        raise KeyError(module)
     head = module.split(".")[0]
     for rank, (name, heads) in enumerate(LAYERS):
         if head in heads or head in OLD_NAMES.get(name, ()):
@@ -92,7 +94,9 @@ def imports(path: Path) -> list[tuple[str, bool]]:
                 names.append(sub.removesuffix(".__init__") if sub else dotted)
         for name in names:
             target = _file_module(name)
-            if target is not None and target != module_name(path):
+            if target is None:  # a module that is not there (an old path, say)
+                target = f"missing: {name}"
+            if target != module_name(path):
                 found.append((target, id(node) in typing_only))
     return found
 

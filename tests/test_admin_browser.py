@@ -1,7 +1,7 @@
 """The operations console in a real browser: Debian's Chromium driven by Playwright.
 
 Runs are made by real workers (`runworker` subprocesses) against pytest-django's
-`live_server`. The screenshots the README shows are taken here (into artifacts/screenshots/, or
+`live_server`. The screenshots the docs show are taken here (into artifacts/screenshots/, or
 where AGENTRUNS_SCREENSHOTS says).
 """
 
@@ -83,7 +83,7 @@ def history(worker_env: dict[str, str]) -> dict[str, AgentRun]:
 
 
 def screenshot(page: Page, name: str, *, full_page: bool = True) -> None:
-    """A screenshot for the README, with the app sidebar folded away."""
+    """A screenshot for the docs, with the app sidebar folded away."""
     toggle = page.locator("#toggle-nav-sidebar")
     if toggle.count() and page.locator("#nav-sidebar").is_visible():
         toggle.click()

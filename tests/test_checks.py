@@ -294,7 +294,7 @@ def test_a_fresh_sqlite_project_hears_both_warnings_from_check_as_from_migrate(
                    if m.id.startswith("agentruns.")]
     assert sorted(m.id for m in plain) == sorted(m.id for m in with_db) == [
         checks.W001_SQLITE_DEFERRED, checks.W002_SQLITE_NOT_WAL]
-    for message in plain:  # one fix, with the values SQLITE_OPTIONS and the README use
+    for message in plain:  # one fix, with the values SQLITE_OPTIONS and docs/getting-started.md use
         assert "'timeout': 30" in (message.hint or "")
         assert "SQLITE_OPTIONS" in (message.hint or "")
     assert not (tmp_path / "db.sqlite3").exists()  # nothing was opened

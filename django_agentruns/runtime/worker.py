@@ -132,7 +132,7 @@ class Worker:
         chunk sender (`chunk_transport.Sender`, only while its agents stream: closed
         `IDLE_CLOSE` s after the last chunk).
 
-        Agent code's own ORM queries are the agent's, on top (see the README)."""
+        Agent code's own ORM queries are the agent's, on top (see docs/deployment.md)."""
         return int(app_settings.WRITER_CONNECTIONS) + 3 + (1 if Listener.available() else 0)
 
     # ----------------------------------------------------------------- lifecycle
