@@ -14,10 +14,10 @@ from datetime import datetime
 from django.db.models import Count
 from django.utils import timezone
 
-from . import transitions
-from .limits import effective_limit
-from .models import AgentLimit, AgentRun, PausedQueue, Status
-from .registry import claimable_version, find_agent
+from .. import transitions
+from ..limits import effective_limit
+from ..models import AgentLimit, AgentRun, PausedQueue, Status
+from ..registry import claimable_version, find_agent
 
 NOT_QUEUED = "not_queued"
 UNKNOWN_AGENT = "unknown_agent"
