@@ -16,12 +16,14 @@ from django.utils import timezone
 from . import signals, transitions, usage
 from .exceptions import InvalidInputError, RunNotFoundError
 from .executor import AttemptControl, Executor, stopped_error
-from .limits import LimitKey, check_budget, check_key, check_max_running, resolve_limit_key
+from .limits import LimitKey, check_budget, check_key, resolve_limit_key
 from .models import AgentRun
 from .outcomes import OutcomeKind
 from .registry import QUEUE_RULE, AgentSpec, get_agent, is_queue_name
 from .transitions import AttemptRef, CancelResult, NewRun
 from .validation import capped_json, storable_text, unstorable_text
+from .windows import KEEP
+from .windows import check_field as check_limit_field
 
 SCOPE_MAX = 255
 DEDUPE_KEY_MAX = 255
@@ -287,11 +289,20 @@ def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
     return outcome.output
 
 
-def set_limit(key: str, max_running: int | None) -> None:
-    """At most `max_running` runs of `key` run at once across all workers, from the next
-    claim on (runs already running are left to finish). None: back to the LIMITS setting,
-    or unlimited. 0 pauses the key. Raises InvalidInputError (writing nothing) for a bad
-    key or number."""
+def set_limit(
+    key: str, max_running: Any = KEEP, *, per_minute: Any = KEEP,
+    tokens_per_minute: Any = KEEP, cost_per_day: Any = KEEP,
+) -> None:
+    """Set a key's limits, across all workers from the next claim on (runs already running
+    are left to finish): `max_running` at once (0 pauses the key), `per_minute` runs
+    started per rolling minute, `tokens_per_minute` tokens and `cost_per_day` cost recorded
+    per rolling window. An argument left out leaves that field as it is; None puts it back
+    to the LIMITS setting (or unbounded). A key ending in `*` is a pattern: each key with
+    that prefix gets windows of its own of that size. Raises InvalidInputError (writing
+    nothing) for a bad key or value."""
     check_key(key, "key")
-    check_max_running(max_running)
-    transitions.write_limit(key, max_running)
+    given = {"max_running": max_running, "per_minute": per_minute,
+             "tokens_per_minute": tokens_per_minute, "cost_per_day": cost_per_day}
+    fields = {name: check_limit_field(name, value) for name, value in given.items()
+              if value is not KEEP}
+    transitions.write_limit(key, fields)

@@ -3,8 +3,8 @@
 Pure checks, no database (`api.set_limit` writes a limit, `transitions.limited` claims
 under them). A run's limit key is resolved once, at enqueue
 (`resolve_limit_key`), and stored on the run; the claim (transitions.limited) reads the
-limits table under a lock per key. A key's limit is its row's `max_running`, else
-`AGENTRUNS["LIMITS"][key]`, else none (unlimited).
+limits table under a lock per key. A key's limits (running at once, and its windows) are
+in django_agentruns.windows.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .conf import SETTING_NAME, app_settings
 from .exceptions import InvalidInputError
 
 KEY_MAX = 200  # AgentRun.limit_key, AgentLimit.key
@@ -119,34 +118,3 @@ def effective_budget(run_budget: Any, agent_budget: Budget | None) -> Budget | N
         except InvalidInputError:
             return agent_budget  # a hand-edited row: keep the agent's rather than none
     return agent_budget
-
-
-# --------------------------------------------------------------------------- limits
-
-
-def settings_limits() -> dict[str, int]:
-    """`AGENTRUNS["LIMITS"]`, the valid entries (the system check reports the rest)."""
-    raw = app_settings.LIMITS or {}
-    if not isinstance(raw, Mapping):
-        return {}
-    return {k: v for k, v in raw.items() if not limits_problem(k, v)}
-
-
-def limits_problem(key: Any, value: Any) -> str | None:
-    """Why `LIMITS[key] = value` is refused, if it is."""
-    try:
-        check_key(key, f"{SETTING_NAME}['LIMITS'] key")
-        if value is None:
-            raise InvalidInputError("a limit must be a whole number >= 0, not None")
-        check_max_running(value)
-    except InvalidInputError as exc:
-        return str(exc)
-    return None
-
-
-def effective_limit(key: str, max_running: int | None) -> int | None:
-    """A key's limit: its row's value, else the setting's, else None (unlimited)."""
-    if max_running is not None:
-        return max_running
-    return settings_limits().get(key)
-

@@ -18,6 +18,7 @@ from .exceptions import InvalidInputError, UnknownAgentError
 from .limits import Budget, LimitKey, check_agent_limit_key, check_budget
 from .outcomes import ScopePolicy
 from .ticks import Timing, check_timing
+from .windows import Estimate, check_estimate
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -66,6 +67,7 @@ class AgentSpec:
     catch_up: bool = False
     limit_key: LimitKey = None  # a key, or f(input) -> key; see django_agentruns.limits
     budget: Budget | None = None
+    estimate: Estimate | None = None  # reserved in its key's token/cost windows at claim
 
     @property
     def is_async(self) -> bool:
@@ -103,6 +105,7 @@ def agent(
     catch_up: bool = False,
     limit_key: LimitKey = None,
     budget: dict[str, Any] | None = None,
+    estimate: dict[str, Any] | None = None,
 ) -> Callable[[F], F]:
     """Register a function (sync or `async def`) taking a `RunContext` as agent `name`.
 
@@ -111,7 +114,9 @@ def agent(
     ticks run only the latest unless `catch_up` (see django_agentruns.schedules).
     `limit_key`: the key whose limit its runs count against (a string, or a callable of
     the input); `budget`: {"tokens": N, "cost": X}, past which an attempt stops and the
-    run is dead-lettered `budget_exhausted` (see django_agentruns.limits).
+    run is dead-lettered `budget_exhausted` (see django_agentruns.limits); `estimate`:
+    {"tokens": N, "cost": X} a run reserves in its key's token and cost windows when it
+    starts, settled with what it records (default: the key's recent average per run).
     """
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidInputError(
@@ -125,6 +130,7 @@ def agent(
         raise InvalidInputError(f"Agent {name!r}: catch_up must be True or False")
     check_agent_limit_key(name, limit_key)
     checked_budget = check_budget(budget, f"Agent {name!r}: budget")
+    checked_estimate = check_estimate(estimate, f"Agent {name!r}: estimate")
 
     def register(func: F) -> F:
         existing = _registry.get(name)
@@ -137,7 +143,7 @@ def agent(
             dead_letters_block=dead_letters_block, max_requeues=max_requeues,
             timeout=timeout, lease_ttl=lease_ttl, priority=priority, classify=classify,
             schedule_timing=timing, catch_up=catch_up,
-            limit_key=limit_key, budget=checked_budget,
+            limit_key=limit_key, budget=checked_budget, estimate=checked_estimate,
         )
         return func
 

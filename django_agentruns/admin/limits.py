@@ -19,8 +19,9 @@ from django.utils import timezone
 
 from ..api import set_limit
 from ..exceptions import InvalidInputError
-from ..limits import check_key, check_max_running, effective_limit
+from ..limits import check_key, check_max_running
 from ..models import AgentLimit, AgentRun, Status
+from ..windows import effective_limit
 
 USAGE_DAYS = 14  # the overview's usage by day: the last two weeks (the created_at index)
 

@@ -14,9 +14,9 @@ from typing import Any
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
 
-from ..limits import settings_limits
 from ..models import AgentLimit, AgentRun, Status
 from ..outcomes import ScopePolicy
+from ..windows import settings_limits
 from . import rawsql
 
 

@@ -15,6 +15,7 @@ from ..exceptions import InvalidInputError
 from ..models import AgentRun, RunCheckpoint, Status
 from . import rawsql
 from .events import FORKED, append_events, lifecycle
+from .limited import give_pattern_keys_rows
 
 
 class NewRun(NamedTuple):
@@ -62,6 +63,7 @@ def insert_runs(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
     waits for a concurrent insert of the same key to commit or roll back): that run is
     read and returned in its place, with `deduplicated` True.
     """
+    give_pattern_keys_rows({r.limit_key for r in new}, at)
     runs: list[AgentRun | None] = [None] * len(new)
     pending = list(range(len(new)))
     for _ in range(DEDUPE_ROUNDS):

@@ -27,6 +27,7 @@ from .due import CLAIM_FIELDS
 from .events import SNOOZED, USAGE, append_events, append_one, lifecycle, now
 from .limited import close_key
 from .settling import _apply, _decide, locked_row
+from .windows import add_usage
 
 
 @retry_on_lock()
@@ -89,6 +90,7 @@ def record_usage_in(
         AgentRun.objects.filter(ref.guard()).update(
             input_tokens=F("input_tokens") + input_tokens,
             output_tokens=F("output_tokens") + output_tokens, cost=F("cost") + cost)
+        add_usage(ref.run_id, ref.attempt, input_tokens + output_tokens, cost)
         append_one(lifecycle(ref.run_id, USAGE, ref.attempt, input_tokens=input_tokens,
                              output_tokens=output_tokens, cost=cost, model=model), at,
                    below=max_events)

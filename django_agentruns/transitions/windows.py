@@ -1,0 +1,171 @@
+"""Windows of limit keys, counted under the key's lock: starts per rolling minute, tokens per
+rolling minute, cost per rolling day (django_agentruns.windows says what a key allows).
+
+An attempt started under a windowed key writes one `KeyWindowEntry`, stamped with its
+start, reserving an estimate; `record_usage` adds what it used. While the attempt is its
+run's running one it counts the larger of the two; after (finished, or lost and its run
+reclaimed) only what it used: a crash gives its reservation back, and an overspend only
+leaves the window less room, never stops the run.
+
+Only keys with a window pay for this: one aggregate read per claim of such keys, and one
+INSERT of the entries of the runs it started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db.models import (
+    Avg,
+    Case,
+    Count,
+    Exists,
+    F,
+    FloatField,
+    Max,
+    Min,
+    OuterRef,
+    Q,
+    Sum,
+    When,
+)
+from django.db.models.functions import Coalesce, Greatest
+
+from ..models import AgentRun, KeyWindowEntry, Status
+from ..registry import find_agent
+from ..windows import DAY, MINUTE, KeyLimits
+
+
+@dataclass(frozen=True)
+class WindowUse:
+    """What a key's windows hold at a time, and when their oldest entries leave."""
+
+    starts: int = 0
+    tokens: float = 0.0
+    cost: float = 0.0
+    oldest_minute: datetime | None = None
+    oldest_day: datetime | None = None
+    average_tokens: float = 0.0  # per ended attempt, the last day: the default estimate
+    average_cost: float = 0.0
+
+
+def _live() -> Exists:
+    return Exists(AgentRun.objects.filter(pk=OuterRef("run_id"), status=Status.RUNNING,
+                                          attempt=OuterRef("attempt")))
+
+
+def window_use(keys: Iterable[str], at: datetime) -> dict[str, WindowUse]:
+    """The windows of `keys` at `at`, in one statement (keys with no entry: empty)."""
+    keys = sorted(set(keys))
+    if not keys:
+        return {}
+    minute, day = at - timedelta(seconds=MINUTE), at - timedelta(seconds=DAY)
+    in_minute = Q(started_at__gt=minute)
+    tokens = Case(When(live=True, then=Greatest("reserved_tokens", "used_tokens")),
+                  default=F("used_tokens"), output_field=FloatField())
+    cost = Case(When(live=True, then=Greatest("reserved_cost", "used_cost")),
+                default=F("used_cost"), output_field=FloatField())
+    rows: Any = (KeyWindowEntry.objects.filter(key__in=keys, started_at__gt=day)
+                 .annotate(live=_live()).values("key").order_by("key").annotate(
+        starts=Count("id", filter=in_minute),
+        tokens=Coalesce(Sum(tokens, filter=in_minute), 0.0, output_field=FloatField()),
+        cost=Coalesce(Sum(cost), 0.0, output_field=FloatField()),
+        oldest_minute=Min("started_at", filter=in_minute),
+        oldest_day=Min("started_at"),
+        average_tokens=Coalesce(Avg("used_tokens", filter=Q(live=False)), 0.0,
+                                output_field=FloatField()),
+        average_cost=Coalesce(Avg("used_cost", filter=Q(live=False)), 0.0,
+                              output_field=FloatField()),
+        newest=Max("started_at")))
+    return {r["key"]: WindowUse(r["starts"], float(r["tokens"]), float(r["cost"]),
+                                r["oldest_minute"], r["oldest_day"], float(r["average_tokens"]),
+                                float(r["average_cost"])) for r in rows}
+
+
+def start_room(limits: KeyLimits, use: WindowUse) -> int | None:
+    """How many more runs the per-minute window lets start (None: no such window)."""
+    if limits.per_minute is None:
+        return None
+    return max(0, limits.per_minute - use.starts)
+
+
+def estimate_of(agent: str, use: WindowUse) -> tuple[int, float]:
+    """A run's reservation: its agent's `estimate`, else the key's recent average."""
+    spec = find_agent(agent)
+    est = getattr(spec, "estimate", None) if spec is not None else None
+    tokens = est.tokens if est is not None and est.tokens is not None \
+        else round(use.average_tokens)
+    cost = est.cost if est is not None and est.cost is not None else use.average_cost
+    return int(tokens), float(cost)
+
+
+class Admission:
+    """The token and cost windows of one key during one claim: each run picked is let in
+    while the reservations fit (the first always, when the window is empty, so that an
+    estimate larger than the window cannot hold a key forever)."""
+
+    def __init__(self, limits: KeyLimits, use: WindowUse) -> None:
+        self.limits, self.use = limits, use
+        self.tokens, self.cost = use.tokens, use.cost
+        self.full = False
+
+    def admit(self, tokens: int, cost: float) -> bool:
+        if self.full:
+            return False
+        for bound, spent, more in ((self.limits.tokens_per_minute, self.tokens, tokens),
+                                   (self.limits.cost_per_day, self.cost, cost)):
+            if bound is None:
+                continue
+            if spent >= bound or (spent > 0 and spent + more > bound):
+                self.full = True  # in claim order: no smaller run jumps the queue
+                return False
+        self.tokens += tokens
+        self.cost += cost
+        return True
+
+
+def entries_for(key: str, started: list[AgentRun], reserved: dict[int, tuple[int, float]],
+                at: datetime) -> list[KeyWindowEntry]:
+    return [KeyWindowEntry(key=key, run_id=r.pk, attempt=r.attempt, started_at=at,
+                           reserved_tokens=reserved[r.pk][0], reserved_cost=reserved[r.pk][1])
+            for r in started]
+
+
+def write_entries(entries: list[KeyWindowEntry]) -> None:
+    if entries:
+        KeyWindowEntry.objects.bulk_create(entries)
+
+
+def add_usage(run_id: int, attempt: int, tokens: int, cost: float) -> None:
+    """An attempt's recorded usage, into its window entry (none: its key has no window)."""
+    KeyWindowEntry.objects.filter(run_id=run_id, attempt=attempt).update(
+        used_tokens=F("used_tokens") + tokens, used_cost=F("used_cost") + cost)
+
+
+@dataclass(frozen=True)
+class FullWindow:
+    """A window without room: which, what it holds, and when it has room at the earliest."""
+
+    window: str
+    text: str
+    room_at: datetime | None
+
+
+def full_window(limits: KeyLimits, use: WindowUse, at: datetime) -> FullWindow | None:
+    """The first of the key's windows with no room at `at`, if any."""
+    minute_room = None if use.oldest_minute is None \
+        else use.oldest_minute + timedelta(seconds=MINUTE)
+    if limits.per_minute is not None and use.starts >= limits.per_minute:
+        return FullWindow("per_minute", f"{use.starts} runs started in the last minute, "
+                          f"its per_minute is {limits.per_minute}", minute_room)
+    if limits.tokens_per_minute is not None and use.tokens >= limits.tokens_per_minute:
+        return FullWindow("tokens_per_minute", f"{use.tokens:,.0f} tokens in the last minute, "
+                          f"its tokens_per_minute is {limits.tokens_per_minute:,}", minute_room)
+    if limits.cost_per_day is not None and use.cost >= limits.cost_per_day:
+        day_room = None if use.oldest_day is None else use.oldest_day + timedelta(seconds=DAY)
+        return FullWindow("cost_per_day", f"{use.cost:.4g} spent in the last day, its "
+                          f"cost_per_day is {limits.cost_per_day:g}", day_room)
+    return None
