@@ -1,10 +1,10 @@
 """Flow control's windows: what a limit key may start per rolling minute, and may spend in
 tokens per minute and cost per day, besides how many of its runs run at once.
 
-Pure vocabulary, no database. A key's fields come from its limits row, else from
-`AGENTRUNS["LIMITS"]` (an exact key, else the longest matching pattern: a key ending in
-`*` matches every key with that prefix, and each matching key has its own window), else
-none. `transitions.windows` counts the windows under the key's lock.
+Pure vocabulary, no database. Each field of a key's limits comes from the first that sets
+it of: its limits row, the longest matching pattern row, its `AGENTRUNS["LIMITS"]` entry,
+the longest matching pattern entry (a key ending in `*` matches every key with that
+prefix, and each matching key has its own window); else no bound. `transitions.windows` counts the windows under the key's lock.
 """
 
 from __future__ import annotations
@@ -122,12 +122,12 @@ def settings_table() -> dict[str, KeyLimits]:
 
 
 def from_settings(key: str, table: Mapping[str, KeyLimits] | None = None) -> KeyLimits:
-    """The setting's limits of `key`: its own entry, else its longest matching pattern's."""
+    """The setting's limits of `key`: each field from its own entry, else from its longest
+    matching pattern's."""
     table = settings_table() if table is None else table
-    if key in table:
-        return table[key]
     pattern = best_pattern(key, table)
-    return table[pattern] if pattern else KeyLimits()
+    own = table.get(key, KeyLimits())
+    return own.over(table[pattern]) if pattern else own
 
 
 def resolve(key: str, row: KeyLimits | None, pattern_rows: Mapping[str, KeyLimits],

@@ -18,6 +18,7 @@ from . import rawsql
 from .due import claim_row, compiled_due, recheck_order
 from .events import STARTED, append_events, lifecycle, now
 from .settling import abandon_locked
+from .windows import carry_entries
 
 
 @retry_on_lock()
@@ -95,8 +96,10 @@ def _claim_lapsed(
                                    why="lease lapsed", apply_backoff=False)
         if decision is not None and decision.action is DecisionAction.RETRY:
             ids.append(run.pk)
-    return _start(worker_id, ids, {r.pk: r.agent for r in locked}, lease_ttls, default_ttl,
-                  at, read_back=None)
+    reclaimed = _start(worker_id, ids, {r.pk: r.agent for r in locked}, lease_ttls,
+                       default_ttl, at, read_back=None)
+    carry_entries(reclaimed, at)
+    return reclaimed
 
 
 def _claim_due_returning(

@@ -34,9 +34,18 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce, Greatest
 
-from ..models import AgentRun, KeyWindowEntry, Status
+from ..models import AgentLimit, AgentRun, KeyWindowEntry, Status
 from ..registry import find_agent
-from ..windows import DAY, MINUTE, KeyLimits
+from ..windows import (
+    DAY,
+    FIELDS,
+    MINUTE,
+    KeyLimits,
+    is_pattern,
+    resolve,
+    row_limits,
+    settings_table,
+)
 
 
 @dataclass(frozen=True)
@@ -103,25 +112,19 @@ def estimate_of(agent: str, use: WindowUse) -> tuple[int, float]:
 
 
 class Admission:
-    """The token and cost windows of one key during one claim: each run picked is let in
-    while the reservations fit (the first always, when the window is empty, so that an
+    """The token and cost windows of one key during one claim: a run picked is let in
+    while the windows' use, its reservations so far included, is under their size (so an
     estimate larger than the window cannot hold a key forever)."""
 
     def __init__(self, limits: KeyLimits, use: WindowUse) -> None:
         self.limits, self.use = limits, use
         self.tokens, self.cost = use.tokens, use.cost
-        self.full = False
 
     def admit(self, tokens: int, cost: float) -> bool:
-        if self.full:
-            return False
-        for bound, spent, more in ((self.limits.tokens_per_minute, self.tokens, tokens),
-                                   (self.limits.cost_per_day, self.cost, cost)):
-            if bound is None:
-                continue
-            if spent >= bound or (spent > 0 and spent + more > bound):
-                self.full = True  # in claim order: no smaller run jumps the queue
-                return False
+        if (self.limits.tokens_per_minute is not None
+                and self.tokens >= self.limits.tokens_per_minute) \
+                or (self.limits.cost_per_day is not None and self.cost >= self.limits.cost_per_day):
+            return False  # and, in claim order, no later run jumps the queue
         self.tokens += tokens
         self.cost += cost
         return True
@@ -169,3 +172,33 @@ def full_window(limits: KeyLimits, use: WindowUse, at: datetime) -> FullWindow |
         return FullWindow("cost_per_day", f"{use.cost:.4g} spent in the last day, its "
                           f"cost_per_day is {limits.cost_per_day:g}", day_room)
     return None
+
+
+def carry_entries(reclaimed: list[AgentRun], at: datetime) -> None:
+    """A reclaimed run's new attempt reserves what its lost one did (only runs of windowed
+    keys have entries); the lost attempt's then counts only what it used."""
+    if not reclaimed:
+        return
+    lost = Q()
+    for run in reclaimed:
+        lost |= Q(run_id=run.pk, attempt=run.attempt - 1)
+    attempt = {r.pk: r.attempt for r in reclaimed}
+    write_entries([KeyWindowEntry(key=e.key, run_id=e.run_id, attempt=attempt[e.run_id],
+                                  started_at=at, reserved_tokens=e.reserved_tokens,
+                                  reserved_cost=e.reserved_cost)
+                   for e in KeyWindowEntry.objects.filter(lost)])
+
+
+def full_window_keys(at: datetime) -> list[str]:
+    """Keys with a window without room at `at`: no worker starts their runs until it has
+    (so a burst worker does not wait for them). Reads the small limits table, and the
+    windows only when a key has one."""
+    rows = list(AgentLimit.objects.values("key", *FIELDS))
+    patterns = {r["key"]: row_limits(r) for r in rows if is_pattern(r["key"])}
+    table = settings_table()
+    limits = {r["key"]: resolve(r["key"], row_limits(r), patterns, table) for r in rows
+              if not is_pattern(r["key"])}
+    windowed = {k: v for k, v in limits.items() if v.windowed}
+    uses = window_use(windowed, at)
+    return sorted(k for k, v in windowed.items()
+                  if full_window(v, uses.get(k, WindowUse()), at) is not None)
