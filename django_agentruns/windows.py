@@ -4,7 +4,8 @@ tokens per minute and cost per day, besides how many of its runs run at once.
 Pure vocabulary, no database. Each field of a key's limits comes from the first that sets
 it of: its limits row, the longest matching pattern row, its `AGENTRUNS["LIMITS"]` entry,
 the longest matching pattern entry (a key ending in `*` matches every key with that
-prefix, and each matching key has its own window); else no bound. `transitions.windows` counts the windows under the key's lock.
+prefix, and each matching key has its own window); else no bound.
+`transitions.windows` counts the windows under the key's lock.
 """
 
 from __future__ import annotations

@@ -239,3 +239,54 @@ def test_a_killed_worker_gives_its_reservation_back(worker_env: dict[str, str]) 
     start = KeyWindowEntry.objects.get(run_id=second.pk).started_at
     lost = KeyWindowEntry.objects.get(run_id=first.pk, attempt=1).started_at
     assert (start - lost).total_seconds() < 60
+
+
+# --------------------------------------------------------------------------- operators
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_limits_page_edits_windows_and_shows_their_use_and_the_spend_per_day() -> None:
+    from django.contrib.auth.models import Permission, User
+    from django.test import Client
+    from django.urls import reverse
+
+    user = User.objects.create_user("op", password="pw", is_staff=True)
+    for perm in ("view_agentlimit", "add_agentlimit", "change_agentlimit"):
+        user.user_permissions.add(Permission.objects.get(codename=perm))
+    client = Client()
+    client.force_login(user)
+    add = reverse("admin:django_agentruns_agentlimit_add")
+    response = client.post(add, {"key": "tenant:*", "cost_per_day": "5"})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    response = client.post(add, {"key": "llm", "per_minute": "10",
+                                 "tokens_per_minute": "4000"})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    bad = client.post(add, {"key": "other", "per_minute": "-3"})
+    assert bad.status_code == 200
+    assert not AgentLimit.objects.filter(key="other").exists()
+    row = AgentLimit.objects.get(key="llm")
+    assert (row.max_running, row.per_minute, row.tokens_per_minute) == (None, 10, 4000)
+    keyed("llm", 2, agent="tests.estimated", tokens=700, cost=0.25)
+    keyed("tenant:a", 1, agent="tests.estimated", tokens=0, cost=1.5)
+    burst()
+    html = client.get(reverse("admin:django_agentruns_agentlimit_changelist")).content.decode()
+    assert "2/10 started per minute; 1,400/4,000 tokens per minute" in html
+    assert "0.5 (1,400 tokens)" in html  # llm's spend in the last day
+    assert "1.5 (0 tokens)" in html  # every tenant's, on the pattern's row and tenant:a's
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_gauge_shows_how_full_each_window_is() -> None:
+    from django_agentruns import metrics
+
+    set_limit("llm", per_minute=4, tokens_per_minute=4000)
+    keyed("llm", 1, agent="tests.estimated", tokens=1000)
+    burst()
+    backlog = metrics.read_backlog()
+    assert backlog.window_fill == {("llm", "per_minute"): 0.25,
+                                   ("llm", "tokens_per_minute"): 0.25}
+    if metrics.prometheus_client is not None:
+        families = {f.name: f for f in metrics.BacklogCollector._families(backlog, set())}
+        samples = {tuple(s.labels.values()): s.value
+                   for s in families["agentruns_limit_window_fill"].samples}
+        assert samples == {("llm", "per_minute"): 0.25, ("llm", "tokens_per_minute"): 0.25}

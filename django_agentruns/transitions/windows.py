@@ -189,16 +189,36 @@ def carry_entries(reclaimed: list[AgentRun], at: datetime) -> None:
                    for e in KeyWindowEntry.objects.filter(lost)])
 
 
-def full_window_keys(at: datetime) -> list[str]:
-    """Keys with a window without room at `at`: no worker starts their runs until it has
-    (so a burst worker does not wait for them). Reads the small limits table, and the
-    windows only when a key has one."""
+def windowed_keys() -> dict[str, KeyLimits]:
+    """Every key with a limits row and a window, with its limits in force (the small
+    limits table, and the setting)."""
     rows = list(AgentLimit.objects.values("key", *FIELDS))
     patterns = {r["key"]: row_limits(r) for r in rows if is_pattern(r["key"])}
     table = settings_table()
     limits = {r["key"]: resolve(r["key"], row_limits(r), patterns, table) for r in rows
               if not is_pattern(r["key"])}
-    windowed = {k: v for k, v in limits.items() if v.windowed}
+    return {k: v for k, v in limits.items() if v.windowed}
+
+
+def full_window_keys(at: datetime) -> list[str]:
+    """Keys with a window without room at `at`: no worker starts their runs until it has
+    (so a burst worker does not wait for them)."""
+    windowed = windowed_keys()
     uses = window_use(windowed, at)
     return sorted(k for k, v in windowed.items()
                   if full_window(v, uses.get(k, WindowUse()), at) is not None)
+
+
+def window_fill(at: datetime) -> dict[tuple[str, str], float]:
+    """How full each window of each windowed key is at `at` (1.0: full), for the gauge."""
+    windowed = windowed_keys()
+    uses = window_use(windowed, at)
+    fill: dict[tuple[str, str], float] = {}
+    for key, limits in windowed.items():
+        use = uses.get(key, WindowUse())
+        for window, size, held in (("per_minute", limits.per_minute, use.starts),
+                                   ("tokens_per_minute", limits.tokens_per_minute, use.tokens),
+                                   ("cost_per_day", limits.cost_per_day, use.cost)):
+            if size is not None:
+                fill[(key, window)] = held / size if size else 1.0
+    return fill
