@@ -49,6 +49,9 @@ class RunRequest:
     limit_key: str | None = None
 
 
+MAX_DEBOUNCE = 86400 * 365  # a year: a debounce is a pause, not a schedule
+
+
 def enqueue(
     agent: str,
     input: Any = None,
@@ -60,13 +63,19 @@ def enqueue(
     fired_seq: int = 0,
     dedupe_key: str | None = None,
     limit_key: str | None = None,
+    debounce: float | None = None,
+    supersede: bool = False,
 ) -> AgentRun:
     """Queue a run of `agent`, in the caller's transaction: roll back and it never existed.
 
     `run_after` is a datetime, a timedelta or seconds from now. With `dedupe_key`, an
     unfinished (queued or running) run of the agent with that key is returned instead of
     a new one, its `deduplicated` True; race-free across processes. `limit_key` overrides
-    the agent's (see django_agentruns.limits). Raises
+    the agent's (see django_agentruns.limits). With `dedupe_key`: `debounce=seconds` makes a
+    queued run holding the key take this input and start `seconds` from now instead (its
+    `debounced` True; a new run starts then too, and gives up the key as it starts);
+    `supersede=True` cancels the unfinished run holding the key ("superseded by run N")
+    and queues this one in its place. Raises
     `UnknownAgentError` or `InvalidInputError` before anything is written. One INSERT:
     in autocommit it is the whole transaction (one round trip); PostgreSQL's trigger
     wakes the queue's workers once it commits.
@@ -74,9 +83,36 @@ def enqueue(
     at = timezone.now()
     request = RunRequest(agent, input, scope, queue, priority, run_after, fired_seq, dedupe_key,
                          limit_key)
-    (run,) = transitions.insert_runs([_build(request, at, {})], at)
+    new = _build(request, at, {})
+    if debounce is None and supersede is False:
+        (run,) = transitions.insert_runs([new], at)
+    else:
+        run = _enqueue_on_holder(new, at, debounce, supersede, run_after)
     _announce([run])
     return run
+
+
+def _enqueue_on_holder(new: transitions.NewRun, at: datetime, debounce: Any, supersede: Any,
+                       run_after: Any) -> AgentRun:
+    """`enqueue` with `debounce` or `supersede`, checked first (a bad one writes nothing)."""
+    if not isinstance(supersede, bool):
+        raise InvalidInputError(f"supersede must be True or False, not {supersede!r:.40}")
+    if not new.dedupe_key:
+        raise InvalidInputError("debounce and supersede act on the run holding a dedupe key: "
+                                "give a dedupe_key")
+    if debounce is None:
+        return transitions.enqueue_superseding(new, at)
+    if supersede:
+        raise InvalidInputError("give debounce or supersede, not both")
+    if run_after is not None:
+        raise InvalidInputError("a debounced run starts `debounce` seconds after the last "
+                                "enqueue: give debounce or run_after, not both")
+    if isinstance(debounce, bool) or not isinstance(debounce, int | float) \
+            or not math.isfinite(debounce) or not 0 <= debounce <= MAX_DEBOUNCE:
+        raise InvalidInputError(f"debounce must be seconds in 0..{MAX_DEBOUNCE}, "
+                                f"not {debounce!r:.40}")
+    return transitions.enqueue_debounced(
+        new._replace(available_at=at + timedelta(seconds=debounce)), at)
 
 
 def enqueue_many(requests: Iterable[RunRequest | Mapping[str, Any]]) -> list[AgentRun]:

@@ -78,9 +78,16 @@ class AgentRun(models.Model):
         help_text="The run this one was forked from (`fork`), starting at one of its "
                   "checkpoints.")
 
+    release_dedupe_at_start = models.BooleanField(
+        default=False, help_text="Debounced: the claim that starts it gives up its dedupe key, "
+                                 "so that a new enqueue with the key queues a new run.")
+
     # Set on the run `enqueue` returns: True when it is an existing unfinished run with the
     # same dedupe key rather than a new one. Not a column.
     deduplicated: bool = False
+    # Set on the run `enqueue(debounce=...)` returns: True when an existing queued run took
+    # the new input and start time. Not a column.
+    debounced: bool = False
 
     # Named reads (`.dead_letters()`, `.lapsed(at)`, ...): see django_agentruns.queries.
     objects = RunQuerySet.as_manager()

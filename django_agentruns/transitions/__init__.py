@@ -76,6 +76,7 @@ from .settling import (
     settle_succeeded_many,
 )
 from .snoozing import exhaust_budget, record_usage, snooze
+from .superseding import enqueue_debounced, enqueue_superseding
 from .windows import FullWindow, WindowUse, full_window, window_fill, window_use
 
 __all__ = [
@@ -86,7 +87,8 @@ __all__ = [
     "SucceedWrite", "UsageWrite", "WindowUse", "Write", "abandon", "apply_alone",
     "apply_writes", "awaited",
     "cancel", "checkpoint", "claim", "claim_limited", "close_key", "due_elsewhere",
-    "due_queued", "emit", "emitted_event_id", "exhaust_budget", "find_stale", "full_window",
+    "due_queued", "emit", "emitted_event_id", "enqueue_debounced",
+    "enqueue_superseding", "exhaust_budget", "find_stale", "full_window",
     "insert_fork",
     "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "limits_in_use", "now",
     "operator_retry", "policy", "reap_one", "record_usage", "renew", "renew_many",

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from django.db import connection, transaction
-from django.db.models import F, Q, QuerySet
+from django.db.models import Case, F, Q, QuerySet, Value, When
 
 from .. import signals
 from ..conf import app_settings
@@ -19,6 +19,9 @@ from .due import claim_row, compiled_due, recheck_order
 from .events import STARTED, append_events, lifecycle, now
 from .settling import abandon_locked
 from .windows import carry_entries
+
+RELEASED_DEDUPE_KEY = Case(When(release_dedupe_at_start=True, then=Value("")),
+                           default=F("dedupe_key"))
 
 
 @retry_on_lock()
@@ -154,6 +157,7 @@ def _start(
         updated += AgentRun.objects.filter(pk__in=group, status=Status.QUEUED).update(
             status=Status.RUNNING, claimed_by=worker_id, attempt=F("attempt") + 1,
             lease_expires=at + timedelta(seconds=ttl), started_at=at,
+            dedupe_key=RELEASED_DEDUPE_KEY,  # a debounced run gives up its key as it starts
         )
     if read_back is not None and updated == len(ids):
         # Every locked row was updated as read: no need to read them back.
@@ -205,4 +209,6 @@ def _as_claimed(
     run.attempt += 1
     run.lease_expires = at + timedelta(seconds=ttl)
     run.started_at = at
+    if run.release_dedupe_at_start:
+        run.dedupe_key = ""
     return run
