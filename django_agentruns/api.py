@@ -46,7 +46,7 @@ class RunRequest:
     run_after: datetime | timedelta | float | None = None
     fired_seq: int = 0
     dedupe_key: str | None = None
-    limit_key: str | None = None
+    limit_key: str | list[str] | None = None
 
 
 MAX_DEBOUNCE = 86400 * 365  # a year: a debounce is a pause, not a schedule
@@ -62,7 +62,7 @@ def enqueue(
     run_after: datetime | timedelta | float | None = None,
     fired_seq: int = 0,
     dedupe_key: str | None = None,
-    limit_key: str | None = None,
+    limit_key: str | list[str] | None = None,
     debounce: float | None = None,
     supersede: bool = False,
 ) -> AgentRun:
@@ -190,7 +190,7 @@ def _build(request: RunRequest, at: datetime, agents: dict[str, _AgentPolicy]) -
                   fired_seq=fired_seq, input=payload, input_json=text,
                   max_requeues=agent.max_requeues,
                   available_at=_due_time(request.run_after, at), dedupe_key=key,
-                  limit_key=resolve_limit_key(agent.name, agent.limit_key, request.limit_key,
+                  limit_keys=resolve_limit_key(agent.name, agent.limit_key, request.limit_key,
                                               payload))
 
 

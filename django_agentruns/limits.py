@@ -22,7 +22,8 @@ _NUL_OR_SURROGATE = re.compile("[\x00\ud800-\udfff]")
 LARGEST_LIMIT = 2**31 - 1
 BUDGET_FIELDS = ("tokens", "cost")
 
-LimitKey = str | Callable[[Any], "str | None"] | None
+LimitKey = str | list[str] | Callable[[Any], "str | list[str] | None"] | None
+MAX_FAILOVER_KEYS = 20
 
 
 def check_key(value: Any, what: str = "limit_key") -> str:
@@ -44,27 +45,43 @@ def check_max_running(value: Any) -> int | None:
 
 
 def check_agent_limit_key(name: str, value: Any) -> None:
-    """`@agent(limit_key=...)`: a key, or a callable of the input returning one."""
+    """`@agent(limit_key=...)`: a key, a list of keys (failover, in order of preference), or
+    a callable of the input returning either."""
     if value is None or callable(value):
         return
-    check_key(value, f"Agent {name!r}: limit_key")
+    check_keys(value, f"Agent {name!r}: limit_key")
 
 
-def resolve_limit_key(agent: str, default: LimitKey, override: Any, input: Any) -> str:
-    """The key stored on a new run: `enqueue(limit_key=...)`, else the agent's (a callable
-    is called with the input), else "" (no key). Raises InvalidInputError for a bad one."""
+def check_keys(value: Any, what: str = "limit_key") -> tuple[str, ...]:
+    """A key, or a non-empty list of distinct keys, as a tuple (failover order)."""
+    if isinstance(value, list | tuple):
+        if not value or len(value) > MAX_FAILOVER_KEYS:
+            raise InvalidInputError(f"{what} as a list must hold 1-{MAX_FAILOVER_KEYS} keys, "
+                                    f"not {len(value)}")
+        keys = tuple(check_key(k, what) for k in value)
+        if len(set(keys)) != len(keys):
+            raise InvalidInputError(f"{what} lists a key twice: {list(keys)!r:.120}")
+        return keys
+    return (check_key(value, what),)
+
+
+def resolve_limit_key(agent: str, default: LimitKey, override: Any, input: Any
+                      ) -> tuple[str, ...]:
+    """The keys of a new run, in failover order (): `enqueue(limit_key=...)`, else the
+    agent's (a callable is called with the input), else none. Raises InvalidInputError
+    for a bad one."""
     if override is not None:
-        return check_key(override)
+        return check_keys(override)
     if default is None:
-        return ""
+        return ()
     if callable(default):
         try:
             key = default(input)
         except Exception as exc:
             raise InvalidInputError(f"Agent {agent!r}: limit_key({input!r:.80}) raised "
                                     f"{type(exc).__name__}: {exc}") from exc
-        return "" if key is None else check_key(key, f"Agent {agent!r}: limit_key(input)")
-    return check_key(default)
+        return () if key is None else check_keys(key, f"Agent {agent!r}: limit_key(input)")
+    return check_keys(default)
 
 
 # --------------------------------------------------------------------------- budgets

@@ -78,6 +78,9 @@ class AgentRun(models.Model):
         help_text="The run this one was forked from (`fork`), starting at one of its "
                   "checkpoints.")
 
+    limit_keys = models.JSONField(
+        null=True, blank=True, help_text="Failover: the limit keys the run may take, in order; "
+                                         "a 429 on its key moves it to the next open one.")
     release_dedupe_at_start = models.BooleanField(
         default=False, help_text="Debounced: the claim that starts it gives up its dedupe key, "
                                  "so that a new enqueue with the key queues a new run.")

@@ -154,6 +154,18 @@ def write_limit(key: str, fields: dict[str, Any], at: datetime | None = None) ->
     AgentLimit.objects.update_or_create(key=key, defaults={**fields, "updated_at": at})
 
 
+def failover_key(keys: Any, closed: str, at: datetime) -> str | None:
+    """The key a run of failover `keys` moves to when `closed` closes: the next in the list
+    (round the end) that is open at `at`; None without one."""
+    if not isinstance(keys, list) or closed not in keys:
+        return None
+    i = keys.index(closed)
+    others = [k for k in keys[i + 1:] + keys[:i] if isinstance(k, str)]
+    shut = set(AgentLimit.objects.filter(key__in=others, closed_until__gt=at)
+               .values_list("key", flat=True))
+    return next((k for k in others if k not in shut), None)
+
+
 def give_pattern_keys_rows(keys: Iterable[str], at: datetime | None = None) -> None:
     """A row for each key that a limits pattern ("tenant:*", in the table or the setting)
     matches, so that its runs go through the limited claim with their own windows."""

@@ -99,3 +99,11 @@ def estimated(ctx: RunContext) -> dict[str, Any]:
     ctx.record_usage(input_tokens=int(ctx.input.get("tokens", 1000)), output_tokens=0,
                      cost=float(ctx.input.get("cost", 0.0)), model="m")
     return {"key": ctx.input.get("key")}
+
+
+@agent("tests.failover", limit_key=["prov:a", "prov:b"], max_requeues=0)
+def failover(ctx: RunContext) -> dict[str, Any]:
+    """A 429 (Retry-After: 120) while it runs under input["fail_on"]; says which key it got."""
+    if ctx.limit_key == ctx.input.get("fail_on"):
+        raise RateLimitError(429, "120")
+    return {"key": ctx.limit_key, "attempt": ctx.attempt}
