@@ -58,6 +58,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     from .registry import all_agents, scope_policy
     from .transitions import window_fill
     from .visibility import due_elsewhere
+    from .windows import FIELDS
 
     at = at or timezone.now()
     backlog = Backlog()
@@ -96,8 +97,9 @@ def read_backlog(at: datetime | None = None) -> Backlog:
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
     backlog.unknown_agents.update(due_elsewhere(None, frozenset(all_agents()), at))
-    closed = AgentLimit.objects.filter(closed_until__gt=at).values_list("key", "closed_until")
-    backlog.closed_keys.update((key, (until - at).total_seconds()) for key, until in closed
-                               if until is not None)
-    backlog.window_fill.update(window_fill(at))
+    limits = list(AgentLimit.objects.values("key", "closed_until", *FIELDS))
+    backlog.closed_keys.update((row["key"], (row["closed_until"] - at).total_seconds())
+                               for row in limits
+                               if row["closed_until"] is not None and row["closed_until"] > at)
+    backlog.window_fill.update(window_fill(at, limits))
     return backlog

@@ -189,10 +189,11 @@ def carry_entries(reclaimed: list[AgentRun], at: datetime) -> None:
                    for e in KeyWindowEntry.objects.filter(lost)])
 
 
-def windowed_keys() -> dict[str, KeyLimits]:
+def windowed_keys(rows: list[dict[str, Any]] | None = None) -> dict[str, KeyLimits]:
     """Every key with a limits row and a window, with its limits in force (the small
-    limits table, and the setting)."""
-    rows = list(AgentLimit.objects.values("key", *FIELDS))
+    limits table, or its `rows` as read with FIELDS, and the setting)."""
+    if rows is None:
+        rows = list(AgentLimit.objects.values("key", *FIELDS))
     patterns = {r["key"]: row_limits(r) for r in rows if is_pattern(r["key"])}
     table = settings_table()
     limits = {r["key"]: resolve(r["key"], row_limits(r), patterns, table) for r in rows
@@ -209,9 +210,11 @@ def full_window_keys(at: datetime) -> list[str]:
                   if full_window(v, uses.get(k, WindowUse()), at) is not None)
 
 
-def window_fill(at: datetime) -> dict[tuple[str, str], float]:
-    """How full each window of each windowed key is at `at` (1.0: full), for the gauge."""
-    windowed = windowed_keys()
+def window_fill(at: datetime, rows: list[dict[str, Any]] | None = None
+                ) -> dict[tuple[str, str], float]:
+    """How full each window of each windowed key is at `at` (1.0: full), for the gauge;
+    no query beyond `rows` (the limits table) without a windowed key."""
+    windowed = windowed_keys(rows)
     uses = window_use(windowed, at)
     fill: dict[tuple[str, str], float] = {}
     for key, limits in windowed.items():
