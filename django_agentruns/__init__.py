@@ -5,7 +5,7 @@ Public API (stable): `agent`, `RunContext`, `Retryable`, `NotRetryable`, `enqueu
 `add_schedule`, `remove_schedule`, `pause_queue`, `resume_queue`; waiting runs:
 `deliver`, `DeliverResult`, `approve`, `reject`, `wait_for_run`, `await_run`, `WaitTimedOut`,
 `Approval`, `RunResult`; live output: `stream_chunks`, `stream_url`; flow control: `Snooze`,
-`set_limit`.
+`set_limit`; erasure: `erase`, `RunNotFinishedError`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from .exceptions import (
     NotRetryable,
     Retryable,
     RunCancelledError,
+    RunNotFinishedError,
     RunNotFoundError,
     Snooze,
     TooManyWaitersError,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from .chunks import stream_chunks
     from .context import RunContext
     from .queues import pause_queue, resume_queue
+    from .retention import erase
     from .schedules import add_schedule, remove_schedule
     from .streaming.signing import stream_url
     from .streaming.waiters import await_run, wait_for_run
@@ -52,6 +54,7 @@ __all__ = [
     "Retryable",
     "RunCancelledError",
     "RunContext",
+    "RunNotFinishedError",
     "RunNotFoundError",
     "RunRequest",
     "RunResult",
@@ -67,6 +70,7 @@ __all__ = [
     "deliver",
     "enqueue",
     "enqueue_many",
+    "erase",
     "fork",
     "pause_queue",
     "reject",
@@ -87,7 +91,7 @@ _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "reject": "waiting", "wait_for_run": "streaming.waiters", "await_run": "streaming.waiters",
          "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
          "add_schedule": "schedules", "remove_schedule": "schedules", "set_limit": "api",
-         "stream_chunks": "chunks", "stream_url": "streaming.signing"}
+         "stream_chunks": "chunks", "stream_url": "streaming.signing", "erase": "retention"}
 
 
 def __getattr__(name: str) -> Any:

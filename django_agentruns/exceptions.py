@@ -41,6 +41,11 @@ class TooManyWaitersError(AgentRunsError):
     already (the message names the setting)."""
 
 
+class RunNotFinishedError(InvalidInputError):
+    """The call needs a finished (or cancelled) run, and this one is still queued, running
+    or waiting: `erase` refuses it, since its worker would go on writing for it."""
+
+
 class Retryable(Exception):
     """Raise from an agent for a transient failure: the run is retried within its budget.
 
@@ -78,6 +83,12 @@ class NotRetryable(Exception):
 
 class AttemptTimeout(TimeoutError):
     """The attempt ran past its agent's `timeout`; retryable like any timeout."""
+
+
+class StepTimeout(AgentRunsError, TimeoutError):
+    """One execution of a step (`ctx.step(..., timeout=)`) took longer than its timeout.
+    Retryable, like any timeout; a sync step's thread runs on and its late result is
+    discarded."""
 
 
 class AttemptStopped(BaseException):

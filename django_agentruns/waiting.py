@@ -19,10 +19,34 @@ from .wait_results import DeliverResult
 
 def deliver(run_id: int, key: str, payload: Any = None, *, by: str = "") -> DeliverResult:
     """Deliver `payload` (JSON) for `key` to run `run_id`; a run that waits for it is
-    queued again. The first payload stands: delivering again is ALREADY_DELIVERED.
+    queued again. The first payload stands: delivering again is ALREADY_DELIVERED; a
+    payload that comes before the wait is STORED, and `receive` finds it.
 
     Raises `InvalidInputError` (bad id, key or payload) before anything is written.
     """
+    return _deliver(run_id, key, payload, by, answers_approval=False)
+
+
+def approve(run_id: int, key: str, *, by: str, note: str = "",
+            proposal: Any = None) -> DeliverResult:
+    """Approve what the run proposed for `key`; `proposal`, if given, replaces it (an edit
+    by the approver).
+
+    Raises `InvalidInputError`, writing nothing, when the run never asked for approval of
+    `key` (the message names the keys it does wait for); answering twice is
+    ALREADY_DELIVERED.
+    """
+    return _deliver(run_id, key, _answer(True, by, note, proposal), by,
+                    answers_approval=True)
+
+
+def reject(run_id: int, key: str, *, by: str, note: str = "") -> DeliverResult:
+    """Reject what the run proposed for `key` (the same checks as `approve`)."""
+    return _deliver(run_id, key, _answer(False, by, note, None), by, answers_approval=True)
+
+
+def _deliver(run_id: int, key: str, payload: Any, by: Any, *,
+             answers_approval: bool) -> DeliverResult:
     from .api import _run_id
 
     rid = _run_id(run_id)
@@ -30,19 +54,8 @@ def deliver(run_id: int, key: str, payload: Any = None, *, by: str = "") -> Deli
     capped_json(payload, f"Payload delivered for {key!r}", "MAX_INPUT_BYTES")
     if not isinstance(by, str):
         raise InvalidInputError(f"by must be a string, not {type(by).__name__}")
-    return transitions.waiting.deliver(rid, key, payload, storable_text(by[:255]))
-
-
-def approve(run_id: int, key: str, *, by: str, note: str = "",
-            proposal: Any = None) -> DeliverResult:
-    """Approve what the run proposed for `key`; `proposal`, if given, replaces it (an edit
-    by the approver)."""
-    return deliver(run_id, key, _answer(True, by, note, proposal), by=by)
-
-
-def reject(run_id: int, key: str, *, by: str, note: str = "") -> DeliverResult:
-    """Reject what the run proposed for `key`."""
-    return deliver(run_id, key, _answer(False, by, note, None), by=by)
+    return transitions.waiting.deliver(rid, key, payload, storable_text(by[:255]),
+                                       answers_approval=answers_approval)
 
 
 def _answer(approved: bool, by: Any, note: Any, proposal: Any) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from . import reaper, transitions, usage, visibility
+from .chunk_transport import drain_sender
 from .conf import app_settings
 from .db import close_all_connections
 from .exceptions import AgentRunsError
@@ -355,6 +356,7 @@ class Worker:
                 except Exception:
                     logger.exception("could not interrupt run %s", lv.run.pk)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        drain_sender()  # the stored text's chunk rows go now, not after the process exits
         if self.store is not None:
             self.store.close()
         self._listener_stop.set()

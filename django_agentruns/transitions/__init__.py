@@ -16,7 +16,7 @@ as values, many applied in one transaction); `events` appends the story;
 `rawsql` builds the hot path's statements once per shape; `waiting` (the wait, deliveries,
 resumes, wait timeouts, child runs); `limited` (the claim of runs whose limit key has a
 row, and that table's writes) and `snoozing` (snoozes, recorded usage, budgets) are flow
-control.
+control; `steps` writes durable steps' starts and ends.
 
 Import direction (docs/architecture.md, enforced by tests/test_layers.py): UI/commands ->
 api and queries -> transitions -> models; worker -> executor -> transitions. This package
@@ -29,7 +29,7 @@ from __future__ import annotations
 from .. import policy
 from ..outcomes import AttemptRef, CancelResult, ErrorInfo, Renewal, ScopePolicy, Settlement
 from . import waiting
-from .attempts import checkpoint, emit, renew, renew_many
+from .attempts import checkpoint, emit, migrate_version, renew, renew_many
 from .batched import (
     CheckpointWrite,
     EmitWrite,
@@ -76,23 +76,22 @@ from .settling import (
     settle_succeeded_many,
 )
 from .snoozing import exhaust_budget, record_usage, snooze
+from .steps import STEP, StepEndWrite, StepStartWrite, end_step, start_step
 from .superseding import enqueue_debounced, enqueue_superseding
 from .windows import FullWindow, WindowUse, full_window, window_fill, window_use
 
 __all__ = [
     "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "FORKED",
-    "INTERRUPTED", "RETRIED", "RETRYING", "SNOOZED", "STARTED", "SUCCEEDED", "USAGE",
+    "INTERRUPTED", "RETRIED", "RETRYING", "SNOOZED", "STARTED", "STEP", "SUCCEEDED", "USAGE",
     "AttemptRef", "CancelResult", "CheckpointWrite", "EmitWrite", "ErrorInfo", "FullWindow",
     "NewRun", "RenewWrite", "Renewal", "Result", "ScopePolicy", "SettleWrite", "Settlement",
-    "SucceedWrite", "UsageWrite", "WindowUse", "Write", "abandon", "apply_alone",
-    "apply_writes", "awaited",
-    "cancel", "checkpoint", "claim", "claim_limited", "close_key", "due_elsewhere",
-    "due_queued", "emit", "emitted_event_id", "enqueue_debounced",
-    "enqueue_superseding", "exhaust_budget", "find_stale", "full_window",
-    "insert_fork",
-    "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "limits_in_use", "now",
-    "operator_retry", "policy", "reap_one", "record_usage", "renew", "renew_many",
-    "seed_settings_limits", "settle_cancelled", "settle_failed", "settle_succeeded",
-    "settle_succeeded_many", "snooze", "start_interactive", "waiting", "window_fill",
-    "window_use", "write_limit",
+    "StepEndWrite", "StepStartWrite", "SucceedWrite", "UsageWrite", "WindowUse", "Write",
+    "abandon", "apply_alone", "apply_writes", "awaited", "cancel", "checkpoint", "claim",
+    "claim_limited", "close_key", "due_elsewhere", "due_queued", "emit", "emitted_event_id",
+    "end_step", "enqueue_debounced", "enqueue_superseding", "exhaust_budget", "find_stale",
+    "full_window", "insert_fork", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id",
+    "limits_in_use", "migrate_version", "now", "operator_retry", "policy", "reap_one",
+    "record_usage", "renew", "renew_many", "seed_settings_limits", "settle_cancelled",
+    "settle_failed", "settle_succeeded", "settle_succeeded_many", "snooze",
+    "start_interactive", "start_step", "waiting", "window_fill", "window_use", "write_limit",
 ]

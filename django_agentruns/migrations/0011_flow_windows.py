@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('django_agentruns', '0007_stream_chunks'),
+        ('django_agentruns', '0010_steps'),
     ]
 
     operations = [
