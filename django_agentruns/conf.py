@@ -14,6 +14,9 @@ from django.utils.module_loading import import_string
 
 SETTING_NAME = "AGENTRUNS"
 
+VERSION = "0.1.0"
+"""pyproject.toml's version: `django_agentruns.__version__`, and each worker's record."""
+
 
 @dataclass(frozen=True)
 class Defaults:

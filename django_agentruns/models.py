@@ -243,7 +243,7 @@ class RunEvent(models.Model):
 
 
 class WorkerRecord(models.Model):
-    """A `runworker` process, as it last said it was: written by `django_agentruns.workers`.
+    """A `runworker` process, as it last said it was: written by `django_agentruns.ops.workers`.
 
     Not a lease and never consulted by a claim: it only tells an operator (and `why`) which
     workers are alive and what they serve. A record whose `last_seen_at` is older than the

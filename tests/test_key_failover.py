@@ -9,7 +9,7 @@ import pytest
 
 from django_agentruns import InvalidInputError, enqueue, transitions
 from django_agentruns.models import AgentLimit, AgentRun, Status
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)

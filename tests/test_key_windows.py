@@ -14,8 +14,8 @@ from django.test import override_settings
 
 from django_agentruns import InvalidInputError, enqueue, enqueue_many, set_limit, transitions
 from django_agentruns.models import AgentLimit, AgentRun, KeyWindowEntry, RunEvent, Status
-from django_agentruns.visibility import KEY_WINDOW, why_not_started
-from django_agentruns.worker import Worker
+from django_agentruns.ops.visibility import KEY_WINDOW, why_not_started
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 from tests.settings import AGENTRUNS as TEST_SETTINGS
 
@@ -277,7 +277,7 @@ def test_the_limits_page_edits_windows_and_shows_their_use_and_the_spend_per_day
 
 @pytest.mark.django_db(transaction=True)
 def test_a_gauge_shows_how_full_each_window_is() -> None:
-    from django_agentruns import metrics
+    from django_agentruns.ops import metrics
 
     set_limit("llm", per_minute=4, tokens_per_minute=4000)
     keyed("llm", 1, agent="tests.estimated", tokens=1000)

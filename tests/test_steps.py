@@ -18,7 +18,7 @@ from django_agentruns.exceptions import LimitExceeded
 from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status
 from django_agentruns.outcomes import AttemptRef, Renewal
 from django_agentruns.registry import scope_policy
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 from tests.testapp.step_agents import executions
 
@@ -206,9 +206,9 @@ def test_a_started_step_cap_is_checked_by_its_write(db: None) -> None:
 
 
 def test_a_step_outside_a_running_attempt_is_a_clear_error(db: None) -> None:
-    from django_agentruns.context import RunContext
-    from django_agentruns.control import AttemptControl
     from django_agentruns.exceptions import InvalidInputError
+    from django_agentruns.runtime.context import RunContext
+    from django_agentruns.runtime.control import AttemptControl
 
     control = AttemptControl(AttemptRef(1, 1, "w", 2.0), None, 0)
     control.done.set()

@@ -21,7 +21,8 @@ from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.utils.text import capfirst
 
-from .. import api, retention
+from .. import api
+from ..ops import retention
 from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
 from ..models import TERMINAL, AgentRun, Reason, Status
 

@@ -22,7 +22,7 @@ from ..api import set_limit
 from ..exceptions import InvalidInputError
 from ..limits import check_key
 from ..models import AgentLimit, AgentRun, Status
-from ..visibility import key_limits
+from ..ops.visibility import key_limits
 from ..windows import FIELDS, check_field, effective_limit, is_pattern
 
 USAGE_DAYS = 14  # the overview's usage by day: the last two weeks (the created_at index)

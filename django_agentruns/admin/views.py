@@ -20,10 +20,11 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from .. import api, queues, triage
+from .. import api, queues
 from ..exceptions import AgentRunsError, InvalidInputError, RunNotFoundError
 from ..models import AgentRun, Reason, Status
-from ..workers import Coverage
+from ..ops import triage
+from ..ops.workers import Coverage
 from . import display as show
 from .actions import MISSING, RETRY, Operation, confirmation, has_permission, username
 from .approvals import awaiting_approval

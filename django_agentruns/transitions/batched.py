@@ -1,6 +1,6 @@
 """An attempt's writes as values, applied many at a time inside the caller's transaction.
 
-The worker's attempt store (`django_agentruns.store`) commits the writes of many attempts
+The worker's attempt store (`runtime.attempt_store`) commits the writes of many attempts
 together. Here they are applied without a savepoint each (nested `atomic()` blocks would
 cost a SAVEPOINT and a RELEASE round trip per write) and by kind, not one by one: every
 renewal and emit of a batch share one fenced UPDATE, every checkpoint one, every success

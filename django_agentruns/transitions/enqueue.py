@@ -15,7 +15,7 @@ from ..exceptions import InvalidInputError
 from ..models import AgentLimit, AgentRun, RunCheckpoint, RunStep, Status
 from . import rawsql
 from .events import FORKED, append_events, lifecycle
-from .limited import give_pattern_keys_rows
+from .windows import give_pattern_keys_rows
 
 
 class NewRun(NamedTuple):

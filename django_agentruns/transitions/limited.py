@@ -15,7 +15,7 @@ lock and then counts what this one started.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -25,7 +25,7 @@ from django.db.models import Count, Exists, OuterRef, Q
 from ..db import is_postgres, retry_on_lock
 from ..models import AgentLimit, AgentRun, KeyWindowEntry, Status
 from ..outcomes import ScopePolicy
-from ..windows import FIELDS, best_pattern, is_pattern, resolve, row_limits, settings_table
+from ..windows import FIELDS, is_pattern, resolve, row_limits, settings_table
 from .claiming import _announce_started, _start
 from .due import claim_row, due_queued, recheck_order
 from .events import STARTED, append_events, lifecycle, now
@@ -164,20 +164,6 @@ def failover_key(keys: Any, closed: str, at: datetime) -> str | None:
     shut = set(AgentLimit.objects.filter(key__in=others, closed_until__gt=at)
                .values_list("key", flat=True))
     return next((k for k in others if k not in shut), None)
-
-
-def give_pattern_keys_rows(keys: Iterable[str], at: datetime | None = None) -> None:
-    """A row for each key that a limits pattern ("tenant:*", in the table or the setting)
-    matches, so that its runs go through the limited claim with their own windows."""
-    keys = {k for k in keys if k and not is_pattern(k)}
-    if not keys:
-        return
-    patterns = set(AgentLimit.objects.filter(key__endswith="*").values_list("key", flat=True))
-    patterns |= {k for k in settings_table() if is_pattern(k)}
-    matched = [k for k in sorted(keys) if best_pattern(k, patterns)]
-    if matched:
-        AgentLimit.objects.bulk_create([AgentLimit(key=k, updated_at=at or now())
-                                        for k in matched], ignore_conflicts=True)
 
 
 def close_key(key: str, until: datetime, reason: str, at: datetime | None = None) -> None:

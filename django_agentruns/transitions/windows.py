@@ -33,6 +33,7 @@ from django.db.models import (
     When,
 )
 from django.db.models.functions import Coalesce, Greatest
+from django.utils import timezone
 
 from ..models import AgentLimit, AgentRun, KeyWindowEntry, Status
 from ..registry import find_agent
@@ -41,6 +42,7 @@ from ..windows import (
     FIELDS,
     MINUTE,
     KeyLimits,
+    best_pattern,
     is_pattern,
     resolve,
     row_limits,
@@ -225,3 +227,17 @@ def window_fill(at: datetime, rows: list[dict[str, Any]] | None = None
             if size is not None:
                 fill[(key, window)] = held / size if size else 1.0
     return fill
+
+
+def give_pattern_keys_rows(keys: Iterable[str], at: datetime | None = None) -> None:
+    """A row for each key that a limits pattern ("tenant:*", in the table or the setting)
+    matches, so that its runs go through the limited claim with their own windows."""
+    keys = {k for k in keys if k and not is_pattern(k)}
+    if not keys:
+        return
+    patterns = set(AgentLimit.objects.filter(key__endswith="*").values_list("key", flat=True))
+    patterns |= {k for k in settings_table() if is_pattern(k)}
+    matched = [k for k in sorted(keys) if best_pattern(k, patterns)]
+    if matched:
+        AgentLimit.objects.bulk_create([AgentLimit(key=k, updated_at=at or timezone.now())
+                                        for k in matched], ignore_conflicts=True)

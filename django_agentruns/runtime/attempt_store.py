@@ -31,10 +31,10 @@ from django.db import (
 )
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from .conf import app_settings
-from .db import connection_answers, is_transient_lock_error
-from .transitions import batched
-from .transitions.batched import Result, Write
+from ..conf import app_settings
+from ..db import connection_answers, is_transient_lock_error
+from ..transitions import batched
+from ..transitions.batched import Result, Write
 
 logger = logging.getLogger("django_agentruns.store")
 

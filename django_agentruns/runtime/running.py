@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from ..models import AgentRun
+from ..registry import AgentSpec
 from .executor import AttemptControl
-from .models import AgentRun
-from .registry import AgentSpec
 
 
 @dataclass

@@ -14,10 +14,10 @@ from datetime import datetime
 from django.db.models import Count
 from django.utils import timezone
 
-from . import transitions
-from .models import AgentLimit, AgentRun, PausedQueue, Status
-from .registry import claimable_version, find_agent
-from .windows import KeyLimits, resolve, row_limits
+from .. import transitions
+from ..models import AgentLimit, AgentRun, PausedQueue, Status
+from ..registry import claimable_version, find_agent
+from ..windows import KeyLimits, resolve, row_limits
 
 NOT_QUEUED = "not_queued"
 UNKNOWN_AGENT = "unknown_agent"

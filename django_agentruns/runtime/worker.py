@@ -28,23 +28,25 @@ from types import FrameType
 from django.db import close_old_connections
 from django.utils import timezone
 
-from . import reaper, transitions, usage, visibility
-from .chunk_transport import drain_sender
-from .conf import app_settings
-from .db import close_all_connections
-from .exceptions import AgentRunsError
+from .. import transitions
+from ..conf import app_settings
+from ..db import close_all_connections
+from ..exceptions import AgentRunsError
+from ..models import AgentRun
+from ..ops import visibility
+from ..outcomes import AttemptRef, Settlement, StopReason
+from ..queues import PausedSet
+from ..registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
+from ..streaming.transport import drain_sender
+from ..transitions.limited import LimitedClaim
+from . import reaper, usage
+from .attempt_store import AttemptStore
 from .executor import Executor, extra
 from .lease_keeper import LeaseKeeper
-from .live import Live, LiveAttempts
-from .models import AgentRun
-from .notify import Listener
-from .outcomes import AttemptRef, Settlement, StopReason
-from .queues import PausedSet
-from .registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
-from .schedules import Ticker
-from .store import AttemptStore
-from .transitions.limited import LimitedClaim
-from .workers import Presence
+from .presence import Presence
+from .running import Live, LiveAttempts
+from .ticker import Ticker
+from .wakeups import Listener
 
 logger = logging.getLogger("django_agentruns.worker")
 

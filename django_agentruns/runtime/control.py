@@ -19,12 +19,12 @@ from typing import Any, TypeVar
 from asgiref.sync import sync_to_async
 from django.db import DatabaseError, close_old_connections, connection
 
-from .db import close_all_connections, storage_unreachable
-from .exceptions import AttemptStopped
-from .limits import Budget
-from .outcomes import AttemptRef, Renewal, StopReason
-from .store import AttemptStore, StoreUnreachable
-from .transitions import Result, Write, apply_alone
+from ..db import close_all_connections, storage_unreachable
+from ..exceptions import AttemptStopped
+from ..limits import Budget
+from ..outcomes import AttemptRef, Renewal, StopReason
+from ..transitions import Result, Write, apply_alone
+from .attempt_store import AttemptStore, StoreUnreachable
 
 T = TypeVar("T")
 
@@ -46,7 +46,7 @@ class AttemptControl:
         self.done = threading.Event()
         self.in_storage = 0
         self._lock = threading.Lock()
-        # Flow control (django_agentruns.usage arms these): the run's budget, what it has
+        # Flow control (django_agentruns.runtime.usage arms these): the run's budget, what it has
         # recorded so far, and what passed the budget once it has.
         self.budget: Budget | None = None
         self.spent: tuple[int, float] = (0, 0.0)

@@ -31,11 +31,11 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
 
+from ..conf import app_settings
+from ..exceptions import AgentRunsError
+from ..states import DEAD_LETTER_REASONS
 from .backlog import Backlog as Backlog  # re-exported: metrics.Backlog, metrics.read_backlog
 from .backlog import read_backlog as read_backlog
-from .conf import app_settings
-from .exceptions import AgentRunsError
-from .states import DEAD_LETTER_REASONS
 
 try:
     import prometheus_client
@@ -44,7 +44,7 @@ except ImportError:  # the `prometheus` extra is not installed: everything below
     prometheus_client = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
-    from .models import AgentRun
+    from ..models import AgentRun
 
 logger = logging.getLogger("django_agentruns.metrics")
 
@@ -263,7 +263,7 @@ class BacklogCollector:
 
 
 def _agent_queues() -> set[str]:
-    from .registry import all_agents
+    from ..registry import all_agents
 
     return {spec.effective_queue() for spec in all_agents().values()}
 

@@ -11,9 +11,9 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from . import transitions
-from .retention import prune_finished_chunks
-from .transitions import Settlement
+from .. import transitions
+from ..ops.retention import prune_finished_chunks
+from ..transitions import Settlement
 
 logger = logging.getLogger("django_agentruns.reaper")
 

@@ -15,7 +15,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning, register
 from django.db import DEFAULT_DB_ALIAS
 
-from .conf import SETTING_NAME
+from ..conf import SETTING_NAME
 
 E010_BAD_LISTEN_DATABASE = "agentruns.E010"
 W005_WAKEUPS_DEGRADED = "agentruns.W005"
@@ -61,7 +61,7 @@ def check_listen_database(app_configs: Any = None, **kwargs: Any) -> list[CheckM
 @register(deploy=True)
 def check_wakeups(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """`check --deploy`: LISTEN through the listen alias, NOTIFY through `default`."""
-    from .notify import listen_alias
+    from ..db import listen_alias
 
     alias = listen_alias()
     if alias not in settings.DATABASES or _POSTGRES not in _engine(DEFAULT_DB_ALIAS) \
@@ -75,7 +75,7 @@ def check_wakeups(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
                              "again.", id=W005_WAKEUPS_DEGRADED)]
     if received:
         return []
-    from .notify import DEGRADED_HINT, PROBE_TIMEOUT
+    from ..db import DEGRADED_HINT, PROBE_TIMEOUT
 
     messages: list[CheckMessage] = [Warning(
         f"Wake-ups degraded: a NOTIFY sent through 'default' did not reach a LISTEN on "
@@ -92,7 +92,7 @@ def probe(alias: str) -> bool:
     """One self-check from this process, on a channel of its own."""
     import psycopg
 
-    from .notify import connect_params, probe_channel, self_check
+    from ..db import connect_params, probe_channel, self_check
 
     channel = probe_channel(f"check:{uuid.uuid4().hex}")
     with psycopg.connect(**connect_params(alias), autocommit=True) as listening:
@@ -102,7 +102,7 @@ def probe(alias: str) -> bool:
 
 def pooler_warnings(why: str) -> list[CheckMessage]:
     """What breaks behind a transaction pooler: prepared statements and server-side cursors."""
-    from .conf import app_settings
+    from ..conf import app_settings
 
     db = settings.DATABASES.get(DEFAULT_DB_ALIAS, {})
     options = db.get("OPTIONS", {})

@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import metrics, transitions
-from .conf import app_settings
+from .. import transitions
+from ..conf import app_settings
+from ..exceptions import InvalidInputError
+from ..limits import effective_budget
+from ..ops import metrics
+from ..outcomes import Renewal, UsageTotals
+from ..validation import unstorable_text
 from .control import AttemptControl
-from .exceptions import InvalidInputError
-from .limits import effective_budget
-from .outcomes import Renewal, UsageTotals
-from .validation import unstorable_text
 
 MODEL_MAX = 100
 

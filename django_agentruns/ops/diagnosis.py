@@ -6,7 +6,7 @@ so that a dead letter is explained in the same words wherever it is looked at.
 
 from __future__ import annotations
 
-from .models import AgentRun, Reason, Status
+from ..models import AgentRun, Reason, Status
 
 ABANDONED = "AbandonedAttempt"  # the error_type transitions record for an abandoned attempt
 SHORT_ERROR = 90

@@ -34,7 +34,7 @@ from typing import Any
 
 from django.db import connection
 
-from .chunk_transport import Listener
+from .transport import Listener
 
 logger = logging.getLogger("django_agentruns.stream")
 

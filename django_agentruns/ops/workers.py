@@ -13,16 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Protocol
 
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from .conf import app_settings
-from .models import AgentRun, WorkerRecord
+from ..conf import app_settings
+from ..models import AgentRun, WorkerRecord
 
 logger = logging.getLogger("django_agentruns.worker")
 
@@ -52,9 +51,9 @@ def beat_interval() -> float:
 
 
 def _version() -> str:
-    from . import __version__
+    from ..conf import VERSION
 
-    return __version__
+    return VERSION
 
 
 def register(worker: Serving, at: datetime | None = None) -> WorkerRecord:
@@ -124,36 +123,3 @@ class Coverage:
                     "in development)")
         return None
 
-
-class Presence:
-    """The worker's side: register at start, beat from the lease keeper, leave at stop.
-
-    Every call logs and swallows its database errors: presence is for operators, and a
-    worker must not stop serving because its record could not be written.
-    """
-
-    def __init__(self, worker: Serving) -> None:
-        self.worker = worker
-        self._last = 0.0
-
-    def start(self) -> None:
-        self._guard(register, self.worker)
-        self._last = time.monotonic()
-
-    def tick(self) -> None:
-        if time.monotonic() - self._last < beat_interval():
-            return
-        self._last = time.monotonic()
-        if self._guard(beat, self.worker.worker_id) is False:
-            self._guard(register, self.worker)  # pruned while we were away: say so again
-
-    def stop(self) -> None:
-        self._guard(unregister, self.worker.worker_id)
-
-    def _guard(self, call: Any, *args: Any) -> Any:
-        try:
-            return call(*args)
-        except Exception:
-            logger.warning("could not write worker record (%s)", call.__name__, exc_info=True,
-                           extra={"worker_id": self.worker.worker_id})
-            return None

@@ -19,10 +19,10 @@ from django.db.models import Aggregate, Count, F, FloatField, Max, Q
 from django.db.models.functions import Substr, TruncHour, TruncMinute
 from django.utils import timezone
 
+from ..models import AgentRun, PausedQueue, Reason, Status
+from ..queues import paused_queues
+from ..registry import all_agents
 from .metrics import Backlog, read_backlog
-from .models import AgentRun, PausedQueue, Reason, Status
-from .queues import paused_queues
-from .registry import all_agents
 from .workers import Coverage
 
 SAMPLE = 10_000

@@ -23,21 +23,22 @@ from typing import Any, TypeVar
 from asgiref.sync import async_to_sync, sync_to_async
 from django.db import DatabaseError, close_old_connections, connection
 
-from . import chunks, metrics, recording, tracing
-from .context import RunContext
-from .control import AttemptControl, in_thread
-from .exceptions import (
+from ..exceptions import (
     AttemptStopped,
     AttemptTimeout,
     RunCancelledError,
     UnknownAgentError,
 )
-from .models import AgentRun
-from .outcomes import AttemptRef, Outcome, OutcomeKind, Settlement, StopReason
-from .registry import AgentSpec
-from .runtime import versions
-from .store import AttemptStore
-from .validation import capped_json
+from ..models import AgentRun
+from ..ops import metrics, tracing
+from ..outcomes import AttemptRef, Outcome, OutcomeKind, Settlement, StopReason
+from ..registry import AgentSpec
+from ..streaming import chunks
+from ..validation import capped_json
+from . import recording, versions
+from .attempt_store import AttemptStore
+from .context import RunContext
+from .control import AttemptControl, in_thread
 
 logger = logging.getLogger("django_agentruns.worker")
 

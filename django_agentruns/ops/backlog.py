@@ -11,7 +11,7 @@ from datetime import datetime
 from django.db.models import Count, Min, Q, Value
 from django.utils import timezone
 
-from .states import Status
+from ..states import Status
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,11 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     ordered agent is also looked up in the scope-head index, to count it as blocked or not.
     The fourth reads the queued rows (the backlog, not the history) for their agent.
     """
-    from .models import AgentLimit, AgentRun, PausedQueue
-    from .registry import all_agents, scope_policy
-    from .transitions import window_fill
+    from ..models import AgentLimit, AgentRun, PausedQueue
+    from ..registry import all_agents, scope_policy
+    from ..transitions import window_fill
+    from ..windows import FIELDS
     from .visibility import due_elsewhere
-    from .windows import FIELDS
 
     at = at or timezone.now()
     backlog = Backlog()

@@ -26,9 +26,9 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, close_old_connections, connection, connections
 from django.db.models import Q
 
-from .db import retry_on_lock
-from .models import AgentRun, StreamChunk
-from .outcomes import AttemptRef
+from ..db import retry_on_lock
+from ..models import AgentRun, StreamChunk
+from ..outcomes import AttemptRef
 
 logger = logging.getLogger("django_agentruns.stream")
 
@@ -215,7 +215,7 @@ class Sender:
     def _notify(self, merged: dict[AttemptRef, list[Chunk]]) -> None:
         import psycopg
 
-        from .notify import connect_params
+        from ..db import connect_params
 
         values, params = [], []
         for ref, chunks in merged.items():
@@ -337,7 +337,7 @@ class Listener:
         """LISTEN to what is watched, until nothing is."""
         import psycopg
 
-        from .notify import connect_params, listen_alias
+        from ..db import connect_params, listen_alias
 
         listening: set[int] = set()
         alias = self.alias or listen_alias()

@@ -21,7 +21,7 @@ except ImportError:  # the `otel` extra is not installed: spans are no-ops
     trace = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
-    from .models import AgentRun
+    from ..models import AgentRun
 
 AVAILABLE = trace is not None
 """Whether opentelemetry-api is importable (the `otel` extra)."""

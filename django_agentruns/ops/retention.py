@@ -20,9 +20,9 @@ from django.db.models import Q, signals
 from django.db.models.deletion import Collector
 from django.utils import timezone
 
-from .exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
-from .models import TERMINAL, AgentRun, RunCheckpoint, RunEvent, RunStep, RunWait, StreamChunk
-from .queries import dead_letter
+from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
+from ..models import TERMINAL, AgentRun, RunCheckpoint, RunEvent, RunStep, RunWait, StreamChunk
+from ..queries import dead_letter
 
 logger = logging.getLogger("django_agentruns.retention")
 

@@ -12,12 +12,13 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import chunks, receiving, transitions, usage
-from .conf import app_settings
-from .exceptions import InvalidInputError
-from .runtime import steps
-from .validation import capped_json, unstorable_text
-from .wait_results import Approval, RunResult
+from .. import transitions
+from ..conf import app_settings
+from ..exceptions import InvalidInputError
+from ..streaming import chunks
+from ..validation import capped_json, unstorable_text
+from ..wait_results import Approval, RunResult
+from . import receiving, steps, usage
 
 if TYPE_CHECKING:
     from .control import AttemptControl
@@ -84,7 +85,7 @@ class RunContext:
         self._control.check()
         self._control.apply(await self._control.awrite(transitions.RenewWrite(self._control.ref)))
 
-    # Live output (django_agentruns.chunks): sent at once, stored at the next boundary.
+    # Live output (django_agentruns.streaming.chunks): sent at once, stored at the next boundary.
 
     def stream(self, text: str, *, channel: str = "output") -> None:
         """Send `text` live to whoever watches the run; it is stored, with the rest of the
@@ -143,7 +144,7 @@ class RunContext:
         usage.recorded(self._control, self.agent, write, await self._control.awrite(write))
         steps.attribute_usage(write.input_tokens, write.output_tokens, write.cost)
 
-    # Waiting (django_agentruns.receiving): the attempt may end with the run `waiting`.
+    # Waiting (django_agentruns.runtime.receiving): the attempt may end with the run `waiting`.
     # Each is one fenced transaction of its own (`control.call`), on the attempt's thread;
     # an async agent's runs off the event loop (`in_thread`), never blocking it.
 

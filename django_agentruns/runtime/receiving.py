@@ -10,46 +10,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 from django.utils import timezone
 
-from .exceptions import AttemptStopped, InvalidInputError, WaitTimedOut
-from .outcomes import Renewal, StopReason
-from .validation import capped_json, unstorable_text
-from .wait_results import KEY_MAX, RESERVED_PREFIX, Approval, RunResult, Waited, WaitState
+from ..api import RunRequest, build_new_run, run_id_of
+from ..exceptions import AttemptStopped, InvalidInputError, WaitTimedOut
+from ..outcomes import Renewal, StopReason
+from ..validation import capped_json, check_key, deadline_after
+from ..wait_results import Approval, RunResult, Waited, WaitState
 
 if TYPE_CHECKING:
     from .context import RunContext
     from .control import AttemptControl
-
-# The longest wait accepted: a deadline far enough out is no deadline (and would overflow).
-MAX_TIMEOUT = 10 * 365 * 86400.0
-
-
-def check_key(key: Any, what: str = "key") -> str:
-    """A key callers may use: 1-KEY_MAX characters, storable, not the engine's own."""
-    if not isinstance(key, str) or not key or len(key) > KEY_MAX or unstorable_text(key) \
-            or key.startswith(RESERVED_PREFIX):
-        raise InvalidInputError(
-            f"{what} must be a string of 1-{KEY_MAX} characters with no NUL or surrogate, "
-            f"not starting with {RESERVED_PREFIX!r}; not {key!r:.120}")
-    return key
-
-
-def deadline_after(timeout: Any) -> datetime | None:
-    """`timeout` (seconds or a timedelta, None for none) as a deadline from now."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
-            or not 0 < timeout <= MAX_TIMEOUT:
-        raise InvalidInputError(f"timeout must be seconds in (0, {MAX_TIMEOUT:.0f}] or a "
-                                f"timedelta, not {timeout!r:.80}")
-    return timezone.now() + timedelta(seconds=float(timeout))
-
 
 def _control(ctx: RunContext) -> AttemptControl:
     control = ctx._control
@@ -62,7 +35,7 @@ def _control(ctx: RunContext) -> AttemptControl:
 
 def _wait(ctx: RunContext, key: str, **how: Any) -> Waited:
     """The fenced wait; returns only what the attempt goes on with (READY)."""
-    from .transitions import waiting
+    from ..transitions import waiting
 
     control = _control(ctx)
     call = cast(Any, control.call)  # its writes return a Renewal; this one a Waited
@@ -114,14 +87,13 @@ def spawn(ctx: RunContext, agent: str, input: Any = None, *, key: str,
           priority: int | None = None) -> int:
     """Enqueue a child run in the attempt's fenced write; the same `key` returns the same
     child in any later attempt of this run, never a second one."""
-    from . import api
-    from .transitions import waiting
+    from ..transitions import waiting
 
     key = check_key(key, "spawn key")
     # No scope by default: the parent's own would hold an ordered child behind the parent.
-    request = api.RunRequest(agent, input, scope="" if scope is None else scope,
+    request = RunRequest(agent, input, scope="" if scope is None else scope,
                              queue=queue, priority=priority)
-    new = api._build(request, timezone.now(), {})
+    new = build_new_run(request, timezone.now(), {})
     control = _control(ctx)
     call = cast(Any, control.call)
     renewal, child = call(functools.partial(waiting.spawn, control.ref, key, new))
@@ -133,7 +105,7 @@ def spawn(ctx: RunContext, agent: str, input: Any = None, *, key: str,
 def wait_for_runs(ctx: RunContext, ids: Iterable[int], *,
                   timeout: Any = None) -> dict[int, RunResult]:
     """Each child run's result, once every one is finished; until then the run waits."""
-    from .transitions import waiting
+    from ..transitions import waiting
 
     try:
         wanted = sorted({api_id(i) for i in ids})
@@ -148,6 +120,4 @@ def wait_for_runs(ctx: RunContext, ids: Iterable[int], *,
 
 
 def api_id(value: Any) -> int:
-    from .api import _run_id
-
-    return _run_id(value)
+    return run_id_of(value)

@@ -18,21 +18,19 @@ small. Chunks of an attempt that lost its lease are neither sent nor stored.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chunk_transport import Chunk, sender
-from .conf import app_settings
-from .exceptions import InvalidInputError, LimitExceeded
-from .outcomes import Renewal, StopReason
-from .transitions import EmitWrite, Result
-from .validation import json_text, unstorable_text
+from ..conf import app_settings
+from ..exceptions import InvalidInputError, LimitExceeded
+from ..outcomes import Renewal, StopReason
+from ..transitions import EmitWrite, Result
+from ..validation import json_text, unstorable_text
+from .transport import sender
 
 STREAM = "stream"
 """The type of the stored event a boundary coalesces a channel's chunks into."""
@@ -303,69 +301,3 @@ def _fitting(payload: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- readers
-
-class ChunkStream:
-    """`stream_chunks(run_id)`: iterate it (`for`) or async-iterate it (`async for`).
-
-    Yields each live chunk (`channel`, `text`, `attempt`, `first`, `end`) from now until
-    the run ends; chunks streamed before it was opened are in the run's `stream` events.
-    """
-
-    def __init__(self, run_id: int, *, hub: Any = None) -> None:
-        self.run_id = run_id
-        self._hub = hub
-
-    def _subscribe(self, wake: Callable[[], None]) -> Any:
-        from .stream import hub
-
-        # Past any seq: only chunks, and the end, are of interest.
-        return (self._hub if self._hub is not None else hub).subscribe(self.run_id, 2**31 - 1, wake)
-
-    def _unsubscribe(self, sub: Any) -> None:
-        from .stream import hub
-
-        (self._hub if self._hub is not None else hub).unsubscribe(sub)
-
-    def __iter__(self) -> Iterator[Chunk]:
-        ready = threading.Event()
-        sub = self._subscribe(ready.set)
-        try:
-            while True:
-                ready.wait(1.0)
-                ready.clear()
-                found = sub.take()
-                if found is None:
-                    continue
-                yield from found.chunks
-                if found.finished:
-                    return
-        finally:
-            self._unsubscribe(sub)
-
-    async def __aiter__(self) -> AsyncIterator[Chunk]:
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-
-        def wake() -> None:  # called from the hub's threads
-            loop.call_soon_threadsafe(ready.set)
-
-        sub = self._subscribe(wake)
-        try:
-            while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(ready.wait(), 1.0)
-                ready.clear()
-                found = sub.take()
-                if found is None:
-                    continue
-                for chunk in found.chunks:
-                    yield chunk
-                if found.finished:
-                    return
-        finally:
-            self._unsubscribe(sub)
-
-
-def stream_chunks(run_id: int) -> ChunkStream:
-    """The live chunks of a run, as they are streamed, until it ends (sync or async)."""
-    return ChunkStream(run_id)

@@ -52,12 +52,12 @@ from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.views.decorators.http import require_GET
 
-from .chunk_transport import read_chunks
-from .conf import app_settings
-from .fanout import Found, Hub, Row
-from .models import AgentRun, RunEvent
-from .states import TERMINAL
-from .streaming import access
+from ..conf import app_settings
+from ..models import AgentRun, RunEvent
+from ..states import TERMINAL
+from . import access
+from .hub import Found, Hub, Row
+from .transport import read_chunks
 
 POLL_INTERVAL = 0.2
 """Seconds between two reads of the hub while nothing new was found."""

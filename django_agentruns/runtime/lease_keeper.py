@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 from django.db import close_old_connections
 
-from . import transitions
-from .db import close_all_connections
-from .live import Live, LiveAttempts
-from .outcomes import Renewal, StopReason
+from .. import transitions
+from ..db import close_all_connections
+from ..outcomes import Renewal, StopReason
+from .running import Live, LiveAttempts
 
 logger = logging.getLogger("django_agentruns.worker")
 
