@@ -1,1 +1,1 @@
-"""The worker side: the claim loop, attempts, their writes and leases, and the supervisor."""
+"""The worker process and one attempt: claiming, running, recording, leases, wake-ups."""

@@ -43,7 +43,7 @@ logger = logging.getLogger("django_agentruns.waiters")
 FINISHED_CHANNEL = "agentruns_finished"
 """PostgreSQL channel a trigger (migration 0004) NOTIFYs with the id of a run that finished."""
 WATCH_TABLE = "agentruns_finish_watch"
-"""The runs some process waits for (migration 0010): the finish trigger NOTIFYs only for
+"""The runs some process waits for (migration 0011): the finish trigger NOTIFYs only for
 these, since every NOTIFY costs each LISTENing session of the database (every worker) a
 transaction. A row per (run, listener), deleted once answered or when nobody waits."""
 STALE_WATCH = "1 day"
@@ -149,7 +149,7 @@ class FinishedListener:
         nobody waits."""
         import psycopg
 
-        from ..notify import connect_params, listen_alias
+        from ..db import connect_params, listen_alias
 
         watcher = uuid.uuid4().hex
         with psycopg.connect(**connect_params(listen_alias()), autocommit=True) as conn:
@@ -291,9 +291,9 @@ def _outcome(outcome: AgentRun | BaseException) -> AgentRun:
 
 
 def _checked(run_id: Any, timeout: Any) -> tuple[int, float | None]:
-    from ..api import _run_id
+    from ..api import run_id_of
 
-    rid = _run_id(run_id)
+    rid = run_id_of(run_id)
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                                 or not timeout >= 0 or not math.isfinite(timeout)):
         raise InvalidInputError(f"timeout must be finite seconds >= 0 or None, "

@@ -10,7 +10,6 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from django_agentruns import metrics
 from django_agentruns.checks import check_worker_connections, server_max_connections
 from django_agentruns.conf import app_settings
 from django_agentruns.exceptions import InvalidInputError
@@ -22,9 +21,10 @@ from django_agentruns.management.arguments import (
     queue_list,
     worker_id,
 )
+from django_agentruns.ops import metrics
 from django_agentruns.registry import all_agents, check_worker_names
 from django_agentruns.runtime.supervisor import Supervisor
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 
 MOST_PROCESSES = 256
 
