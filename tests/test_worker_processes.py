@@ -1,118 +1,164 @@
-"""`runworker --processes N`: a supervisor and N real worker processes, real signals.
-
-Each child is a whole worker (its own slots, connections and record); a child that dies is
-restarted and the runs it held are reclaimed once their leases lapse; SIGTERM to the
-supervisor stops every child gracefully. Both databases.
-"""
+"""Real `runworker` processes: exactly-once execution, mixed sync/async, one log line per step."""
 
 from __future__ import annotations
 
-import os
-import signal
+import re
+from collections import Counter
+from datetime import datetime
 
 import pytest
+from django.db.models import Count
 
-from django_agentruns import enqueue
-from django_agentruns.models import AgentRun, Status, WorkerRecord
+from django_agentruns import RunRequest, enqueue_many
+from django_agentruns.models import AgentRun, RunEvent, Status
 from tests import helpers
 from tests.testapp.models import SideEffect
 
 pytestmark = pytest.mark.slow
 
-
-def started(run_ids: list[int]) -> bool:
-    return SideEffect.objects.filter(run_id__in=run_ids, note="start") \
-        .values("run_id").distinct().count() == len(run_ids)
-
-
-def pid_of(worker_id: str) -> int:
-    return int(worker_id.split(":")[1])  # host:pid:random
-
-
-def holders(run_ids: list[int]) -> dict[int, str]:
-    return dict(AgentRun.objects.filter(pk__in=run_ids, status=Status.RUNNING)
-                .values_list("pk", "claimed_by"))
+LOG_LINE = re.compile(
+    r"^\S+ \S+ INFO django_agentruns\.worker \[pid (?P<pid>\d+)\] "
+    r"run (?P<run>\d+) (?P<agent>\S+) attempt (?P<attempt>\d+) (?P<what>\w+)",
+    re.MULTILINE,
+)
+CLAIMED = re.compile(r"^claimed (\d+) runs; settled \{(.*)\}$", re.MULTILINE)
+# The lifecycle event each logged transition stands for.
+EVENT_OF = {"started": "run.started", "succeeded": "run.succeeded",
+            "requeued": "run.retrying", "dead_lettered": "run.dead_lettered",
+            "cancelled": "run.cancelled"}
 
 
-def gone(pid: int) -> bool:
+def log_lines(stderr: str) -> list[tuple[int, int, str]]:
+    """(run id, attempt, transition) of each INFO line the worker wrote, in order."""
+    return [(int(m["run"]), int(m["attempt"]), m["what"]) for m in LOG_LINE.finditer(stderr)]
+
+
+def transitions_logged(stderr: str) -> Counter[tuple[int, int, str]]:
+    """(run id, attempt, transition) -> how many INFO lines the worker wrote for it."""
+    return Counter(log_lines(stderr))
+
+
+def claimed_count(stdout: str) -> int:
+    (match,) = CLAIMED.finditer(stdout)
+    return int(match[1])
+
+
+def test_two_workers_execute_each_of_200_runs_exactly_once(worker_env: dict[str, str]) -> None:
+    # Both workers are serving before the runs arrive, so both race for the same rows
+    # (on a slow machine one worker could otherwise drain all 200 before the other starts).
+    args = ["runworker", "--concurrency", "4"]
+    workers = [helpers.start_manage(args, worker_env) for _ in range(2)]
+    for w in workers:
+        helpers.wait_until(lambda w=w: "serving queues" in w.stderr, timeout=60)
+    runs = enqueue_many([RunRequest("tests.once", {"i": i}) for i in range(200)])
+    run_ids = {r.pk for r in runs}
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
-def test_each_process_claims_and_sigterm_stops_them_all_gracefully(
-        worker_env: dict[str, str]) -> None:
-    runs = [enqueue("tests.gate").pk for _ in range(4)]
-    with helpers.start_manage(["runworker", "--processes", "2", "--concurrency", "2",
-                               "--grace", "1"], worker_env) as supervisor:
-        helpers.wait_until(lambda: started(runs), timeout=60,
-                           message=f"4 gate runs started\n{supervisor.output()}")
-        held = holders(runs)
-        workers = set(held.values())
-        assert len(workers) == 2, held  # two processes, two slots each, all four running
-        pids = {pid_of(w) for w in workers}
-        assert supervisor.pid not in pids
-        # Each process shows in `manage.py workers`, with its own record.
-        listing = helpers.run_manage(["workers"], worker_env)
-        assert listing.returncode == 0, listing.stderr
-        for worker_id in workers:
-            assert worker_id in listing.stdout, listing.stdout
-        assert set(WorkerRecord.objects.values_list("worker_id", flat=True)) == workers
-
-        supervisor.terminate()
-        assert supervisor.wait(timeout=45) == 0, supervisor.output()
-    for pid in pids:
-        assert gone(pid), f"worker process {pid} outlived its supervisor"
-    # Graceful: every run interrupted and requeued, its lease released; records removed.
-    for run in AgentRun.objects.filter(pk__in=runs):
-        assert (run.status, run.claimed_by, run.lease_expires) == (Status.QUEUED, "", None)
-    assert not WorkerRecord.objects.exists()
-
-
-def test_a_killed_process_is_restarted_and_its_runs_are_reclaimed(
-        worker_env: dict[str, str]) -> None:
-    runs = [enqueue("tests.gate").pk for _ in range(2)]
-    with helpers.start_manage(["runworker", "--processes", "2", "--concurrency", "1",
-                               "--grace", "1"], worker_env) as supervisor:
-        helpers.wait_until(lambda: started(runs) and len(set(holders(runs).values())) == 2,
-                           timeout=60, message=f"both runs held\n{supervisor.output()}")
-        held = holders(runs)
-        victim_run, victim = next(iter(held.items()))
-        os.kill(pid_of(victim), signal.SIGKILL)
-        helpers.wait_until(lambda: "died (signal SIGKILL)" in supervisor.stderr, timeout=30,
-                           message=f"the supervisor to see the death\n{supervisor.output()}")
-        # A new process (a new worker id) takes the run once its lease lapses.
         helpers.wait_until(
-            lambda: holders([victim_run]).get(victim_run, victim) != victim, timeout=60,
-            message=f"the killed process's run reclaimed\n{supervisor.output()}")
-        reclaimed = AgentRun.objects.get(pk=victim_run)
-        assert reclaimed.attempt == 2
-        assert pid_of(reclaimed.claimed_by) != pid_of(victim)
-        for run_id in runs:
-            SideEffect.objects.create(run_id=run_id, note="open")
-        helpers.wait_until(lambda: AgentRun.objects.filter(
-            pk__in=runs, status=Status.SUCCEEDED).count() == 2, timeout=60,
-            message=f"both runs to succeed\n{supervisor.output()}")
-        supervisor.terminate()
-        assert supervisor.wait(timeout=45) == 0, supervisor.output()
-        assert "restarting it" in supervisor.stderr
+            lambda: AgentRun.objects.filter(status=Status.SUCCEEDED).count() == 200, timeout=120)
+        codes = [w.stop(timeout=60) for w in workers]
+        outputs = [w.output() for w in workers]
+        stdouts = [w.stdout for w in workers]
+        stderrs = [w.stderr for w in workers]
+    finally:
+        for w in workers:
+            w.close()
+    assert codes == [0, 0], "\n".join(outputs)
+
+    statuses = Counter(AgentRun.objects.values_list("status", flat=True))
+    assert statuses == {Status.SUCCEEDED: 200}, statuses
+    executions = dict(SideEffect.objects.values("run_id").annotate(n=Count("id"))
+                      .values_list("run_id", "n"))
+    assert set(executions) == run_ids
+    assert set(executions.values()) == {1}, {k: v for k, v in executions.items() if v != 1}
+    assert set(AgentRun.objects.values_list("attempt", flat=True)) == {1}
+    assert not AgentRun.objects.filter(requeue_count__gt=0).exists()
+
+    # Each worker's own account agrees: 200 claims between them, and no run logged twice.
+    claims = [claimed_count(out) for out in stdouts]
+    assert sum(claims) == 200, claims
+    # Both took part, or this would not have tested two workers racing for the same rows.
+    assert min(claims) > 0, claims
+    started: Counter[int] = Counter()
+    for err in stderrs:
+        started.update(run for run, _, what in transitions_logged(err) if what == "started")
+    assert set(started) == run_ids
+    assert set(started.values()) == {1}
+    # The output of each run names the run: no result landed on another run's row.
+    assert all(r.output == {"run": r.pk} for r in AgentRun.objects.all())
 
 
-def test_burst_processes_drain_the_queue_and_exit(worker_env: dict[str, str]) -> None:
-    runs = [enqueue("tests.noop", {"n": i}).pk for i in range(20)]
-    done = helpers.run_manage(["runworker", "--processes", "2", "--concurrency", "2",
-                               "--burst"], worker_env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert AgentRun.objects.filter(pk__in=runs, status=Status.SUCCEEDED).count() == 20
-    assert "worker process 0: claimed" in done.stdout, done.stdout
-    assert "worker process 1: claimed" in done.stdout, done.stdout
+def test_one_worker_runs_sync_and_async_agents_side_by_side(worker_env: dict[str, str]) -> None:
+    requests = (
+        [RunRequest("tests.async_steps", {"steps": 3, "sleep": 0.05}) for _ in range(8)]
+        + [RunRequest("tests.steps", {"steps": 2}) for _ in range(6)]
+        + [RunRequest("tests.noop", {"n": i}) for i in range(6)]
+        + [RunRequest("tests.once") for _ in range(4)]
+    )
+    enqueue_many(requests)
+    done = helpers.run_manage(["runworker", "--burst", "--concurrency", "4"], worker_env,
+                              timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert claimed_count(done.stdout) == len(requests)
+
+    runs = list(AgentRun.objects.all())
+    assert {r.status for r in runs} == {Status.SUCCEEDED}, [(r.pk, r.status) for r in runs]
+    assert len({r.claimed_by for r in runs}) == 1  # one worker process did all of it
+    by_agent: dict[str, list[AgentRun]] = {}
+    for r in runs:
+        by_agent.setdefault(r.agent, []).append(r)
+    assert all(r.output == {"async": True} and r.checkpoint_count == 3
+               for r in by_agent["tests.async_steps"])
+    assert all(r.output == {"steps": 2} and r.checkpoint_count == 2
+               for r in by_agent["tests.steps"])
+    assert all(r.output == {"ok": True, "input": r.input} for r in by_agent["tests.noop"])
+
+    step_events = Counter(RunEvent.objects.filter(type="step").values_list("run__agent",
+                                                                          flat=True))
+    assert step_events == {"tests.async_steps": 8 * 3, "tests.steps": 6 * 2}
+    # Async attempts shared the loop at once rather than one after another.
+    spans = [(r.started_at, r.finished_at) for r in by_agent["tests.async_steps"]]
+    assert max_overlap(spans) > 1, spans
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "two"])
-def test_processes_must_be_a_positive_count(worker_env: dict[str, str], value: str) -> None:
-    done = helpers.run_manage(["runworker", "--processes", value, "--burst"], worker_env)
-    assert done.returncode != 0
-    assert "--processes" in done.stderr, done.stderr
-    assert "must be a whole number" in done.stderr, done.stderr
+def max_overlap(spans: list[tuple[datetime | None, datetime | None]]) -> int:
+    edges: list[tuple[datetime, int]] = []
+    for start, end in spans:
+        assert start is not None
+        assert end is not None
+        edges += [(start, 1), (end, -1)]
+    live = best = 0
+    for _, step in sorted(edges, key=lambda e: (e[0], e[1])):  # ends before starts on ties
+        live += step
+        best = max(best, live)
+    return best
+
+
+def test_worker_logs_one_info_line_per_transition(worker_env: dict[str, str]) -> None:
+    enqueue_many([
+        RunRequest("tests.noop"),
+        RunRequest("tests.async_steps", {"steps": 1}),
+        RunRequest("tests.flaky", {"succeed_on": 2}),  # started, requeued, started, succeeded
+        RunRequest("tests.not_retryable"),  # started, dead_lettered
+    ])
+    done = helpers.run_manage(["runworker", "--burst", "--concurrency", "2"], worker_env,
+                              timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    logged = transitions_logged(done.stderr)
+    assert set(logged.values()) == {1}, [k for k, n in logged.items() if n != 1]
+    expected = Counter(
+        (run_id, attempt, what)
+        for run_id, attempt, type_ in RunEvent.objects.values_list("run_id", "attempt", "type")
+        for what, event in EVENT_OF.items() if event == type_
+    )
+    assert logged == expected, done.stderr
+
+    flaky = AgentRun.objects.get(agent="tests.flaky")
+    assert [what for (run, _, what) in log_lines(done.stderr) if run == flaky.pk] == [
+        "started", "requeued", "started", "succeeded"]
+    dead = AgentRun.objects.get(agent="tests.not_retryable")
+    assert {what for (run, _, what) in logged if run == dead.pk} == {"started", "dead_lettered"}
+    # The dead letter's line says why.
+    assert re.search(rf"run {dead.pk} tests\.not_retryable attempt 1 dead_lettered "
+                     r"\(not_retryable\): "
+                     r"NotRetryable: bad credentials", done.stderr)
