@@ -279,21 +279,28 @@ def reconnect_warning(db: dict[str, Any]) -> list[CheckMessage]:
 
 
 def check_worker_connections(concurrency: int, own: int, sync_agents: bool,
-                             max_connections: int | None) -> list[CheckMessage]:
-    """Run by `runworker` at start (it alone knows `--concurrency`): the worker holds `own`
-    connections whatever its concurrency, but each thread of a sync agent that runs its
-    own ORM queries opens one more. Warn when those could pass the server's
-    `max_connections` (None: not PostgreSQL, or not known)."""
-    if max_connections is None or not sync_agents or concurrency + own <= max_connections:
+                             max_connections: int | None,
+                             processes: int = 1) -> list[CheckMessage]:
+    """Run by `runworker` at start (it alone knows `--concurrency` and `--processes`): each
+    worker process holds `own` connections whatever its concurrency, and each thread of a
+    sync agent that runs its own ORM queries opens one more. Warn when the processes'
+    connections could pass the server's `max_connections` (None: not PostgreSQL, or not
+    known)."""
+    per_process = own + (concurrency if sync_agents else 0)
+    total = processes * per_process
+    if max_connections is None or total <= max_connections:
         return []
+    where = f"runworker --processes {processes} --concurrency {concurrency}" \
+        if processes > 1 else f"runworker --concurrency {concurrency}"
+    agents = (f"if each sync agent opens its own connection (its own ORM queries), this "
+              f"worker may hold {total} connections ({processes * own} of its own)"
+              if sync_agents else f"this worker holds {total} connections")
     return [Warning(
-        f"runworker --concurrency {concurrency} with sync agents: if each agent opens its "
-        f"own connection (its own ORM queries), this worker may hold {concurrency + own} "
-        f"connections ({own} of its own), past the server's max_connections "
-        f"({max_connections}).",
-        hint="The worker's own writes need no connection per attempt. For agents' queries "
-             "use Django's pool (OPTIONS = {'pool': {...}}, psycopg[pool]) or a pooler, or "
-             "lower --concurrency.",
+        f"{where}: {agents}, past the server's max_connections ({max_connections}).",
+        hint="Each process holds its own connections; the worker's own writes need none per "
+             "attempt. Lower --processes or --concurrency; for agents' queries use Django's "
+             "pool (OPTIONS = {'pool': {...}}, psycopg[pool]) or a pooler; or raise "
+             "max_connections (docs/deployment.md, sizing).",
         id=W008_CONNECTIONS)]
 
 
