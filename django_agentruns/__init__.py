@@ -26,7 +26,17 @@ from .exceptions import (
 from .registry import agent
 
 if TYPE_CHECKING:
-    from .api import RunRequest, cancel, enqueue, enqueue_many, fork, retry, run_now, set_limit
+    from .api import (
+        RunRequest,
+        cancel,
+        enqueue,
+        enqueue_many,
+        fork,
+        open_key,
+        retry,
+        run_now,
+        set_limit,
+    )
     from .chunks import stream_chunks
     from .context import RunContext
     from .queues import pause_queue, resume_queue
@@ -63,6 +73,7 @@ __all__ = [
     "enqueue",
     "enqueue_many",
     "fork",
+    "open_key",
     "pause_queue",
     "reject",
     "remove_schedule",
@@ -81,7 +92,7 @@ _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "reject": "waiting", "wait_for_run": "waiting", "await_run": "waiting",
          "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
          "add_schedule": "schedules", "remove_schedule": "schedules", "set_limit": "api",
-         "stream_chunks": "chunks"}
+         "open_key": "api", "stream_chunks": "chunks"}
 
 
 def __getattr__(name: str) -> Any:

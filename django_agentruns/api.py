@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -22,6 +23,8 @@ from .outcomes import OutcomeKind
 from .registry import QUEUE_RULE, AgentSpec, get_agent, is_queue_name
 from .transitions import AttemptRef, CancelResult, NewRun
 from .validation import capped_json, storable_text, unstorable_text
+
+logger = logging.getLogger("django_agentruns.limits")
 
 SCOPE_MAX = 255
 DEDUPE_KEY_MAX = 255
@@ -295,3 +298,13 @@ def set_limit(key: str, max_running: int | None) -> None:
     check_key(key, "key")
     check_max_running(max_running)
     transitions.write_limit(key, max_running)
+
+
+def open_key(key: str) -> bool:
+    """Reopen a limit key closed by a 429 (a `Snooze` that closes its key)
+    before its time: its runs may start at the next claim. False if it was not closed."""
+    check_key(key, "key")
+    opened = transitions.open_key(key)
+    if opened:
+        logger.info("limit key %s reopened", key, extra={"limit_key": key})
+    return opened

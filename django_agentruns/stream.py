@@ -40,7 +40,6 @@ from functools import reduce
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.core.exceptions import PermissionDenied
 from django.core.handlers.asgi import ASGIRequest
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection
@@ -317,7 +316,13 @@ def _position(request: HttpRequest) -> int | None:
 def run_events(request: HttpRequest, run_id: int) -> HttpResponseBase:
     """The run's event stream (see the module docstring)."""
     if not request.user.has_perm(VIEW_PERMISSION):
-        raise PermissionDenied
+        # Said in words: an EventSource only sees "error", so the body is for the person
+        # who opens the URL to find out why.
+        who = "you are not logged in" if not request.user.is_authenticated \
+            else f"user {request.user.get_username()!r} lacks it"
+        return HttpResponse(f"Forbidden: a run's event stream needs the "
+                            f"{VIEW_PERMISSION} permission, and {who}.\n", status=403,
+                            content_type="text/plain")
     after = _position(request)
     if after is None:
         return HttpResponse("Last-Event-ID and ?after= must be a sequence number >= 0.\n",

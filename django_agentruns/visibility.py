@@ -14,7 +14,7 @@ from datetime import datetime
 from django.db.models import Count
 from django.utils import timezone
 
-from . import transitions
+from . import transitions, workers
 from .limits import effective_limit
 from .models import AgentLimit, AgentRun, PausedQueue, Status
 from .registry import find_agent
@@ -154,7 +154,7 @@ def _not_queued(run: AgentRun, at: datetime) -> str:
         if run.lease_expires is None:
             text += ", interactive: no lease)"
         elif run.lease_expires < at:
-            text += f", lease lapsed at {_when(run.lease_expires)}: it will be taken back)"
+            text += f", {_stuck(run, at)})"
         else:
             text += f", lease until {_when(run.lease_expires)})"
         if run.cancel_requested_at is not None:
@@ -162,6 +162,12 @@ def _not_queued(run: AgentRun, at: datetime) -> str:
     elif run.reason:
         text += f" ({run.reason})"
     return text
+
+
+def _stuck(run: AgentRun, at: datetime) -> str:
+    """A lapsed lease: taken back only if a live worker (or a cron reap) will do it."""
+    lapsed = workers.lapse(run, workers.live_ids(at), at) or "lease lapsed"
+    return f"{lapsed}; {workers.rescuer(run, workers.Coverage.read(at)) or workers.NOBODY_REAPS}"
 
 
 def _when(value: datetime) -> str:
