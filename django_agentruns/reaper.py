@@ -43,7 +43,9 @@ def reap(at: datetime | None = None, *, limit: int = 1000, dry_run: bool = False
     report = ReapReport()
     if run_ids is None:
         _expire_waits(report, at, limit, dry_run)
-    for row in transitions.find_stale(at, limit, run_ids):
+    rows = transitions.find_stale(at, limit) if run_ids is None \
+        else transitions.find_stale(at, limit, run_ids)
+    for row in rows:
         report.stale.append(row["id"])
         if dry_run:
             continue
