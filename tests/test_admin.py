@@ -7,7 +7,6 @@ Runs are set up in the state each test needs; every change the admin makes goes 
 from __future__ import annotations
 
 import re
-
 import sys
 import types
 import uuid

@@ -11,6 +11,7 @@ import pytest
 from django.db import connection
 
 from tests.chaos.harness import Chaos, ChaosConfig, ChaosReport, default_restart_mode
+from tests.chaos.private import on_private_server
 from tests.pgbouncer import PgBouncer
 
 
@@ -25,9 +26,16 @@ def assert_no_violations(report: ChaosReport) -> None:
 @pytest.mark.slow
 @pytest.mark.postgres_only
 def test_chaos_on_postgresql(worker_env: dict[str, str]) -> None:
+    """The test database's sessions are ended mid-run (CHAOS_PG_RESTART=terminate, the
+    default); with CHAOS_PG_RESTART=cluster, a real server restart of a private server
+    this test starts (never the machine's)."""
     config = ChaosConfig(runs=500, workers=3, concurrency=4, seed=1,
                          pg_restart=default_restart_mode(), drain_workers=3)
-    report = Chaos(config, worker_env).run()
+    if config.pg_restart == "cluster":
+        with on_private_server() as (env, server):
+            report = Chaos(config, env, server=server).run()
+    else:
+        report = Chaos(config, worker_env).run()
     assert_no_violations(report)
     # The faults happened, and hit busy workers: otherwise this proves nothing.
     assert report.runs == 500
