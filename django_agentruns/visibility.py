@@ -143,7 +143,7 @@ def _blocked(run: AgentRun, blocker: AgentRun, at: datetime) -> Hold:
         text += f"; it is waiting until {_when(blocker.available_at)}"
     elif blocker.status == Status.RUNNING and blocker.lease_expires is not None \
             and blocker.lease_expires < at:
-        text += "; its lease lapsed, so the reaper or a worker's claim will take it back"
+        text += f"; it is stuck ({_stuck(blocker, at)})"
     return Hold(BLOCKED, text, blocker=blocker.pk, blocker_status=blocker.status)
 
 
