@@ -69,7 +69,7 @@ def test_a_stuck_run_says_so_and_reap_now_takes_it_back(
     expect(badge(page)).to_contain_text("Stuck: lease lapsed")
     expect(badge(page)).to_contain_text("worker web-3:4711:gone gone")
     expect(badge(page)).not_to_contain_text("Running")
-    expect(page.locator("#agentruns-stuck-note")).to_contain_text("no live worker will take "
+    expect(page.locator("#agentruns-stuck-note")).to_contain_text("No live worker will take "
                                                                   "it back")
     screenshot(page, "stuck-run.png", full_page=False)
 
@@ -227,7 +227,9 @@ def test_the_run_list_fits_1400_px_with_task_paths_and_stuck_runs(
 def test_the_workers_page_has_the_app_stylesheet_and_readable_badges(
         page: Page, live_server: Any, operator: User) -> None:
     now = timezone.now()
-    for worker_id, seen in (("web-1:100:live", now), ("web-2:200:gone", now - timedelta(hours=1))):
+    # The live one last beat "in a minute": the tests' lease TTL (the live window) is short.
+    for worker_id, seen in (("web-1:100:live", now + timedelta(minutes=1)),
+                            ("web-2:200:gone", now - timedelta(hours=1))):
         WorkerRecord.objects.create(worker_id=worker_id, host="web", pid=1, queues=["default"],
                                     concurrency=4, agents=["tests.noop"], version="0.1.0",
                                     started_at=seen, last_seen_at=seen)
