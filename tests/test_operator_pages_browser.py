@@ -170,14 +170,16 @@ def test_a_running_run_shows_its_output_as_it_is_written(
         page: Page, live_server: Any, operator: User, worker_env: dict[str, str]) -> None:
     run = api.enqueue("tests.streamer", {"n": 12, "gate": True, "after": 2})
     words = "".join(f"w{i} " for i in range(12))
+    log_in(page, live_server, "operator")
+    # Opened while queued, the page follows the run's stream (live chunks are not kept:
+    # on PostgreSQL they travel by NOTIFY, to the pages listening then).
+    page.goto(f"{live_server.url}{CHANGELIST}{run.pk}/change/")
+    output = page.locator("#agentruns-output")
+    expect(output).to_have_attribute("data-follow", f"/agentruns/runs/{run.pk}/events/")
+    page.wait_for_function("window.agentrunsFollowing === true")
     with helpers.start_manage(["runworker"], worker_env) as worker:
-        helpers.wait_until(lambda: AgentRun.objects.filter(pk=run.pk, status=Status.RUNNING)
-                           .exists(), message="the run to start")
-        log_in(page, live_server, "operator")
-        page.goto(f"{live_server.url}{CHANGELIST}{run.pk}/change/")
-        output = page.locator("#agentruns-output")
         # The words show while the run waits at its gate: live chunks, nothing stored yet.
-        expect(output).to_have_text(words.strip() + " ", use_inner_text=True)
+        expect(output).to_have_text(words.strip() + " ", use_inner_text=True, timeout=20_000)
         assert AgentRun.objects.get(pk=run.pk).status == Status.RUNNING
         assert not RunEvent.objects.filter(run=run, type="stream").exists()
         screenshot(page, "run-live-output.png", full_page=False)

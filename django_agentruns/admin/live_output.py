@@ -1,10 +1,12 @@
 """The run page's output panel: what the agent streamed (`ctx.stream`).
 
-A running run's panel follows the run's event stream (the app's SSE endpoint, if the
-project includes `django_agentruns.urls`): its stored `stream` events, then the live
-chunks they do not cover yet, as they are written. A finished run's panel shows the
-stored `stream` events, read here: the newest OUTPUT_EVENTS of them, at most
-OUTPUT_CHARS characters.
+A queued or running run's panel follows the run's event stream (the app's SSE endpoint,
+if the project includes `django_agentruns.urls`): its stored `stream` events, then the
+live chunks they do not cover yet, as they are written. Live chunks are not kept (on
+PostgreSQL they travel by NOTIFY): the panel shows those written since it opened, and the
+whole text once the run stores it (at each step boundary, and at its end). A finished
+run's panel shows the stored `stream` events, read here: the newest OUTPUT_EVENTS of
+them, at most OUTPUT_CHARS characters.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ..models import AgentRun, RunEvent, Status
 STREAM = "stream"
 OUTPUT_EVENTS = 500
 OUTPUT_CHARS = 20_000
+FOLLOWED = (Status.QUEUED, Status.RUNNING)
 
 
 def events_url(run: AgentRun) -> str | None:
@@ -41,7 +44,7 @@ def stored_output(run: AgentRun) -> tuple[str, bool]:
 
 def page_context(run: AgentRun) -> dict[str, Any]:
     url = events_url(run)
-    if run.status == Status.RUNNING and url is not None:
+    if run.status in FOLLOWED and url is not None:
         return {"live_output": {"follow": url, "text": "", "cut": False}}
     text, cut = stored_output(run)
     if not text:

@@ -48,6 +48,20 @@ def test_chaos_on_postgresql(worker_env: dict[str, str]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.postgres_only
+def test_chaos_with_a_real_restart_of_a_private_server() -> None:
+    """A real server restart mid-run ("cluster"), of a server this test starts itself: the
+    machine's server, shared with other work, is never restarted."""
+    config = ChaosConfig(runs=80, workers=2, concurrency=3, seed=4, pg_restart="cluster",
+                         chaos_seconds=30.0, drain_workers=2)
+    with on_private_server() as (env, server):
+        report = Chaos(config, env, server=server).run()
+    assert_no_violations(report)
+    assert report.runs == 80
+    assert report.restarts == 1, report.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.postgres_only
 def test_chaos_through_pgbouncer(worker_env: dict[str, str], pgbouncer: PgBouncer) -> None:
     """Production's topology: every worker and reaper connection through PgBouncer in
     transaction mode, the listener direct (LISTEN_DATABASE); PgBouncer restarts mid-run."""
