@@ -22,7 +22,7 @@ except ImportError:  # the skip below says what to install
 
 # AGENTRUNS_CHROMIUM: another binary (tests of what happens when it is missing use it).
 CHROMIUM = Path(os.environ.get("AGENTRUNS_CHROMIUM", "/usr/bin/chromium"))
-# Artifacts of every run; `AGENTRUNS_SCREENSHOTS=docs/screenshots` refreshes the README's.
+# Artifacts of every run; `AGENTRUNS_SCREENSHOTS=docs/screenshots` refreshes the docs' ones.
 SCREENSHOTS = helpers.REPO_ROOT / os.environ.get("AGENTRUNS_SCREENSHOTS", "artifacts/screenshots")
 ASYNC_UNSAFE = "DJANGO_ALLOW_ASYNC_UNSAFE"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -159,8 +159,8 @@ def test_the_event_stream_says_why_it_refuses(client: Client) -> None:
     anonymous = client.get(url)
     assert anonymous.status_code == 403
     assert b"django_agentruns.view_agentrun" in anonymous.content
-    assert b"not logged in" in anonymous.content
+    assert b"You are not logged in" in anonymous.content
     client.force_login(User.objects.create_user("nobody", is_staff=True))
     refused: Any = client.get(url)
     assert refused.status_code == 403
-    assert b"'nobody' lacks it" in refused.content
+    assert b"User 'nobody' lacks django_agentruns.view_agentrun" in refused.content

@@ -25,6 +25,7 @@ from ..exceptions import AgentRunsError, InvalidInputError, RunNotFoundError
 from ..models import AgentRun, Reason, Status
 from ..workers import NOBODY_REAPS, Coverage, lapse, live_ids, rescuer
 from .actions import MISSING, RETRY, Operation, confirmation, has_permission, username
+from .approvals import awaiting_approval
 from .budgets import posted_budget, retry_with_budget
 from .chart import svg
 from .limits import usage_totals
@@ -89,9 +90,12 @@ def overview(model_admin: Any) -> Any:
         stuck, stuck_total = triage.stuck(at)
         live = live_ids(at)
         groups = triage.dead_letter_groups()
+        awaiting, awaiting_total = awaiting_approval()
         context = {
             **model_admin.admin_site.each_context(request),
             "title": "Agent runs overview",
+            "awaiting": awaiting,
+            "awaiting_total": awaiting_total,
             "opts": AgentRun._meta,
             "statuses": [(s.value, s.label, counts.get(s.value, 0)) for s in Status],
             "total": sum(counts.values()),
