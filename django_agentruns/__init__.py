@@ -36,7 +36,16 @@ from .exceptions import (
 from .registry import agent
 
 if TYPE_CHECKING:
-    from .api import RunRequest, cancel, enqueue, enqueue_many, fork, retry, set_limit
+    from .api import (
+        RunRequest,
+        cancel,
+        enqueue,
+        enqueue_many,
+        fork,
+        open_key,
+        retry,
+        set_limit,
+    )
     from .ops.retention import erase
     from .queues import pause_queue, resume_queue
     from .runtime.context import RunContext
@@ -80,6 +89,7 @@ __all__ = [
     "enqueue_many",
     "erase",
     "fork",
+    "open_key",
     "pause_queue",
     "reject",
     "remove_schedule",
@@ -100,7 +110,7 @@ _LAZY = {"RunContext": "runtime.context", "CancelResult": "outcomes", "enqueue":
          "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
          "add_schedule": "schedules", "remove_schedule": "schedules", "set_limit": "api",
          "stream_chunks": "streaming.reader", "stream_url": "streaming.signing",
-         "erase": "ops.retention"}
+         "erase": "ops.retention", "open_key": "api"}
 
 
 def __getattr__(name: str) -> Any:

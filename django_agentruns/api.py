@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from .transitions import CancelResult, NewRun
 from .validation import capped_json, storable_text, unstorable_text
 from .windows import KEEP
 from .windows import check_field as check_limit_field
+
+logger = logging.getLogger("django_agentruns.limits")
 
 SCOPE_MAX = 255
 DEDUPE_KEY_MAX = 255
@@ -335,3 +338,14 @@ def set_limit(
     fields = {name: check_limit_field(name, value) for name, value in given.items()
               if value is not KEEP}
     transitions.write_limit(key, fields)
+
+
+
+def open_key(key: str) -> bool:
+    """Reopen a limit key closed by a 429 (a `Snooze` that closes its key)
+    before its time: its runs may start at the next claim. False if it was not closed."""
+    check_key(key, "key")
+    opened = transitions.open_key(key)
+    if opened:
+        logger.info("limit key %s reopened", key, extra={"limit_key": key})
+    return opened

@@ -224,6 +224,12 @@ def bulk(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentRun],
     return None
 
 
+def budget_context(eligible: QuerySet[AgentRun], single: bool) -> dict[str, Any]:
+    from .budgets import confirmation_context  # it builds on this module's RETRY
+
+    return confirmation_context(eligible, single)
+
+
 def confirmation(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentRun],
                  op: Operation, *, action: str = "", selected: list[int] | None = None,
                  across: bool = False, single: str | None = None) -> TemplateResponse:
@@ -252,6 +258,7 @@ def confirmation(model_admin: Any, request: HttpRequest, queryset: QuerySet[Agen
         "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
         "not_retryable_count": hopeless,
         "single": single,
+        **(budget_context(eligible, single is not None) if op is RETRY else {}),
     }
     return TemplateResponse(request, "django_agentruns/admin/confirm_action.html", context)
 

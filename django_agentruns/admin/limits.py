@@ -11,19 +11,23 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from django import forms
-from django.contrib import admin
-from django.db.models import Count, F, Sum
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, F, QuerySet, Sum
 from django.db.models.functions import TruncDate
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.urls import URLPattern, path, reverse
 from django.utils import timezone
+from django.views.decorators.http import require_POST
 
 from .. import transitions
-from ..api import set_limit
+from ..api import open_key, set_limit
 from ..exceptions import InvalidInputError
 from ..limits import check_key
 from ..models import AgentLimit, AgentRun, Status
 from ..ops.visibility import key_limits
 from ..windows import FIELDS, check_field, effective_limit, is_pattern
+from . import display as show
 
 USAGE_DAYS = 14  # the overview's usage by day: the last two weeks (the created_at index)
 
@@ -58,15 +62,26 @@ class LimitForm(forms.ModelForm):  # type: ignore[type-arg]
         return cleaned
 
 
+@admin.action(permissions=["change"], description="Reopen the selected keys now")
+def reopen_keys(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentLimit]) -> None:
+    opened = [key for key in queryset.values_list("key", flat=True) if open_key(key)]
+    model_admin.message_user(request, f"Reopened {len(opened)} key{'' if len(opened) == 1 else 's'}"
+                             f"{': ' + ', '.join(opened) if opened else ' (none was closed)'}.",
+                             messages.SUCCESS if opened else messages.WARNING)
+
+
 class AgentLimitAdmin(LimitAdminBase):
     form = LimitForm
-    list_display = ("key", "max_running", "effective", "running", "windows", "spend_per_day",
-                    "closed")
+    list_display = ("key", "max_running", "effective", "running", "queued", "windows",
+                    "spend_per_day", "closed")
     fields = ("key", "max_running", "per_minute", "tokens_per_minute", "cost_per_day",
-              "effective", "running", "windows", "spend_per_day", "closed")
-    readonly_fields = ("effective", "running", "windows", "spend_per_day", "closed")
+              "effective", "running", "queued", "windows", "spend_per_day", "closed")
+    readonly_fields = ("effective", "running", "queued", "windows", "spend_per_day", "closed")
     search_fields = ("key",)
     ordering = ("key",)
+    actions = (reopen_keys,)
+    change_list_template = "django_agentruns/admin/plain_change_list.html"
+    change_form_template = "django_agentruns/admin/limit_change_form.html"
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         return (*self.readonly_fields, "key") if obj is not None else self.readonly_fields
@@ -78,6 +93,8 @@ class AgentLimitAdmin(LimitAdminBase):
             cap = key_limits(row).max_running
         if cap is None:
             return "unlimited"
+        if cap == 0:
+            return "paused (limit 0)"
         return f"{cap}" + ("" if row.max_running is not None else " (LIMITS setting)")
 
     @admin.display(description="windows now")
@@ -115,12 +132,40 @@ class AgentLimitAdmin(LimitAdminBase):
     def running(self, row: AgentLimit) -> int:
         return AgentRun.objects.filter(status=Status.RUNNING, limit_key=row.key).count()
 
+    @admin.display(description="queued now")
+    def queued(self, row: AgentLimit) -> int:
+        return AgentRun.objects.filter(status=Status.QUEUED, limit_key=row.key).count()
+
     @admin.display(description="closed")
     def closed(self, row: AgentLimit) -> str:
-        if row.closed_until is None or row.closed_until <= timezone.now():
+        if not is_closed(row):
             return "open"
         why = f" ({row.closed_reason})" if row.closed_reason else ""
-        return f"until {row.closed_until.isoformat(timespec='seconds')}{why}"
+        return f"until {show.timestamp(row.closed_until)}{why}"
+
+    def render_change_form(self, request: HttpRequest, context: dict[str, Any],
+                           add: bool = False, change: bool = False, form_url: str = "",
+                           obj: Any = None) -> HttpResponse:
+        context["can_reopen"] = obj is not None and is_closed(obj) and \
+            self.has_change_permission(request, obj)
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def get_urls(self) -> list[URLPattern]:
+        reopen = self.admin_site.admin_view(require_POST(self.reopen_view))
+        return [path("<path:key>/reopen/", reopen, name="django_agentruns_agentlimit_reopen"),
+                *super().get_urls()]
+
+    def reopen_view(self, request: HttpRequest, key: str) -> HttpResponse:
+        """The key page's "Reopen now": `open_key`, for a key closed by a 429 whose provider
+        is back before the closure ends."""
+        if not self.has_change_permission(request):
+            raise PermissionDenied
+        opened = open_key(key)
+        self.message_user(request, f"Key {key!r} reopened: its runs may start now." if opened
+                          else f"Key {key!r} was not closed.",
+                          messages.SUCCESS if opened else messages.WARNING)
+        page = reverse(f"{self.admin_site.name}:django_agentruns_agentlimit_change", args=[key])
+        return HttpResponseRedirect(page)
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False  # clear a limit instead (empty: the setting's, else unlimited)
@@ -128,6 +173,10 @@ class AgentLimitAdmin(LimitAdminBase):
     def save_model(self, request: HttpRequest, obj: AgentLimit, form: Any, change: bool) -> None:
         set_limit(obj.key, obj.max_running, per_minute=obj.per_minute,  # the API checks them
                   tokens_per_minute=obj.tokens_per_minute, cost_per_day=obj.cost_per_day)
+
+
+def is_closed(row: AgentLimit) -> bool:
+    return row.closed_until is not None and row.closed_until > timezone.now()
 
 
 def usage_totals() -> dict[str, Any]:

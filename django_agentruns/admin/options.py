@@ -12,7 +12,8 @@ from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import QuerySet
+from django.db.models import Case, QuerySet, When
+from django.db.models.fields.json import KT
 from django.db.models.functions import Substr
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
@@ -22,8 +23,10 @@ from django.utils.safestring import SafeString, mark_safe
 from ..models import AgentRun, RunEvent, Status
 from ..ops.diagnosis import short_error
 from ..ops.visibility import why_not_started
+from ..ops.workers import live_ids
 from ..registry import all_agents
-from . import approvals, views
+from ..tasks.results import TASK_AGENTS
+from . import approvals, live_output, views
 from . import display as show
 from . import limits as flow
 from .actions import (
@@ -42,6 +45,7 @@ from .summary import summary
 EVENTS_PER_PAGE = 100
 ERROR_HEAD = 200  # characters of the error message the list loads
 ERROR_SHOWN = 48  # and shows (the rest on hover)
+TASK_PATH_SHOWN = 120
 # Never loaded for the list: a page of 100 runs would otherwise carry 100 inputs,
 # outputs and tracebacks.
 HEAVY_FIELDS = ("input", "output", "checkpoint_state", "error_message", "error_traceback",
@@ -59,7 +63,21 @@ class RunChangeList(ChangeList):
         # The list shows the error's first words: a prefix, never the whole message.
         runs: QuerySet[AgentRun] = super().get_queryset(request, *args, **kwargs)
         return runs.defer(*HEAVY_FIELDS).annotate(
-            error_head=Substr("error_message", 1, ERROR_HEAD), **approvals.wait_columns())
+            error_head=Substr("error_message", 1, ERROR_HEAD), **approvals.wait_columns(),
+            # A django.tasks run is named by its task's path: the one key read from the
+            # input, of task runs only (the CASE spares every other run's input).
+            task_path=Case(When(agent__in=TASK_AGENTS,
+                                then=Substr(KT("input__task"), 1, TASK_PATH_SHOWN))))
+
+    def get_results(self, request: HttpRequest) -> None:
+        """The page's rows, each told which workers are live (one read for the page), so a
+        stuck run's badge says so."""
+        super().get_results(request)
+        live = live_ids()
+        rows = list(self.result_list)
+        for run in rows:
+            run.live_workers = live
+        self.result_list = rows
 
 
 class AgentRunAdmin(ModelAdminBase):
@@ -82,8 +100,8 @@ class AgentRunAdmin(ModelAdminBase):
         (None, {"fields": (("status_badge", "reason_text", "cancel_request"),
                            ("agent", "queue", "priority"),
                            ("scope", "fired_seq"), ("attempt", "requeues"),
-                           ("created_at", "available_at"),
-                           ("started_at", "finished_at", "duration"))}),
+                           ("created", "available"),
+                           ("started", "finished", "duration"))}),
         ("Lease", {"fields": ("lease",)}),
         ("Flow control", {"fields": (("limit_key", "snooze_count"), ("usage", "budget"))}),
         ("Data", {"fields": (("input_json", "output_json"),
@@ -92,8 +110,8 @@ class AgentRunAdmin(ModelAdminBase):
         ("Last error", {"fields": ("last_error",)}),
     )
     readonly_fields = ("status_badge", "reason_text", "agent", "queue", "priority", "scope",
-                       "fired_seq", "attempt", "requeues", "created_at", "available_at",
-                       "started_at", "finished_at", "duration", "lease", "cancel_request",
+                       "fired_seq", "attempt", "requeues", "created", "available",
+                       "started", "finished", "duration", "lease", "cancel_request",
                        "input_json", "output_json", "checkpoint_count", "checkpoint_json",
                        "last_error", "waiting_for", "dedupe_key", "forked_from_link",
                        "limit_key", "snooze_count", "usage", "budget")
@@ -162,7 +180,8 @@ class AgentRunAdmin(ModelAdminBase):
 
     @admin.display(description="status", ordering="status")
     def status_badge(self, run: AgentRun) -> SafeString:
-        return show.status_badge(run)
+        live = live_ids() if run.status == Status.RUNNING else None
+        return show.status_badge(run, live)
 
     @admin.display(description="reason", ordering="reason")
     def reason_text(self, run: AgentRun) -> SafeString:
@@ -177,6 +196,10 @@ class AgentRunAdmin(ModelAdminBase):
 
     @admin.display(description="agent / scope", ordering="agent")
     def run_name(self, run: AgentRun) -> SafeString:
+        task = getattr(run, "task_path", None) if run.agent in TASK_AGENTS else None
+        if task:  # every task run has the same agent: its task says what it is
+            return format_html('{}<br><span class="agentruns-task" title="{}">{}</span>',
+                               run.agent, task, task)
         return format_html('{}<br><span class="agentruns-muted">{}</span>', run.agent,
                            run.scope)
 
@@ -189,7 +212,7 @@ class AgentRunAdmin(ModelAdminBase):
             if head and run.status == Status.FAILED else mark_safe("")
         reason = show.reason(run)
         waiting = approvals.waiting_label(run)
-        return format_html("{}{}{}{}", show.status_badge(run),
+        return format_html("{}{}{}{}", show.status_badge(run, getattr(run, "live_workers", None)),
                            format_html("<br>{}", reason) if reason else "", error,
                            format_html("<br>{}", waiting) if waiting else "")
 
@@ -201,6 +224,18 @@ class AgentRunAdmin(ModelAdminBase):
     @admin.display(description="created", ordering="created_at")
     def created(self, run: AgentRun) -> str:
         return show.timestamp(run.created_at)
+
+    @admin.display(description="available at")
+    def available(self, run: AgentRun) -> str:
+        return show.timestamp(run.available_at)
+
+    @admin.display(description="started")
+    def started(self, run: AgentRun) -> str:
+        return show.timestamp(run.started_at) or "—"
+
+    @admin.display(description="finished")
+    def finished(self, run: AgentRun) -> str:
+        return show.timestamp(run.finished_at) or "—"
 
     @admin.display(description="usage", ordering="cost")
     def usage(self, run: AgentRun) -> str:
@@ -284,6 +319,8 @@ class AgentRunAdmin(ModelAdminBase):
                 steps=show.steps(obj),
                 replay_agents=sorted(all_agents()),
                 compare_output=show.compared_outputs(obj),
+                can_reap=obj.status == Status.RUNNING and self.has_retry_permission(request),
+                **live_output.page_context(obj),
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 
@@ -305,6 +342,7 @@ class AgentRunAdmin(ModelAdminBase):
             path("<int:run_id>/deliver/", wrap(approvals.deliver_input(self)),
                  name=f"{name}_deliver"),
             path("<int:run_id>/fork/", wrap(views.fork_run(self)), name=f"{name}_fork"),
+            path("<int:run_id>/reap/", wrap(views.reap_now(self)), name=f"{name}_reap"),
             path("queues/pause/", wrap(views.pause_or_resume(self, True)),
                  name=f"{name}_pause_queue"),
             path("queues/resume/", wrap(views.pause_or_resume(self, False)),

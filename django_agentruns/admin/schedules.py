@@ -19,6 +19,7 @@ from ..models import Schedule
 from ..registry import get_agent
 from ..schedules import check_schedule_input, next_tick, timing_of
 from ..ticks import check_timing
+from . import display as show
 
 if TYPE_CHECKING:
     ScheduleAdminBase = admin.ModelAdmin[Schedule]
@@ -73,11 +74,17 @@ def resume_schedules(modeladmin: Any, request: HttpRequest,
 
 class ScheduleAdmin(ScheduleAdminBase):
     form = ScheduleForm
-    list_display = ("name", "agent", "timing", "enabled", "catch_up", "last_tick",
+    list_display = ("name", "agent", "timing", "enabled", "catch_up", "last_ticked",
                     "upcoming", "origin")
     list_filter = ("enabled", "origin")
     search_fields = ("name", "agent")
     actions = (pause_schedules, resume_schedules)
+    change_list_template = "django_agentruns/admin/plain_change_list.html"
+    change_form_template = "django_agentruns/admin/plain_change_form.html"
+
+    @admin.display(description="last tick", ordering="last_tick")
+    def last_ticked(self, row: Schedule) -> str:
+        return show.timestamp(row.last_tick) or "—"
 
     @admin.display(description="when")
     def timing(self, row: Schedule) -> str:
@@ -93,7 +100,7 @@ class ScheduleAdmin(ScheduleAdminBase):
             return (f"retrying at {timezone.localtime(row.retry_at):%Y-%m-%d %H:%M:%S %Z} "
                     f"({row.failures} failed: {row.last_error[:200]})")
         try:
-            return timezone.localtime(next_tick(row)).strftime("%Y-%m-%d %H:%M:%S %Z")
+            return show.timestamp(next_tick(row))
         except Exception as exc:  # a row edited into nonsense: say so, show the others
             return f"cannot tick: {exc}"
 

@@ -24,10 +24,11 @@ from .. import api, queues
 from ..exceptions import AgentRunsError, InvalidInputError, RunNotFoundError
 from ..models import AgentRun, Reason, Status
 from ..ops import triage
-from ..ops.workers import Coverage
-from . import display as show
+from ..ops.workers import NOBODY_REAPS, Coverage, lapse, live_ids, rescuer
+from ..runtime import reaper
 from .actions import MISSING, RETRY, Operation, confirmation, has_permission, username
 from .approvals import awaiting_approval
+from .budgets import posted_budget, retry_with_budget
 from .chart import svg
 from .limits import usage_totals
 
@@ -53,7 +54,14 @@ def operate(model_admin: Any, op: Operation) -> Any:
                                          messages.WARNING)
                 return HttpResponseRedirect(_url("changelist"))
             return confirmation(model_admin, request, runs, op, single=_url("change", run_id))
-        outcome = op.apply_logged(request, [run_id]).most_common(1)[0][0]
+        budget = posted_budget(request) if op is RETRY else None
+        if isinstance(budget, str):  # a malformed budget: said, and nothing retried
+            model_admin.message_user(request, budget, messages.ERROR)
+            return HttpResponseRedirect(_url("retry", run_id))
+        if budget is not None:
+            outcome = retry_with_budget(request, run_id, budget)
+        else:
+            outcome = op.apply_logged(request, [run_id]).most_common(1)[0][0]
         model_admin.message_user(request, *op.describe_one(run_id, outcome))
         if outcome == MISSING:
             return HttpResponseRedirect(_url("changelist"))
@@ -82,6 +90,7 @@ def overview(model_admin: Any) -> Any:
         coverage = Coverage.read(at)
         agents, sampled = triage.agent_stats(since)
         stuck, stuck_total = triage.stuck(at)
+        live = live_ids(at)
         groups = triage.dead_letter_groups()
         awaiting, awaiting_total = awaiting_approval()
         context = {
@@ -100,9 +109,10 @@ def overview(model_admin: Any) -> Any:
             "queues": triage.queue_stats(coverage, at),
             "live_workers": coverage.workers,
             "uncovered": triage.uncovered(coverage, at),
-            "stuck": [(run, show.short_duration((at - run.lease_expires).total_seconds()))
-                      for run in stuck if run.lease_expires is not None],
+            "stuck": [(run, lapse(run, live, at)) for run in stuck],
             "stuck_total": stuck_total,
+            "stuck_rescuer": (rescuer(stuck[0], coverage) or NOBODY_REAPS) if stuck else "",
+            "can_reap": has_permission(model_admin, request, RETRY),
             "groups": groups,
             "dead_letter_total": sum(g.count for g in groups),
             "chart": svg(triage.throughput(since, at)),
@@ -263,3 +273,30 @@ def pause_or_resume(model_admin: Any, pause: bool) -> Any:
 
     return view
 
+
+
+def reap_now(model_admin: Any) -> Any:
+    """The run page's and the overview's "Reap now": take back one stuck run at once,
+    through the reaper (requeued, or dead-lettered with no requeue left), when nothing
+    else reaps. Retry permission: it puts the run back in the queue, as a retry does."""
+
+    @require_POST
+    def view(request: HttpRequest, run_id: int) -> HttpResponse:
+        if not has_permission(model_admin, request, RETRY):
+            raise PermissionDenied
+        back = _url("overview") if request.POST.get("back") == "overview" \
+            else _url("change", run_id)
+        report = reaper.reap(run_ids=[run_id])
+        done = {"requeued": report.requeued, "dead-lettered": report.dead_lettered,
+                "cancelled": report.cancelled}
+        what = next((name for name, ids in done.items() if run_id in ids), None)
+        if what is None:
+            model_admin.message_user(
+                request, f"Run #{run_id} was not reaped: its lease holds (or it is no longer "
+                "running).", messages.WARNING)
+        else:
+            model_admin.message_user(request, f"Run #{run_id} reaped: {what}.",
+                                     messages.SUCCESS)
+        return HttpResponseRedirect(back)
+
+    return view

@@ -35,6 +35,8 @@ class WorkerRecordAdmin(WorkerAdminBase):
     readonly_fields = ("worker_id", "state", "host", "pid", "queue_list", "concurrency",
                        "agent_list", "version", "started", "last_seen")
     fields = readonly_fields
+    change_list_template = "django_agentruns/admin/plain_change_list.html"
+    change_form_template = "django_agentruns/admin/plain_change_form.html"
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return bool(request.user.has_perm(VIEW))

@@ -18,6 +18,7 @@ from .. import transitions
 from ..models import AgentLimit, AgentRun, PausedQueue, Status
 from ..registry import claimable_version, find_agent
 from ..windows import KeyLimits, resolve, row_limits
+from . import workers
 
 NOT_QUEUED = "not_queued"
 UNKNOWN_AGENT = "unknown_agent"
@@ -166,7 +167,7 @@ def _blocked(run: AgentRun, blocker: AgentRun, at: datetime) -> Hold:
         text += f"; it is waiting until {_when(blocker.available_at)}"
     elif blocker.status == Status.RUNNING and blocker.lease_expires is not None \
             and blocker.lease_expires < at:
-        text += "; its lease lapsed, so the reaper or a worker's claim will take it back"
+        text += f"; it is stuck ({_stuck(blocker, at)})"
     return Hold(BLOCKED, text, blocker=blocker.pk, blocker_status=blocker.status)
 
 
@@ -177,7 +178,7 @@ def _not_queued(run: AgentRun, at: datetime) -> str:
         if run.lease_expires is None:
             text += ", interactive: no lease)"
         elif run.lease_expires < at:
-            text += f", lease lapsed at {_when(run.lease_expires)}: it will be taken back)"
+            text += f", {_stuck(run, at)})"
         else:
             text += f", lease until {_when(run.lease_expires)})"
         if run.cancel_requested_at is not None:
@@ -185,6 +186,12 @@ def _not_queued(run: AgentRun, at: datetime) -> str:
     elif run.reason:
         text += f" ({run.reason})"
     return text
+
+
+def _stuck(run: AgentRun, at: datetime) -> str:
+    """A lapsed lease: taken back only if a live worker (or a cron reap) will do it."""
+    lapsed = workers.lapse(run, workers.live_ids(at), at) or "lease lapsed"
+    return f"{lapsed}; {workers.rescuer(run, workers.Coverage.read(at)) or workers.NOBODY_REAPS}"
 
 
 def _when(value: datetime) -> str:

@@ -107,12 +107,12 @@ class Executor:
                 await chunks.afinish(control, store=chunks.stores_at_finish(outcome.stop_reason))
                 settlement = await self.arecord(spec, control.ref, outcome)
                 span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
-            reason = ""
-            if settlement is Settlement.DEAD_LETTERED:
+            facts: dict[str, str] = {}
+            if settlement in recording.TOLD:
                 # The ORM must not run on the loop; its thread keeps no connection.
-                reason = await sync_to_async(recording.dead_letter_reason,
-                                             thread_sensitive=False)(control.ref, close=True)
-            self._settled(run, control, settlement, outcome, began, reason)
+                facts = await sync_to_async(recording.settlement_facts, thread_sensitive=False)(
+                    control.ref, settlement, close=True)
+            self._settled(run, control, settlement, outcome, began, facts)
             return settlement
         except Exception:
             logger.exception("run %s: could not record the attempt's outcome", run.pk,
@@ -184,10 +184,11 @@ class Executor:
         return outcome
 
     def _settled(self, run: AgentRun, control: AttemptControl, settlement: Settlement,
-                 outcome: Outcome, began: float, reason: str | None = None) -> None:
-        if reason is None and settlement is Settlement.DEAD_LETTERED:
-            reason = recording.dead_letter_reason(control.ref)
-        recording.log_settlement(control.ref, run.agent, settlement, outcome, reason or "")
+                 outcome: Outcome, began: float,
+                 facts: dict[str, str] | None = None) -> None:
+        if facts is None:
+            facts = recording.settlement_facts(control.ref, settlement)
+        recording.log_settlement(control.ref, run.agent, settlement, outcome, facts)
         metrics.observe_settlement(run.agent, settlement.value, metrics.queue_wait(run),
                                    time.monotonic() - began)
 

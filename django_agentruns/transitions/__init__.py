@@ -63,7 +63,14 @@ from .events import (
     lifecycle_event_id,
     now,
 )
-from .limited import claim_limited, close_key, limits_in_use, seed_settings_limits, write_limit
+from .limited import (
+    claim_limited,
+    close_key,
+    limits_in_use,
+    open_key,
+    seed_settings_limits,
+    write_limit,
+)
 from .operators import cancel, operator_retry, start_interactive
 from .settling import (
     abandon,
@@ -90,7 +97,7 @@ __all__ = [
     "claim_limited", "close_key", "due_elsewhere", "due_queued", "emit", "emitted_event_id",
     "end_step", "enqueue_debounced", "enqueue_superseding", "exhaust_budget", "find_stale",
     "full_window", "insert_fork", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id",
-    "limits_in_use", "migrate_version", "now", "operator_retry", "policy", "reap_one",
+    "limits_in_use", "migrate_version", "now", "open_key", "operator_retry", "policy", "reap_one",
     "record_usage", "renew", "renew_many", "seed_settings_limits", "settle_cancelled",
     "settle_failed", "settle_succeeded", "settle_succeeded_many", "snooze",
     "start_interactive", "start_step", "waiting", "window_fill", "window_use", "write_limit",

@@ -176,6 +176,14 @@ def close_key(key: str, until: datetime, reason: str, at: datetime | None = None
                                               updated_at=at)
 
 
+def open_key(key: str, at: datetime | None = None) -> bool:
+    """End a key's closure now (an operator who knows the provider is back): its runs may
+    start at the next claim. False if it was not closed."""
+    at = at or now()
+    return AgentLimit.objects.filter(key=key, closed_until__gt=at).update(
+        closed_until=None, closed_reason="", updated_at=at) > 0
+
+
 def seed_settings_limits() -> None:
     """A row for each key of the LIMITS setting, so that its runs go through the limited
     claim (a row's own `max_running` stays: set_limit overrides the setting)."""

@@ -275,10 +275,13 @@ _SETTLEMENTS = {DecisionAction.RETRY: Settlement.REQUEUED,
 # --------------------------------------------------------------------------- reaper
 
 
-def find_stale(at: datetime, limit: int) -> list[dict[str, Any]]:
-    """Running runs whose lease lapsed (interactive runs hold none and never appear)."""
-    return list(lapsed(None, at).order_by("lease_expires")
-                .values(*CLAIM_FIELDS)[:limit])
+def find_stale(at: datetime, limit: int, run_ids: list[int] | None = None) -> list[dict[str, Any]]:
+    """Running runs whose lease lapsed (interactive runs hold none and never appear); of
+    `run_ids` only, if given (an operator's "reap now")."""
+    stale = lapsed(None, at)
+    if run_ids is not None:
+        stale = stale.filter(pk__in=run_ids)
+    return list(stale.order_by("lease_expires").values(*CLAIM_FIELDS)[:limit])
 
 
 @retry_on_lock()
