@@ -21,7 +21,16 @@ from django.db.models.deletion import Collector
 from django.utils import timezone
 
 from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
-from ..models import TERMINAL, AgentRun, RunCheckpoint, RunEvent, RunStep, RunWait, StreamChunk
+from ..models import (
+    TERMINAL,
+    AgentRun,
+    KeyWindowEntry,
+    RunCheckpoint,
+    RunEvent,
+    RunStep,
+    RunWait,
+    StreamChunk,
+)
 from ..queries import dead_letter
 
 logger = logging.getLogger("django_agentruns.retention")
@@ -43,6 +52,8 @@ OWNED_BY_RUN: tuple[tuple[type[models.Model], str, tuple[str, ...]], ...] = (
     (RunWait, "run", ("prompt", "payload")),  # waits and the deliveries stored on them
     (StreamChunk, "run", ("text",)),  # SQLite's live output on its way to the readers
     (RunStep, "run", ("result", "error")),  # durable steps (a fork keeps its own copies)
+    # A limit key's window entries: a run deleted within its window leaves that room free.
+    (KeyWindowEntry, "run", ()),
 )
 """Every table whose rows belong to one run. Usage totals are columns of the run itself."""
 
