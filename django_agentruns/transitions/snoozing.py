@@ -37,7 +37,7 @@ def snooze(
     past MAX_SNOOZES, as an ordinary retry. A 429 also closes the run's limit key for every
     worker until then. A requested cancel wins."""
     at = at or now()
-    delay = max(0.0, failure.delay or 0.0)
+    delay = policy.bounded_delay(failure.delay) or 0.0
     with transaction.atomic():
         qs = AgentRun.objects.filter(ref.guard())
         if is_postgres():

@@ -84,3 +84,14 @@ def _broken_key(input: Any) -> str:
 @agent("tests.keyed_broken", limit_key=_broken_key)
 def keyed_broken(ctx: RunContext) -> None:
     """Its limit_key callable raises: enqueue refuses the run."""
+
+
+@agent("tests.asks_a_delay", max_requeues=2)
+def asks_a_delay(ctx: RunContext) -> None:
+    """Fails with `Retryable(delay=input["delay"])` (a float; "inf"/"nan" as strings), or
+    with a 429 whose Retry-After is input["retry_after"]."""
+    from django_agentruns import Retryable
+
+    if "retry_after" in ctx.input:
+        raise RateLimitError(429, str(ctx.input["retry_after"]))
+    raise Retryable("later", delay=float(ctx.input["delay"]))
