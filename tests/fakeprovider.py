@@ -39,6 +39,7 @@ API's shape; the script format stays the same.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -162,10 +163,8 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_POST(self) -> None:
-        try:
-            self._answer()
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client gave up (its timeout): nothing to answer
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self._answer()  # suppressed: the client gave up (its timeout), none to answer
 
     def _answer(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
