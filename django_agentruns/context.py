@@ -131,10 +131,12 @@ class RunContext:
         return receiving.request_approval(self, key, proposal, timeout=timeout)
 
     def spawn(self, agent: str, input: Any = None, *, key: str, queue: str | None = None,
-              scope: str | None = None, priority: int | None = None) -> int:
-        """Enqueue a child run once per `key`, whatever attempt asks; return its id."""
+              scope: str | None = None, priority: int | None = None,
+              budget: dict[str, Any] | None = None) -> int:
+        """Enqueue a child run once per `key`, whatever attempt asks; return its id. The
+        child has its own budget (`budget`, else its agent's), not a share of this run's."""
         return receiving.spawn(self, agent, input, key=key, queue=queue, scope=scope,
-                               priority=priority)
+                               priority=priority, budget=budget)
 
     def wait_for_runs(self, ids: Iterable[int], *,
                       timeout: float | None = None) -> dict[int, RunResult]:
@@ -154,9 +156,11 @@ class RunContext:
 
     async def aspawn(self, agent: str, input: Any = None, *, key: str,
                      queue: str | None = None, scope: str | None = None,
-                     priority: int | None = None) -> int:
+                     priority: int | None = None,
+                     budget: dict[str, Any] | None = None) -> int:
         return await storage_call(self, functools.partial(
-            self.spawn, agent, input, key=key, queue=queue, scope=scope, priority=priority))
+            self.spawn, agent, input, key=key, queue=queue, scope=scope, priority=priority,
+            budget=budget))
 
     async def await_runs(self, ids: Iterable[int], *,
                          timeout: float | None = None) -> dict[int, RunResult]:
