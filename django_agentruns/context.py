@@ -45,8 +45,12 @@ class RunContext:
 
     @property
     def stop_requested(self) -> bool:
-        """True once the attempt must stop; the next context call will raise."""
-        return self._control.stop_reason is not None or self._control.timed_out()
+        """True once the attempt must stop (a cancel, a lost lease, its timeout, a shutdown,
+        or its run's budget spent by `record_usage`); the next context call will raise.
+        An agent checks it before a paid call it can skip."""
+        control = self._control
+        return control.stop_reason is not None or control.timed_out() \
+            or control.over_budget is not None
 
     def emit(self, type: str, payload: dict[str, Any] | None = None) -> None:
         """Append an event to the run's stream (a step boundary)."""

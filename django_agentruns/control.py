@@ -51,6 +51,7 @@ class AttemptControl:
         self.budget: Budget | None = None
         self.spent: tuple[int, float] = (0, 0.0)
         self.over_budget: str | None = None
+        self.usage_calls = 0  # record_usage calls so far: each write's key (run, attempt, n)
 
     def request_stop(self, reason: StopReason) -> None:
         """Ask the attempt to stop; the first reason wins."""

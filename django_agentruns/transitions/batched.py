@@ -95,6 +95,7 @@ class UsageWrite:
     cost: float
     model: str
     max_events: int | None = None
+    seq: int | None = None  # the call's number in its attempt: a retried write adds nothing
 
 
 Write = RenewWrite | EmitWrite | CheckpointWrite | SucceedWrite | SettleWrite | UsageWrite
@@ -286,7 +287,7 @@ def _succeed(writes: Sequence[Write], positions: list[int], results: list[Result
 def _usage(write: UsageWrite, at: datetime) -> UsageTotals:
     """One usage write, in the batch's transaction (rarer than emits: no shared UPDATE)."""
     return record_usage_in(write.ref, write.input_tokens, write.output_tokens, write.cost,
-                           write.model, at, max_events=write.max_events)
+                           write.model, at, max_events=write.max_events, seq=write.seq)
 
 
 def apply_alone(write: Write) -> Result:
@@ -303,5 +304,5 @@ def apply_alone(write: Write) -> Result:
         return settle_succeeded(write.ref, write.output)
     if isinstance(write, UsageWrite):
         return record_usage(write.ref, write.input_tokens, write.output_tokens, write.cost,
-                            write.model, max_events=write.max_events)
+                            write.model, max_events=write.max_events, seq=write.seq)
     return write.settle()

@@ -95,3 +95,17 @@ def asks_a_delay(ctx: RunContext) -> None:
     if "retry_after" in ctx.input:
         raise RateLimitError(429, str(ctx.input["retry_after"]))
     raise Retryable("later", delay=float(ctx.input["delay"]))
+
+
+@agent("tests.polite_spender", budget={"tokens": 1000})
+def polite_spender(ctx: RunContext) -> dict[str, Any]:
+    """Checks `ctx.stop_requested` before each (paid) model call, as an agent should: each
+    call is a SideEffect row, then 400 tokens recorded. At most 10 calls."""
+    from .agents import record
+
+    calls = 0
+    while not ctx.stop_requested and calls < 10:
+        record(ctx, step=calls, note="model call")
+        calls += 1
+        ctx.record_usage(input_tokens=400, model="m")
+    return {"calls": calls}
