@@ -4,6 +4,8 @@ MAX_CHILDREN_PER_RUN children per run, each child with its own budget
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from django.conf import settings
 from django.test import override_settings
@@ -74,7 +76,7 @@ def test_a_bad_child_budget_is_a_clear_error_and_spawns_nothing() -> None:
 def test_cancelling_a_tree_deeper_than_the_recursion_limit_cancels_all_of_it() -> None:
     runs = enqueue_many([RunRequest("tests.child", {"n": i}) for i in range(600)])
     ids = [r.pk for r in runs]
-    for parent_id, child_id in zip(ids, ids[1:], strict=False):
+    for parent_id, child_id in itertools.pairwise(ids):
         AgentRun.objects.filter(pk=child_id).update(parent_id=parent_id, spawn_key="next")
     assert cancel(ids[0], "stop the tree") is CancelResult.CANCELLED
     statuses = set(AgentRun.objects.values_list("status", flat=True))
