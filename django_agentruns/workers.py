@@ -22,6 +22,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from .conf import app_settings
+from .db import close_all_connections
 from .models import AgentRun, WorkerRecord
 
 logger = logging.getLogger("django_agentruns.worker")
@@ -129,7 +130,10 @@ class Presence:
     """The worker's side: register at start, beat from the lease keeper, leave at stop.
 
     Every call logs and swallows its database errors: presence is for operators, and a
-    worker must not stop serving because its record could not be written.
+    worker must not stop serving because its record could not be written. But it closes
+    its thread's connections after one: a connection the database killed
+    (`pg_terminate_backend`, a failover) stays broken until closed, and the next beat must
+    open a fresh one, not fail on the dead one for ever.
     """
 
     def __init__(self, worker: Serving) -> None:
@@ -156,4 +160,5 @@ class Presence:
         except Exception:
             logger.warning("could not write worker record (%s)", call.__name__, exc_info=True,
                            extra={"worker_id": self.worker.worker_id})
+            close_all_connections()  # a dead one would fail every beat after it
             return None
