@@ -223,7 +223,10 @@ def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
     """Queue a new run of `run_id`'s agent that starts from its checkpoint `checkpoint`
     (numbered from 1 in the order saved; None: the last), with `input` in place of the
     run's own when given. The new run's `forked_from` is the origin, and its timeline
-    opens with a `run.forked` event; the origin is left as it was.
+    opens with a `run.forked` event; the origin is left as it was. The fork keeps the
+    origin's limit key (so it counts against the same limit, and a closed key holds it
+    too); given a new `input`, an agent whose `limit_key` is a callable has it computed
+    from that input.
 
     Checked before anything is written: the run exists, its agent is registered here, the
     checkpoint was reached, the input is JSON within MAX_INPUT_BYTES.
@@ -236,11 +239,14 @@ def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
     agent = AgentRun.objects.filter(pk=pk).values_list("agent", flat=True).first()
     if agent is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
-    get_agent(agent)  # UnknownAgentError: nothing here could run the fork
+    spec = get_agent(agent)  # UnknownAgentError: nothing here could run the fork
+    limit_key = None  # None: the origin's
     if input is not None:
         capped_json(input, f"Input of agent {agent!r}", "MAX_INPUT_BYTES")
+        if callable(spec.limit_key):
+            limit_key = resolve_limit_key(agent, spec.limit_key, None, input)
     run = transitions.insert_fork(pk, checkpoint, input, storable_text(str(by)[:255]),
-                                  timezone.now())
+                                  timezone.now(), limit_key=limit_key)
     if run is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
     _announce([run])

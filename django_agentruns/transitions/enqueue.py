@@ -181,10 +181,12 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
 
 
 def insert_fork(
-    origin_id: int, number: int | None, input: Any, by: str, at: datetime,
+    origin_id: int, number: int | None, input: Any, by: str, at: datetime, *,
+    limit_key: str | None = None,
 ) -> AgentRun | None:
     """Queue a new run of `origin_id`'s agent starting from its checkpoint `number` (None:
-    its last; with none saved, from the start), with `input` (None: the origin's).
+    its last; with none saved, from the start), with `input` (None: the origin's) and
+    `limit_key` (None: the origin's).
 
     One transaction: the new run, a copy of the origin's checkpoints 1..N (so the fork's
     own numbers go on from N, as its `checkpoint_count` does, and a fork of the fork can
@@ -211,7 +213,8 @@ def insert_fork(
             scope=origin.scope, fired_seq=origin.fired_seq,
             input=origin.input if input is None else input, max_requeues=origin.max_requeues,
             status=Status.QUEUED, available_at=at, created_at=at, checkpoint_state=state,
-            checkpoint_count=n, forked_from=origin)
+            checkpoint_count=n, forked_from=origin,
+            limit_key=origin.limit_key if limit_key is None else limit_key)
         if n:
             table = connection.ops.quote_name(RunCheckpoint._meta.db_table)
             with connection.cursor() as cursor:  # copied in the database: no state loaded
