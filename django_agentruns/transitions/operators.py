@@ -10,7 +10,7 @@ from django.db import IntegrityError, transaction
 from .. import signals
 from ..db import is_postgres, retry_on_lock
 from ..exceptions import InvalidInputError
-from ..models import AgentRun, Reason, Status
+from ..models import AgentRun, Reason, RunWait, Status
 from ..outcomes import CancelResult
 from ..signals import send_after_commit
 from . import waiting
@@ -105,6 +105,11 @@ def operator_retry(
                 f"held by unfinished run {holder}") from None
         if not updated:
             return False
+        # A wait that timed out unanswered is opened afresh: the retried attempt, reaching
+        # the same `receive`, waits again (with its timeout from now) instead of failing
+        # with WaitTimedOut at once, as it would for ever.
+        RunWait.objects.filter(run_id=run_id, timed_out_at__isnull=False,
+                               delivered_at__isnull=True).update(timed_out_at=None)
         extra = {} if budget is None else {"budget": budget}
         append_events([lifecycle(run_id, RETRIED, row["attempt"], by=by,
                                    previous=row["reason"], **extra)], at)
