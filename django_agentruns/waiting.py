@@ -7,6 +7,7 @@ are `transitions.waiting`'s.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -75,8 +76,11 @@ def wait_for_run(run_id: int, *, timeout: float | None = None) -> AgentRun:
 
     rid = _run_id(run_id)
     if timeout is not None and (isinstance(timeout, bool)
-                                or not isinstance(timeout, int | float) or timeout < 0):
-        raise InvalidInputError(f"timeout must be seconds >= 0 or None, not {timeout!r}")
+                                or not isinstance(timeout, int | float)
+                                or not math.isfinite(timeout) or timeout < 0):
+        # NaN compares false with every deadline, so it used to mean "wait for ever".
+        raise InvalidInputError(f"timeout must be a finite number of seconds >= 0 or None, "
+                                f"not {timeout!r}")
     deadline = None if timeout is None else time.monotonic() + float(timeout)
     if is_postgres():
         _listen_until_finished(rid, deadline)

@@ -160,6 +160,6 @@ def test_an_idle_workers_record_beats_again_after_its_backends_are_terminated(
         for round_ in range(3):  # each round kills the connections the last one reopened
             assert terminate_other_backends() >= 1
             killed_at = timezone.now()
-            helpers.wait_until(lambda: WorkerRecord.objects.get().last_seen_at > killed_at,
+            helpers.wait_until(lambda k=killed_at: WorkerRecord.objects.get().last_seen_at > k,
                                timeout=15, message=f"a beat after the kill ({round_})")
         assert worker.returncode is None, worker.output()
