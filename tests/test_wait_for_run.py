@@ -129,9 +129,8 @@ def test_a_delivery_wakes_the_queue_and_a_finished_run_notifies_its_id(
 def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_refused(timeout: object) -> None:
     """NaN used to wait for ever (it compares false with every deadline)."""
     from django_agentruns import InvalidInputError
-    from django_agentruns.receiving import deadline_after
-
     from django_agentruns.models import AgentRun
+    from django_agentruns.receiving import deadline_after
 
     run = enqueue("tests.noop")  # finished: a wait that is not refused returns at once
     AgentRun.objects.filter(pk=run.pk).update(status=Status.SUCCEEDED)
