@@ -14,6 +14,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 
 from . import transitions
+from .conf import app_settings
 from .exceptions import InvalidInputError, RunNotFoundError
 from .models import TERMINAL, AgentRun
 from .receiving import check_key
@@ -33,7 +34,9 @@ def deliver(run_id: int, key: str, payload: Any = None, *, by: str = "") -> Deli
     """Deliver `payload` (JSON) for `key` to run `run_id`; a run that waits for it is
     queued again. The first payload stands: delivering again is ALREADY_DELIVERED.
 
-    Raises `InvalidInputError` (bad id, key or payload) before anything is written.
+    Raises `InvalidInputError` (bad id, key or payload) before anything is written, and
+    `LimitExceeded` for a key the run has not waited for once it holds
+    MAX_DELIVERIES_PER_RUN such payloads unread (a delivery its wait takes always goes).
     """
     from .api import _run_id
 
@@ -42,7 +45,10 @@ def deliver(run_id: int, key: str, payload: Any = None, *, by: str = "") -> Deli
     capped_json(payload, f"Payload delivered for {key!r}", "MAX_INPUT_BYTES")
     if not isinstance(by, str):
         raise InvalidInputError(f"by must be a string, not {type(by).__name__}")
-    return transitions.waiting.deliver(rid, key, payload, storable_text(by[:255]))
+    return transitions.waiting.deliver(
+        rid, key, payload, storable_text(by[:255]),
+        max_unread=int(app_settings.MAX_DELIVERIES_PER_RUN),
+        max_events=int(app_settings.MAX_EVENTS_PER_RUN))
 
 
 def approve(run_id: int, key: str, *, by: str, note: str = "",

@@ -23,7 +23,7 @@ from ..models import TERMINAL, AgentRun, RunWait, Status
 from ..outcomes import AttemptRef, Renewal
 from ..wait_results import RESERVED_PREFIX, DeliverResult, RunResult, Waited, WaitState
 from .enqueue import NewRun, insert_runs
-from .events import append_events, lifecycle, now
+from .events import append_events, append_one, lifecycle, now
 
 WAITING = "run.waiting"
 DELIVERED = "run.delivered"
@@ -137,8 +137,12 @@ def _children(parent_id: int, ids: list[int]) -> dict[int, RunResult]:
 
 @retry_on_lock()
 def deliver(run_id: int, key: str, payload: Any, by: str,
-            at: datetime | None = None) -> DeliverResult:
+            at: datetime | None = None, *, max_unread: int | None = None,
+            max_events: int | None = None) -> DeliverResult:
     """Store the payload for `key` and, if the run waits for it, queue it again.
+
+    A key the run has not waited for is stored for its later `receive`, up to
+    `max_unread` of them (then `LimitExceeded`); their events count against `max_events`.
 
     In the caller's transaction when there is one (like `enqueue`): roll back and the
     delivery never happened.
@@ -155,15 +159,32 @@ def deliver(run_id: int, key: str, payload: Any, by: str,
         if row["status"] in TERMINAL:
             return DeliverResult.FINISHED
         given = {"payload": payload, "delivered_at": at, "delivered_by": by}
+        answers = row["status"] == Status.WAITING and row["wait_key"] == key
         if wait is None:
+            _check_unread(run_id, max_unread)
             RunWait.objects.create(run_id=run_id, key=key, **given)
         else:
             RunWait.objects.filter(pk=wait["pk"]).update(**given)
-        append_events([lifecycle(run_id, DELIVERED, row["attempt"], key=key, by=by)], at)
-        if row["status"] == Status.WAITING and row["wait_key"] == key:
+        delivered = lifecycle(run_id, DELIVERED, row["attempt"], key=key, by=by)
+        if answers:
+            append_events([delivered], at)
             _resume(run_id, row["attempt"], at, key=key, by=by)
             return DeliverResult.DELIVERED
+        # Stored for later: its event counts against the run's events cap, as an emit does.
+        append_one(delivered, at, below=max_events)
     return DeliverResult.STORED
+
+
+def _check_unread(run_id: int, most: int | None) -> None:
+    """Refuse a payload for a key the run has not waited for once it holds `most` of them
+    (setting MAX_DELIVERIES_PER_RUN): each is a row, and nobody may have to read them."""
+    if most is None:
+        return
+    unread = RunWait.objects.filter(run_id=run_id, waited_at__isnull=True,
+                                    delivered_at__isnull=False).count()
+    if unread >= most:
+        raise LimitExceeded(f"run {run_id} already holds {unread} deliveries for keys it has "
+                            f"not waited for: MAX_DELIVERIES_PER_RUN is {most}")
 
 
 # --------------------------------------------------------------------------- timeouts
