@@ -4,7 +4,8 @@ Public API (stable): `agent`, `RunContext`, `Retryable`, `NotRetryable`, `enqueu
 `enqueue_many`, `RunRequest`, `cancel`, `retry`, `fork`, `run_now`, `CancelResult`,
 `add_schedule`, `remove_schedule`, `pause_queue`, `resume_queue`; waiting runs:
 `deliver`, `DeliverResult`, `approve`, `reject`, `wait_for_run`, `await_run`, `WaitTimedOut`,
-`Approval`, `RunResult`; live output: `stream_chunks`; flow control: `Snooze`, `set_limit`.
+`Approval`, `RunResult`; live output: `stream_chunks`, `stream_url`; flow control: `Snooze`,
+`set_limit`; erasure: `erase`, `RunNotFinishedError`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from .exceptions import (
     NotRetryable,
     Retryable,
     RunCancelledError,
+    RunNotFinishedError,
     RunNotFoundError,
     Snooze,
+    TooManyWaitersError,
     UnknownAgentError,
     WaitTimedOut,
 )
@@ -30,10 +33,13 @@ if TYPE_CHECKING:
     from .chunks import stream_chunks
     from .context import RunContext
     from .queues import pause_queue, resume_queue
+    from .retention import erase
     from .schedules import add_schedule, remove_schedule
+    from .streaming.signing import stream_url
+    from .streaming.waiters import await_run, wait_for_run
     from .transitions import CancelResult
     from .wait_results import Approval, DeliverResult, RunResult
-    from .waiting import approve, await_run, deliver, reject, wait_for_run
+    from .waiting import approve, deliver, reject
 
 __version__ = "0.1.0"
 
@@ -48,10 +54,12 @@ __all__ = [
     "Retryable",
     "RunCancelledError",
     "RunContext",
+    "RunNotFinishedError",
     "RunNotFoundError",
     "RunRequest",
     "RunResult",
     "Snooze",
+    "TooManyWaitersError",
     "UnknownAgentError",
     "WaitTimedOut",
     "add_schedule",
@@ -62,6 +70,7 @@ __all__ = [
     "deliver",
     "enqueue",
     "enqueue_many",
+    "erase",
     "fork",
     "pause_queue",
     "reject",
@@ -71,6 +80,7 @@ __all__ = [
     "run_now",
     "set_limit",
     "stream_chunks",
+    "stream_url",
     "wait_for_run",
 ]
 
@@ -78,10 +88,10 @@ _LAZY = {"RunContext": "context", "CancelResult": "outcomes", "enqueue": "api",
          "enqueue_many": "api", "cancel": "api", "retry": "api", "run_now": "api",
          "RunRequest": "api", "Approval": "wait_results", "DeliverResult": "wait_results",
          "RunResult": "wait_results", "deliver": "waiting", "approve": "waiting",
-         "reject": "waiting", "wait_for_run": "waiting", "await_run": "waiting",
+         "reject": "waiting", "wait_for_run": "streaming.waiters", "await_run": "streaming.waiters",
          "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
          "add_schedule": "schedules", "remove_schedule": "schedules", "set_limit": "api",
-         "stream_chunks": "chunks"}
+         "stream_chunks": "chunks", "stream_url": "streaming.signing", "erase": "retention"}
 
 
 def __getattr__(name: str) -> Any:

@@ -100,6 +100,12 @@ def _announce(runs: list[AgentRun]) -> None:
                                   attempt=run.attempt, queue=run.queue, scope=run.scope)
 
 
+def check_request(request: RunRequest) -> None:
+    """Check `request` as `enqueue` would, writing nothing: `add_schedule` refuses an
+    input its runs could never be enqueued with."""
+    _build(request, timezone.now(), {})
+
+
 def _request(data: Mapping[str, Any]) -> RunRequest:
     try:
         return RunRequest(**data)

@@ -149,6 +149,21 @@ class Sender:
             while self._delivered < ticket and time.monotonic() < deadline:
                 self._cond.wait(0.01)
 
+    def drain(self, timeout: float = 1.0) -> None:
+        """At the worker's stop: send what is queued, then write every pending prune now,
+        delay or not; a worker that exits (a burst worker when nothing is due) leaves no
+        chunk rows of its runs behind. Never raises: the rows are ephemeral."""
+        self.flush(timeout)
+        with self._cond:
+            prunes = [prune for _, prune in self._prunes]
+            self._prunes = []
+        if prunes:
+            try:
+                _write_rows({}, prunes)
+            except Exception:
+                logger.warning("pruning %s live chunk ranges at the stop failed; the reaper "
+                               "prunes them", len(prunes), exc_info=True)
+
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="agentruns-chunks",
@@ -360,6 +375,14 @@ class Listener:
 
 _sender: Sender | None = None
 _sender_lock = threading.Lock()
+
+
+def drain_sender() -> None:
+    """`Sender.drain` of this process's sender, if it has one (no thread started)."""
+    with _sender_lock:
+        found = _sender
+    if found is not None:
+        found.drain()
 
 
 def sender() -> Sender:

@@ -4,10 +4,11 @@ A chunk goes to whoever watches the run (chunk_transport: NOTIFY on PostgreSQL, 
 table on SQLite) and into the attempt's buffer, nothing more: storing a row per token is
 what `emit` would cost. At the next step boundary (`emit`, `checkpoint`, a wait, the end
 of the attempt) each channel's buffered text becomes one `stream` event: an `EmitWrite`
-with a deterministic id (a retry resuming from the same checkpoint re-writes the same
-ids, which add nothing), written the way `emit`'s is, through the worker's attempt store
-(awaited on the loop for an async attempt; alone for `run_now`), so a page that opens
-later still shows the whole text.
+with a deterministic id of the attempt's own (a write submitted twice adds one event; a
+retry's different text is stored beside the earlier attempt's), written the way `emit`'s
+is, through the worker's attempt store (awaited on the loop for an async attempt; alone
+for `run_now`), so a page that opens later still shows the whole text. A cancelled
+attempt's text is stored too; text past MAX_EVENTS_PER_RUN is dropped with a warning.
 A channel's text longer than COALESCE_CHARS is coalesced at once, so the buffer stays
 small. Chunks of an attempt that lost its lease are neither sent nor stored.
 
@@ -28,7 +29,7 @@ from typing import Any
 
 from .chunk_transport import Chunk, sender
 from .conf import app_settings
-from .exceptions import InvalidInputError
+from .exceptions import InvalidInputError, LimitExceeded
 from .outcomes import Renewal, StopReason
 from .transitions import EmitWrite, Result
 from .validation import json_text, unstorable_text
@@ -45,10 +46,14 @@ logger = logging.getLogger("django_agentruns.worker")
 _NAMESPACE = uuid.UUID("0c6b1d5e-8a4f-4e0b-b3c2-6a4e9d1f7a21")
 
 
-def stream_event_id(run_id: int, checkpoints: int, channel: str, number: int) -> uuid.UUID:
+def stream_event_id(run_id: int, attempt: int, checkpoints: int, channel: str,
+                    number: int) -> uuid.UUID:
     """Deterministic, and apart from `emit`'s ids: streaming more or less on a retry never
-    shifts the ids of the run's other events."""
-    return uuid.uuid5(_NAMESPACE, f"{run_id}:{checkpoints}:{channel}:{number}")
+    shifts the ids of the run's other events. The attempt is part of it: a retry streams
+    its own text (a model answers differently), which is stored beside the earlier
+    attempt's, not taken for a replay of it; one write submitted twice (a lost commit
+    acknowledgement) still adds one event."""
+    return uuid.uuid5(_NAMESPACE, f"{run_id}:{attempt}:{checkpoints}:{channel}:{number}")
 
 
 def check_chunk(text: Any, channel: Any) -> None:
@@ -90,6 +95,7 @@ class Buffer:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.channels: dict[str, _Channel] = {}
+        self.capped = False  # the run's stream is full: the rest of the text is dropped
 
     def add(self, channel: str, text: str) -> tuple[int, bool]:
         """Buffer a chunk: its index in the channel, and whether to coalesce now."""
@@ -110,7 +116,7 @@ class Buffer:
                     continue
                 if state.checkpoint != checkpoints:
                     state.checkpoint, state.events = checkpoints, 0
-                event_id = stream_event_id(run_id, checkpoints, name, state.events)
+                event_id = stream_event_id(run_id, attempt, checkpoints, name, state.events)
                 out.append(Pending(name, event_id, {
                     "channel": name, "text": "".join(state.parts), "attempt": attempt,
                     "first": state.stored, "end": state.sent}))
@@ -152,15 +158,14 @@ Prune = tuple[int, int, str, int]
 """(run_id, attempt, channel, end): the SQLite chunk rows a stored event covers."""
 
 
-def event_writes(control: Any, *, own_ids: bool = False) -> list[tuple[list[EmitWrite], Prune]]:
+def event_writes(control: Any) -> list[tuple[list[EmitWrite], Prune]]:
     """Take the attempt's buffered text: per channel, the `stream` event writes that store
     it (several if it does not fit one event) and the prune that follows them.
 
-    Its ids are the ones a retry resuming from the same checkpoint derives again, as
-    `emit`'s are; with `own_ids` (an attempt that ends without succeeding) they are the
-    attempt's own, so the text the retry streams in its place is stored too, not taken
-    for a replay. Built like `emit`'s writes, they go the same way: through the worker's
-    attempt store (`control.write` / `control.awrite`), alone for `run_now`.
+    Built like `emit`'s writes, they go the same way: through the worker's attempt store
+    (`control.write` / `control.awrite`), alone for `run_now`. They are stored despite a
+    cancel request (readers saw the text live; the run's timeline keeps it), still
+    fenced by the lease.
     """
     with _buffers_lock:
         buffer = _buffers.get(control)
@@ -170,39 +175,70 @@ def event_writes(control: Any, *, own_ids: bool = False) -> list[tuple[list[Emit
     cap = int(app_settings.MAX_EVENTS_PER_RUN)
     out = []
     for pending in buffer.take(ref.run_id, ref.attempt, control.checkpoints):
-        base = uuid.uuid5(pending.event_id, f"attempt {ref.attempt}") if own_ids \
-            else pending.event_id
+        if buffer.capped:  # a stream never shrinks: no write (and failed batch) per step
+            sender().prune(ref.run_id, ref.attempt, pending.channel, pending.payload["end"])
+            continue
+        base = pending.event_id
         writes = [EmitWrite(ref, base if number == 0 else uuid.uuid5(base, str(number)),
-                            STREAM, payload, max_events=cap)
+                            STREAM, payload, max_events=cap, despite_cancel=True)
                   for number, payload in enumerate(_fitting(pending.payload))]
         out.append((writes, (ref.run_id, ref.attempt, pending.channel, pending.payload["end"])))
     return out
 
 
-def coalesce(control: Any, *, own_ids: bool = False) -> Renewal:
+def coalesce(control: Any) -> Renewal:
     """At a step boundary, from the attempt's thread: each channel's buffered text as one
     stored `stream` event, fenced like `emit`. The worst renewal is returned (the caller
-    applies it); after a LOST one nothing more is written."""
+    applies it); after a LOST one nothing more is written. Text past the run's events
+    cap is dropped with a warning (as a checkpoint's marker is left out), never an error:
+    the boundary's own write must still happen, or the run could never finish."""
     worst = Renewal.OK
-    for writes, prune in event_writes(control, own_ids=own_ids):
+    for writes, prune in event_writes(control):
         for write in writes:
-            worst = _worse(worst, control.write(write))
+            if _capped(control):
+                break
+            try:
+                worst = _worse(worst, control.write(write))
+            except LimitExceeded:
+                _over_cap(control, write)
+                break
             if worst is Renewal.LOST:
                 return worst  # fenced: nothing was stored, and nothing more will be
         sender().prune(*prune)
     return worst
 
 
-async def acoalesce(control: Any, *, own_ids: bool = False) -> Renewal:
+async def acoalesce(control: Any) -> Renewal:
     """`coalesce` on the event loop: each write awaited through the store, no thread."""
     worst = Renewal.OK
-    for writes, prune in event_writes(control, own_ids=own_ids):
+    for writes, prune in event_writes(control):
         for write in writes:
-            worst = _worse(worst, await control.awrite(write))
+            if _capped(control):
+                break
+            try:
+                worst = _worse(worst, await control.awrite(write))
+            except LimitExceeded:
+                _over_cap(control, write)
+                break
             if worst is Renewal.LOST:
                 return worst
         sender().prune(*prune)
     return worst
+
+
+def _capped(control: Any) -> bool:
+    with _buffers_lock:
+        buffer = _buffers.get(control)
+    return buffer is not None and buffer.capped
+
+
+def _over_cap(control: Any, write: EmitWrite) -> None:
+    """Once per attempt: from now on its streamed text is live only."""
+    buffer_of(control).capped = True
+    logger.warning("run %s: its stream holds MAX_EVENTS_PER_RUN (%s) events; streamed text "
+                   "from here on (%s characters on channel %r now) is not stored",
+                   write.ref.run_id, write.max_events, len(write.payload.get("text", "")),
+                   write.payload.get("channel"))
 
 
 def _worse(worst: Renewal, result: Result) -> Renewal:
@@ -210,7 +246,7 @@ def _worse(worst: Renewal, result: Result) -> Renewal:
     return result if result is Renewal.LOST or worst is Renewal.OK else worst
 
 
-def finish(control: Any, *, store: bool, succeeded: bool = True) -> None:
+def finish(control: Any, *, store: bool) -> None:
     """At the end of the attempt, before it settles: coalesce what is left, unless the
     lease is lost (then nothing is written). Never raises: the text is live output, the
     outcome is what must be recorded."""
@@ -218,21 +254,21 @@ def finish(control: Any, *, store: bool, succeeded: bool = True) -> None:
         if store:
             if _buffers.get(control) is not None:
                 sender().flush()  # the last chunks go out live before the run ends
-            coalesce(control, own_ids=not succeeded)
+            coalesce(control)
     except Exception:
         _finish_failed(control)
     finally:
         _drop(control)
 
 
-async def afinish(control: Any, *, store: bool, succeeded: bool = True) -> None:
+async def afinish(control: Any, *, store: bool) -> None:
     """`finish` for an async attempt, never blocking the loop: the flush waits in a
     thread, the writes are awaited through the store."""
     try:
         if store:
             if _buffers.get(control) is not None:
                 await asyncio.get_running_loop().run_in_executor(None, sender().flush)
-            await acoalesce(control, own_ids=not succeeded)
+            await acoalesce(control)
     except Exception:
         _finish_failed(control)
     finally:

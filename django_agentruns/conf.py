@@ -17,7 +17,7 @@ SETTING_NAME = "AGENTRUNS"
 
 @dataclass(frozen=True)
 class Defaults:
-    """Every setting with its default; the README's settings table mirrors this."""
+    """Every setting with its default; docs/settings.md's table mirrors this."""
 
     LEASE_TTL: float = 60.0
     """Seconds a claim's lease lasts without renewal; a dead worker's run is reclaimed after it."""
@@ -54,6 +54,13 @@ class Defaults:
     STREAMS_PER_PROCESS: int = 50
     """Event streams one web process serves at once (each holds a server thread under WSGI:
     keep it below the process's threads); past it, 429 with Retry-After."""
+    STREAM_ACCESS: str | None = None
+    """Dotted path of `f(request, run) -> bool`: True lets the request watch that run's
+    event stream and live output without `view_agentrun` (the app's own rule, e.g. the
+    run belongs to the user). None: permissions and signed links (`stream_url`) only."""
+    WAITERS_PER_PROCESS: int = 1000
+    """Callers of `wait_for_run` / `await_run` waiting at once in one process (they share
+    one LISTEN connection on PostgreSQL); past it the call raises `TooManyWaitersError`."""
     WRITER_CONNECTIONS: int = 2
     """Connections (and threads) of a worker's attempt store, which commits every write its
     attempts make (events, checkpoints, renewals, successes) in group commits."""

@@ -101,8 +101,7 @@ class Executor:
         try:
             with tracing.attempt_span(run, self.worker_id) as span:
                 outcome = await acall_agent(spec, make_context(run, control), control)
-                await chunks.afinish(control, store=chunks.stores_at_finish(outcome.stop_reason),
-                                     succeeded=outcome.kind is OutcomeKind.SUCCEEDED)
+                await chunks.afinish(control, store=chunks.stores_at_finish(outcome.stop_reason))
                 settlement = await self.arecord(spec, control.ref, outcome)
                 span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
             reason = ""
@@ -208,8 +207,7 @@ def _log_retry(ref: AttemptRef, exc: BaseException, wait: float) -> None:
 
 def finish_stream(control: AttemptControl, outcome: Outcome) -> None:
     """Streamed text not yet stored is, before the outcome is recorded (not if fenced)."""
-    chunks.finish(control, store=chunks.stores_at_finish(outcome.stop_reason),
-                  succeeded=outcome.kind is OutcomeKind.SUCCEEDED)
+    chunks.finish(control, store=chunks.stores_at_finish(outcome.stop_reason))
 
 
 def make_context(run: AgentRun, control: AttemptControl) -> RunContext:

@@ -12,6 +12,14 @@ Live chunks (`ctx.stream`) reach the same subscriptions: on PostgreSQL from the 
 one LISTEN connection (chunk_transport.Listener, LISTENing on the channel of each watched
 run only), on SQLite from a third statement of the poller's read. A chunk of an attempt
 older than the run's current one (a fenced, stale worker's) is dropped here.
+
+A subscription that is not taken from (a slow client: its socket is full, its thread
+blocked in a write) holds at most PENDING_ITEMS rows and chunks and PENDING_CHARS
+characters of chunk text. Past that it is parked: what it held is dropped, the hub hands
+it nothing more, and its next `take` says `resync`; from there it is served the stored
+events again from the last one it took (live chunks meanwhile are lost; the stored
+`stream` events hold their text). So a web process's memory does not grow with a client
+that does not read.
 """
 
 from __future__ import annotations
@@ -29,6 +37,11 @@ from django.db import connection
 from .chunk_transport import Listener
 
 logger = logging.getLogger("django_agentruns.stream")
+
+PENDING_ITEMS = 1000
+"""Most rows and chunks a subscription holds untaken before it is parked for a resync."""
+PENDING_CHARS = 1_000_000
+"""Most characters of chunk text a subscription holds untaken before it is parked."""
 
 Row = dict[str, Any]
 """One event as the stream sends it: `seq`, `type`, `payload`, `attempt`, `created_at`."""
@@ -50,6 +63,9 @@ class Found:
     """Live chunks that came in, in order (`channel`, `text`, `attempt`, `first`, `end`)."""
     attempt: int | None = None
     """The run's current attempt, as read."""
+    resync: bool = False
+    """The subscription fell too far behind and what it held was dropped: the rows that
+    follow start again after the last one taken; live chunks in between are lost."""
 
 
 Read = Callable[[Mapping[int, int]], dict[int, Found]]
@@ -64,13 +80,23 @@ class Subscription:
     def __init__(self, run_id: int, after: int, wake: Callable[[], None]) -> None:
         self.run_id = run_id
         self.after = after  # the hub's position for it: the last seq handed over
+        self._taken = after  # the last seq the stream took
         self._wake = wake
         self._pending: Found | None = None
+        self._chars = 0  # characters of chunk text pending
+        self.parked = False
+        """Fell behind past the bound: the hub hands it nothing until it takes again."""
 
     def take(self) -> Found | None:
-        """What the hub found since the last take (rows merged), or None if nothing."""
+        """What the hub found since the last take (rows merged), or None if nothing; after
+        a park, a `resync` Found (and the rows come again from the last one taken)."""
         with _lock:
-            found, self._pending = self._pending, None
+            if self.parked:
+                self.parked = False
+                return Found(None, resync=True)
+            found, self._pending, self._chars = self._pending, None, 0
+            if found is not None and found.rows:
+                self._taken = found.rows[-1]["seq"]
         return found
 
     def _offer(self, found: Found) -> None:
@@ -83,6 +109,7 @@ class Subscription:
             self._pending.chunks.extend(found.chunks)
             self._pending.run, self._pending.full = found.run, found.full
             self._pending.finished = found.finished
+        self._bound(found.chunks)
 
     def _offer_chunks(self, chunks: list[Row]) -> None:
         """Under the hub's lock: chunks alone, leaving what a read found as it is."""
@@ -90,6 +117,20 @@ class Subscription:
             self._pending = Found(None, chunks=list(chunks))
         else:
             self._pending.chunks.extend(chunks)
+        self._bound(chunks)
+
+    def _bound(self, chunks: list[Row]) -> None:
+        """Under the hub's lock: park the subscription once it holds too much."""
+        self._chars += sum(len(c.get("text", "")) for c in chunks)
+        pending = self._pending
+        if pending is None or (len(pending.rows) + len(pending.chunks) <= PENDING_ITEMS
+                               and self._chars <= PENDING_CHARS):
+            return
+        logger.warning("an event stream of run %s fell behind (%s rows and chunks "
+                       "untaken); it resyncs from the stored events", self.run_id,
+                       len(pending.rows) + len(pending.chunks))
+        self._pending, self._chars, self.parked = None, 0, True
+        self.after = self._taken
 
 
 # One lock for the registry and every subscription's pending rows: both are touched a
@@ -148,6 +189,8 @@ class Hub:
             current = self._attempts.get(run_id, 0)
             chunks = [c for c in chunks if c.get("attempt", 0) >= current]
             for sub in self._subs.get(run_id, ()) if chunks else ():
+                if sub.parked:
+                    continue
                 sub._offer_chunks(chunks)
                 wakes.append(sub._wake)
         _wake_all(wakes)
@@ -178,8 +221,10 @@ class Hub:
         with _lock:
             # Only subscriptions at or past the position read get this read's rows; one
             # that joined behind it (a resume from earlier) is served by the next read.
-            positions = {run_id: min(s.after for s in subs)
-                         for run_id, subs in self._subs.items()}
+            # A parked subscription is left out until it takes again.
+            positions = {run_id: min(s.after for s in subs if not s.parked)
+                         for run_id, subs in self._subs.items()
+                         if any(not s.parked for s in subs)}
         if not positions:
             return False
         found = self._read(positions)
@@ -190,6 +235,8 @@ class Hub:
                 run_found = found.get(run_id) or Found(None, finished=True)
                 live = chunks.get(run_id, [])
                 for sub in list(self._subs.get(run_id, ())):
+                    if sub.parked:
+                        continue
                     eligible = sub.after >= after  # one behind is served by the next read
                     rows = [row for row in run_found.rows if row["seq"] > sub.after] \
                         if eligible else []

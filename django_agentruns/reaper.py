@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from . import transitions
+from .retention import prune_finished_chunks
 from .transitions import Settlement
 
 logger = logging.getLogger("django_agentruns.reaper")
@@ -26,6 +27,7 @@ class ReapReport:
     skipped: list[int] = field(default_factory=list)  # renewed or settled meanwhile
     wait_timeouts: list[int] = field(default_factory=list)  # waiting runs past their deadline
     parents_resumed: list[int] = field(default_factory=list)  # children all done, parent not
+    chunks_pruned: int = 0  # live-output rows (SQLite) of finished runs, left by a crash
 
     @property
     def total(self) -> int:
@@ -38,6 +40,8 @@ def reap(at: datetime | None = None, *, limit: int = 1000, dry_run: bool = False
     at = at or transitions.now()
     report = ReapReport()
     _expire_waits(report, at, limit, dry_run)
+    if not dry_run:
+        report.chunks_pruned = prune_finished_chunks(limit)
     for row in transitions.find_stale(at, limit):
         report.stale.append(row["id"])
         if dry_run:

@@ -8,6 +8,12 @@ compare-and-set UPDATE (guarded by the value it read), and the runs are enqueued
 same transaction. One worker's UPDATE matches; the others' find `last_tick` moved and
 enqueue nothing. No leader, no lock held between ticks: a unique step per schedule and tick.
 
+A tick whose run cannot be enqueued (its input over a cap, its agent's `limit_key` raising
+on it) backs off on the row (`failures`, `retry_at`, `last_error`), 10 s doubling up to an
+hour, logged once per backoff by the worker whose UPDATE recorded it. A tick that comes
+while the agent's queue is paused is skipped (`last_tick` moves on, no run): resuming the
+queue releases no burst, and the next tick after it runs as usual.
+
 Ticks are in UTC in the run's input (`input["tick"]`, ISO 8601). Cron expressions are
 read by cronsim in the schedule's time zone (default `TIME_ZONE`), so "0 7 * * *" is 7:00
 local time across DST changes; intervals are aligned to the Unix epoch.
@@ -19,7 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfoNotFoundError
 
@@ -30,7 +36,7 @@ from django.utils import timezone
 from .conf import app_settings
 from .db import retry_on_lock
 from .exceptions import AgentRunsError, InvalidInputError
-from .models import Schedule
+from .models import PausedQueue, Schedule
 from .registry import NAME_PATTERN, AgentSpec, get_agent
 from .ticks import Timing, check_timing
 from .validation import capped_json
@@ -38,6 +44,19 @@ from .validation import capped_json
 logger = logging.getLogger("django_agentruns.schedules")
 
 REFRESH_INTERVAL = 1.0  # seconds between a worker's reads of the schedule rows
+BACKOFF_START = 10.0  # seconds a schedule waits after its first failed tick
+BACKOFF_MAX = 3600.0
+# The tick a run gets, as long as any: checking a schedule's input with it checks the
+# input its runs will have.
+SAMPLE_TICK = "2000-01-01T00:00:00+00:00"
+ERROR_MAX = 2000
+
+
+def backoff_delay(failures: int) -> timedelta:
+    """Seconds before the next try after `failures` failed ticks in a row: 10, 20, 40, ...
+    capped at an hour (from the 10th failure on: 10 * 2**9 = 5120 > 3600)."""
+    return timedelta(seconds=min(BACKOFF_MAX, BACKOFF_START * 2 ** min(max(failures, 1) - 1,
+                                                                        20)))
 
 
 def timing_of(schedule: Schedule) -> Timing:
@@ -67,7 +86,7 @@ def add_schedule(name: str, agent: str, *, cron: str | None = None, every: int |
                                 "letters, digits and _ . : -")
     spec = get_agent(agent)
     timing = check_timing(cron, every, tz, f"Schedule {name!r}")
-    payload = _check_input(input, f"Input of schedule {name!r}")
+    payload = check_schedule_input(spec.name, input, f"Input of schedule {name!r}")
     at = timezone.now()
     with transaction.atomic():
         existing = Schedule.objects.select_for_update().filter(name=name).first()
@@ -79,6 +98,7 @@ def add_schedule(name: str, agent: str, *, cron: str | None = None, every: int |
             row.last_tick = timing.latest(at)
         row.agent, row.cron, row.every, row.tz = spec.name, timing.cron, timing.every, timing.tz
         row.input = payload
+        row.failures, row.retry_at, row.last_error = 0, None, ""  # edited: try it again
         row.save()
     return row
 
@@ -94,13 +114,18 @@ def remove_schedule(name: str) -> bool:
     return bool(deleted)
 
 
-def _check_input(value: Any, what: str) -> dict[str, Any]:
+def check_schedule_input(agent: str, value: Any, what: str) -> dict[str, Any]:
+    """Refuse an input whose runs `enqueue` would refuse (size with the tick, a NUL
+    character, the agent's `limit_key` raising on it): such a schedule could never tick."""
+    from .api import RunRequest, check_request  # api imports the models' users
+
     if value is None:
-        return {}
+        value = {}
     if not isinstance(value, dict):
         raise InvalidInputError(f"{what} must be a JSON object (its runs get the tick in it), "
                                 f"not {type(value).__name__}")
     capped_json(value, what, "MAX_INPUT_BYTES")
+    check_request(RunRequest(agent, {**value, "tick": SAMPLE_TICK}))
     return value
 
 
@@ -146,6 +171,7 @@ class Ticker:
     def __init__(self, agents: dict[str, AgentSpec], queues: Iterable[str]) -> None:
         served = set(queues)
         self._agents = sorted(n for n, s in agents.items() if s.effective_queue() in served)
+        self._queues = {n: agents[n].effective_queue() for n in self._agents}
         self._declared = [agents[n] for n in self._agents]
         self._rows: list[Schedule] = []
         self._read_at = -math.inf
@@ -168,12 +194,14 @@ class Ticker:
                          if k in {self._key(r) for r in self._rows}}
         at = at or timezone.now()
         return sum(self._tick_one(row, at) for row in self._rows
-                   if (due := self._due_at(row)) is None or due <= at)
+                   if ((due := self._due_at(row)) is None or due <= at)
+                   and (row.retry_at is None or row.retry_at <= at))
 
     def seconds_to_next(self, at: datetime | None = None) -> float | None:
         """Seconds until the next tick of a schedule this worker ticks (None: none)."""
         at = at or timezone.now()
-        ticks = [due for row in self._rows if (due := self._due_at(row)) is not None]
+        ticks = [max(due, row.retry_at) if row.retry_at else due for row in self._rows
+                 if (due := self._due_at(row)) is not None]
         return max(0.0, (min(ticks) - at).total_seconds()) if ticks else None
 
     @staticmethod
@@ -208,31 +236,60 @@ class Ticker:
             logger.error("schedule %s cannot tick (%s): fix it in the admin", row.name, exc)
             return 0
         try:
-            done = _advance(row, new_last, ticks)
-        except AgentRunsError as exc:  # its input no longer passes (a setting changed)
-            logger.error("schedule %s: could not enqueue its run (%s)", row.name, exc)
+            done = _advance(row, new_last, ticks, self._queues.get(row.agent))
+        except AgentRunsError as exc:  # its input does not pass (a setting changed, ...)
+            self._back_off(row, at, exc)
             return 0
         if done is None:  # another worker moved it first: read where it stands
-            fresh = Schedule.objects.filter(pk=row.pk).first()
-            if fresh is not None:
-                row.last_tick, row.updated_at = fresh.last_tick, fresh.updated_at
+            self._reread(row)
             return 0
-        row.last_tick = new_last
+        row.last_tick, row.failures, row.retry_at = new_last, 0, None
         return done
+
+    def _back_off(self, row: Schedule, at: datetime, exc: Exception) -> None:
+        """Record the failed tick on the row, so that no worker tries it again before
+        `retry_at`; only the worker whose UPDATE recorded it logs it: once per backoff."""
+        failures = row.failures + 1
+        retry_at = at + backoff_delay(failures)
+        recorded = Schedule.objects.filter(
+            pk=row.pk, last_tick=row.last_tick, updated_at=row.updated_at,
+            failures=row.failures,
+        ).update(failures=failures, retry_at=retry_at, last_error=str(exc)[:ERROR_MAX])
+        if not recorded:  # another worker recorded it (or the schedule was edited)
+            self._reread(row)
+            return
+        row.failures, row.retry_at = failures, retry_at
+        logger.error("schedule %s: could not enqueue its run (%s); failed %s time(s) in a "
+                     "row, next try at %s", row.name, exc, failures, retry_at.isoformat(),
+                     extra={"schedule": row.name, "failures": failures})
+
+    @staticmethod
+    def _reread(row: Schedule) -> None:
+        fresh = Schedule.objects.filter(pk=row.pk).only(
+            "last_tick", "updated_at", "failures", "retry_at").first()
+        if fresh is not None:
+            row.last_tick, row.updated_at = fresh.last_tick, fresh.updated_at
+            row.failures, row.retry_at = fresh.failures, fresh.retry_at
 
 
 @retry_on_lock()
-def _advance(row: Schedule, new_last: datetime, ticks: list[datetime]) -> int | None:
+def _advance(row: Schedule, new_last: datetime, ticks: list[datetime],
+             queue: str | None) -> int | None:
     """Move `row.last_tick` to `new_last` if no one did since it was read (nor edited the
-    schedule), and enqueue a run per tick in the same transaction. None: someone did."""
+    schedule), and enqueue a run per tick in the same transaction. None: someone did.
+    While the agent's queue is paused the ticks are skipped: no run, `last_tick` moves on."""
     from .api import RunRequest, enqueue_many  # api imports the models' users
 
     with transaction.atomic():
         moved = Schedule.objects.filter(
             pk=row.pk, enabled=True, last_tick=row.last_tick, updated_at=row.updated_at,
-        ).update(last_tick=new_last)
+        ).update(last_tick=new_last, failures=0, retry_at=None, last_error="")
         if not moved:
             return None
+        if ticks and queue is not None and PausedQueue.objects.filter(name=queue).exists():
+            logger.info("schedule %s: skipped its tick %s (queue %s is paused)", row.name,
+                        ticks[-1].isoformat(), queue)
+            return 0
         enqueue_many([RunRequest(row.agent, {**row.input, "tick": tick.isoformat()})
                       for tick in ticks])
     if ticks:

@@ -8,7 +8,8 @@ event once the run is terminal, and closes. In between, live chunks the agent st
 chunks whose `end` is at most its own, so a client drops those if it still holds them.
 Each event's SSE `id` is its `seq`, so a browser that reconnects (its EventSource does so
 by itself) sends `Last-Event-ID` and resumes where it was; `?after=<seq>` sets the first
-position. Needs `view_agentrun`.
+position. Who may watch: streaming/access.py (`view_agentrun`, an object permission,
+`STREAM_ACCESS`, or a signed link from `stream_url`).
 
 A stream first catches up on its own (the request's connection, a batch at a time), then
 gives that connection back and waits on the process's `hub` (django_agentruns.fanout):
@@ -22,7 +23,9 @@ per process (`STREAMS_PER_USER`, `STREAMS_PER_PROCESS`); past a cap the answer i
 `Retry-After`. A response lasts at most `MAX_LIFE`, then ends without `end` and the
 browser reconnects and resumes. A comment every `HEARTBEAT` s of silence keeps idle
 proxies from cutting it, and is how a WSGI server learns that a client left (a write
-fails): the stream then unsubscribes and gives its slot back.
+fails): the stream then unsubscribes and gives its slot back. A client too slow to read
+what the hub hands it gets `event: resync` (`{"after": seq}`), then the stored events
+again from its position: the process never buffers without bound for it (fanout).
 """
 
 from __future__ import annotations
@@ -40,13 +43,12 @@ from functools import reduce
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.core.exceptions import PermissionDenied
 from django.core.handlers.asgi import ASGIRequest
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import connection
 from django.db.models import F, Q, Window
 from django.db.models.functions import RowNumber
-from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.views.decorators.http import require_GET
 
@@ -55,6 +57,7 @@ from .conf import app_settings
 from .fanout import Found, Hub, Row
 from .models import AgentRun, RunEvent
 from .states import TERMINAL
+from .streaming import access
 
 POLL_INTERVAL = 0.2
 """Seconds between two reads of the hub while nothing new was found."""
@@ -69,8 +72,6 @@ RETRY_MS = 1000
 """The reconnection delay the browser is told to use."""
 RETRY_AFTER = 10
 """Seconds a client refused for too many open streams is told to wait (`Retry-After`)."""
-
-VIEW_PERMISSION = "django_agentruns.view_agentrun"
 
 MORE, WAIT, DONE = "more", "wait", "done"
 
@@ -172,6 +173,10 @@ class EventStream:
         chunks = []
         if self._last_sent is None:
             chunks.append(f"retry: {RETRY_MS}\n\n")
+        if found and found.resync:
+            # This client fell behind and the hub dropped what it held: the stored events
+            # follow again from its position; live chunks in between are lost.
+            chunks.append(f"event: resync\ndata: {json.dumps({'after': self.after})}\n\n")
         for row in found.rows if found else ():
             chunks.append(_message(row))
             self.after = row["seq"]
@@ -316,15 +321,16 @@ def _position(request: HttpRequest) -> int | None:
 @require_GET
 def run_events(request: HttpRequest, run_id: int) -> HttpResponseBase:
     """The run's event stream (see the module docstring)."""
-    if not request.user.has_perm(VIEW_PERMISSION):
-        raise PermissionDenied
+    refused = access.refusal(request, run_id)  # 403 alike for a missing run
+    if refused is not None:
+        return refused
     after = _position(request)
     if after is None:
         return HttpResponse("Last-Event-ID and ?after= must be a sequence number >= 0.\n",
                             status=400, content_type="text/plain")
-    if not AgentRun.objects.filter(pk=run_id).exists():
-        raise Http404(f"No run with id {run_id}")
-    release = caps.take(request.user.pk)
+    # Anonymous holders of signed links are counted per run, not as one user.
+    user = request.user.pk if request.user.pk is not None else ("run", run_id)
+    release = caps.take(user)
     if isinstance(release, str):
         refused = HttpResponse(f"Too many event streams: {release}. Close one, or retry "
                                f"after {RETRY_AFTER} s.\n", status=429,

@@ -29,6 +29,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from . import reaper, transitions, usage, visibility
+from .chunk_transport import drain_sender
 from .conf import app_settings
 from .db import close_all_connections
 from .exceptions import AgentRunsError
@@ -130,7 +131,7 @@ class Worker:
         chunk sender (`chunk_transport.Sender`, only while its agents stream: closed
         `IDLE_CLOSE` s after the last chunk).
 
-        Agent code's own ORM queries are the agent's, on top (see the README)."""
+        Agent code's own ORM queries are the agent's, on top (see docs/deployment.md)."""
         return int(app_settings.WRITER_CONNECTIONS) + 3 + (1 if Listener.available() else 0)
 
     # ----------------------------------------------------------------- lifecycle
@@ -355,6 +356,7 @@ class Worker:
                 except Exception:
                     logger.exception("could not interrupt run %s", lv.run.pk)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        drain_sender()  # the stored text's chunk rows go now, not after the process exits
         if self.store is not None:
             self.store.close()
         self._listener_stop.set()

@@ -21,7 +21,7 @@ except ImportError:  # the skip below says what to install
     sync_playwright = None
 
 CHROMIUM = Path("/usr/bin/chromium")
-# Artifacts of every run; `AGENTRUNS_SCREENSHOTS=docs/screenshots` refreshes the README's.
+# Artifacts of every run; `AGENTRUNS_SCREENSHOTS=docs/screenshots` refreshes the docs' ones.
 SCREENSHOTS = helpers.REPO_ROOT / os.environ.get("AGENTRUNS_SCREENSHOTS", "artifacts/screenshots")
 ASYNC_UNSAFE = "DJANGO_ALLOW_ASYNC_UNSAFE"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",

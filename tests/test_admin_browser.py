@@ -1,7 +1,7 @@
 """The operations console in a real browser: Debian's Chromium driven by Playwright.
 
 Runs are made by real workers (`runworker` subprocesses) against pytest-django's
-`live_server`. The screenshots the README shows are taken here (into artifacts/screenshots/, or
+`live_server`. The screenshots the docs show are taken here (into artifacts/screenshots/, or
 where AGENTRUNS_SCREENSHOTS says).
 """
 
@@ -83,7 +83,7 @@ def history(worker_env: dict[str, str]) -> dict[str, AgentRun]:
 
 
 def screenshot(page: Page, name: str, *, full_page: bool = True) -> None:
-    """A screenshot for the README, with the app sidebar folded away."""
+    """A screenshot for the docs, with the app sidebar folded away."""
     toggle = page.locator("#toggle-nav-sidebar")
     if toggle.count() and page.locator("#nav-sidebar").is_visible():
         toggle.click()
@@ -163,6 +163,29 @@ def test_bulk_cancel_asks_for_confirmation_and_reports_the_skipped(
         "Cancel: 2 queued runs cancelled; 1 skipped (already finished).")
     assert {AgentRun.objects.get(pk=r.pk).status for r in later} == {Status.CANCELLED}
     assert AgentRun.objects.get(pk=history["ok1"].pk).status == Status.SUCCEEDED
+
+
+def test_erase_a_finished_run_with_the_delete_permission_and_keep_the_unfinished(
+        page: Page, live_server: Any, history: dict[str, AgentRun]) -> None:
+    make_user("dpo", "view_agentrun", "delete_agentrun")
+    ok, later = history["ok1"], history["later"]
+    assert ok.events.exists()
+    log_in(page, live_server, "dpo")
+    for run in (ok, later):
+        page.locator(f"input.action-select[value='{run.pk}']").check()
+    page.select_option("select[name=action]", "erase_runs")
+    page.click("button[name=index]")
+    expect(page.locator("#content-main")).to_contain_text(
+        "Erase 1 finished or cancelled run?")
+    expect(page.locator(".agentruns-skipped")).to_contain_text("1 run not finished")
+    assert AgentRun.objects.filter(pk=ok.pk).exists()
+
+    page.click("#agentruns-confirm")
+    expect(page.locator(".messagelist")).to_contain_text(
+        "Erase: 1 run erased, stored rows and all; 1 skipped (not finished).")
+    assert not AgentRun.objects.filter(pk=ok.pk).exists()
+    assert AgentRun.objects.get(pk=later.pk).status == Status.QUEUED
+    expect(page.locator(f"input.action-select[value='{ok.pk}']")).to_have_count(0)
 
 
 def test_staff_without_the_permissions_see_runs_but_no_actions(

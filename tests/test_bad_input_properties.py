@@ -372,7 +372,7 @@ def test_an_agentruns_setting_that_is_not_a_dict_is_e001(value: Any) -> None:
 
 
 def good_number(key: str) -> st.SearchStrategy[Any]:
-    """Values each numeric setting accepts (the README's table): sensible magnitudes."""
+    """Values each numeric setting accepts (docs/settings.md's table): sensible magnitudes."""
     if key in AT_LEAST_ONE:
         return st.integers(min_value=1, max_value=1000)
     if key in CAPS:

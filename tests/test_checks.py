@@ -85,6 +85,12 @@ BAD_SETTINGS: list[tuple[str, Any, str, str]] = [
     ("classifier-not-callable", {"CLASSIFIER": "django_agentruns.conf.SETTING_NAME"},
      checks.E004_BAD_CLASSIFIER, "SETTING_NAME"),
     ("classifier-not-a-string", {"CLASSIFIER": 42}, checks.E004_BAD_CLASSIFIER, "42"),
+    ("stream-access-missing", {"STREAM_ACCESS": "no_such_module.allowed"},
+     checks.E015_BAD_STREAM_ACCESS, "'STREAM_ACCESS'"),
+    ("stream-access-not-callable", {"STREAM_ACCESS": "django_agentruns.conf.SETTING_NAME"},
+     checks.E015_BAD_STREAM_ACCESS, "SETTING_NAME"),
+    ("waiters-zero", {"WAITERS_PER_PROCESS": 0}, checks.E003_BAD_NUMBER,
+     "'WAITERS_PER_PROCESS'"),
     ("queue-empty", {"DEFAULT_QUEUE": ""}, checks.E005_BAD_QUEUE, "DEFAULT_QUEUE"),
     ("queue-int", {"DEFAULT_QUEUE": 3}, checks.E005_BAD_QUEUE, "DEFAULT_QUEUE"),
     ("queue-too-long", {"DEFAULT_QUEUE": "q" * 101}, checks.E005_BAD_QUEUE, "DEFAULT_QUEUE"),
@@ -299,7 +305,7 @@ def test_a_fresh_sqlite_project_hears_both_warnings_from_check_as_from_migrate(
                    if m.id.startswith("agentruns.")]
     assert sorted(m.id for m in plain) == sorted(m.id for m in with_db) == [
         checks.W001_SQLITE_DEFERRED, checks.W002_SQLITE_NOT_WAL]
-    for message in plain:  # one fix, with the values SQLITE_OPTIONS and the README use
+    for message in plain:  # one fix, with the values SQLITE_OPTIONS and docs/getting-started.md use
         assert "'timeout': 30" in (message.hint or "")
         assert "SQLITE_OPTIONS" in (message.hint or "")
     assert not (tmp_path / "db.sqlite3").exists()  # nothing was opened

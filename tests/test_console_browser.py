@@ -1,7 +1,7 @@
 """The console's triage pages in a real browser: the run page, the overview, asking first.
 
 Runs are made by real workers against pytest-django's `live_server`, as in
-test_admin_browser. The README's screenshots of the run page and the overview come from here.
+test_admin_browser. The docs' screenshots of the run page and the overview come from here.
 """
 
 from __future__ import annotations

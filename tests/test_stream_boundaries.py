@@ -38,9 +38,9 @@ def test_a_wait_stores_the_text_streamed_before_it(worker_env: dict[str, str],
         deliver(run.pk, "answer", "yes")
         helpers.wait_until(lambda: AgentRun.objects.get(pk=run.pk).status == Status.SUCCEEDED,
                            message="the run to succeed")
-    # Attempt 2 replays the step before the wait (same ids, as emits are), then stores
-    # what it streamed after it.
-    assert stored(run.pk) == [("asked1 ", 1), ("got yes", 2)]
+    # Attempt 2 runs the step before the wait again: what it streams there is its own
+    # text (a model answers anew), stored beside attempt 1's, then what came after it.
+    assert stored(run.pk) == [("asked1 ", 1), ("asked2 ", 2), ("got yes", 2)]
 
 
 @pytest.mark.django_db(transaction=True)

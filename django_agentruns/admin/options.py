@@ -25,7 +25,16 @@ from ..models import AgentRun, RunEvent, Status
 from . import approvals, views
 from . import display as show
 from . import limits as flow
-from .actions import CANCEL, RETRY, cancel_runs, has_permission, retry_runs, selected_ids
+from .actions import (
+    CANCEL,
+    ERASE,
+    RETRY,
+    cancel_runs,
+    erase_runs,
+    has_permission,
+    retry_runs,
+    selected_ids,
+)
 from .filters import AgentFilter, AttentionFilter, QueueFilter
 from .summary import summary
 
@@ -49,7 +58,7 @@ class RunChangeList(ChangeList):
         # The list shows the error's first words: a prefix, never the whole message.
         runs: QuerySet[AgentRun] = super().get_queryset(request, *args, **kwargs)
         return runs.defer(*HEAVY_FIELDS).annotate(
-            error_head=Substr("error_message", 1, ERROR_HEAD))
+            error_head=Substr("error_message", 1, ERROR_HEAD), **approvals.wait_columns())
 
 
 def visibility() -> Any:
@@ -73,7 +82,7 @@ class AgentRunAdmin(ModelAdminBase):
     show_full_result_count = False  # no second COUNT(*) over the whole table
     show_facets = admin.ShowFacets.NEVER  # facets count every filter choice: a scan each
     list_per_page = 100
-    actions = (retry_runs, cancel_runs)
+    actions = (retry_runs, cancel_runs, erase_runs)
     change_list_template = "django_agentruns/admin/change_list.html"
     change_form_template = "django_agentruns/admin/change_form.html"
     fieldsets = (
@@ -112,6 +121,11 @@ class AgentRunAdmin(ModelAdminBase):
 
     def has_cancel_permission(self, request: HttpRequest) -> bool:
         return has_permission(self, request, CANCEL)
+
+    def has_erase_permission(self, request: HttpRequest) -> bool:
+        """The delete permission: erasing is the one deletion the admin offers (Django's
+        own delete stays off: it would load every payload and miss the rows a run owns)."""
+        return has_permission(self, request, ERASE)
 
     # ------------------------------------------------------------------ list
 
@@ -181,8 +195,10 @@ class AgentRunAdmin(ModelAdminBase):
                             head, short_error(head, ERROR_SHOWN)) \
             if head and run.status == Status.FAILED else mark_safe("")
         reason = show.reason(run)
-        return format_html("{}{}{}", show.status_badge(run),
-                           format_html("<br>{}", reason) if reason else "", error)
+        waiting = approvals.waiting_label(run)
+        return format_html("{}{}{}{}", show.status_badge(run),
+                           format_html("<br>{}", reason) if reason else "", error,
+                           format_html("<br>{}", waiting) if waiting else "")
 
     @admin.display(description="created / duration", ordering="created_at")
     def when(self, run: AgentRun) -> SafeString:
@@ -289,6 +305,8 @@ class AgentRunAdmin(ModelAdminBase):
                  name=f"{name}_cancel"),
             path("<int:run_id>/approval/", wrap(approvals.answer(self)),
                  name=f"{name}_approval"),
+            path("<int:run_id>/deliver/", wrap(approvals.deliver_input(self)),
+                 name=f"{name}_deliver"),
             path("<int:run_id>/fork/", wrap(views.fork_run(self)), name=f"{name}_fork"),
             path("queues/pause/", wrap(views.pause_or_resume(self, True)),
                  name=f"{name}_pause_queue"),

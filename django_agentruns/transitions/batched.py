@@ -54,6 +54,9 @@ class EmitWrite:
     type: str
     payload: dict[str, Any]
     max_events: int | None = None
+    despite_cancel: bool = False
+    """Appended while a cancel request stands (still fenced by the lease), answering
+    CANCEL_REQUESTED all the same: live output the attempt streamed before it stopped."""
 
 
 @dataclass(frozen=True)
@@ -152,9 +155,13 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
     events: list[Event] = []
     caps: list[int | None] = []
     emits: dict[int, EmitWrite] = {}
-    renewing = [i for i in positions if isinstance(writes[i], RenewWrite | EmitWrite)]
+    renewing = [i for i in positions if isinstance(writes[i], RenewWrite | EmitWrite)
+                and not _despite_cancel(writes[i])]
+    storing = [i for i in positions if _despite_cancel(writes[i])]
     for i in _fenced(writes, renewing, results, [(LEASE, TIMESTAMP)],
-                     lambda w: (w.ref.lease_until(at),)):
+                     lambda w: (w.ref.lease_until(at),)) + \
+            _fenced(writes, storing, results, [(LEASE, TIMESTAMP)],
+                    lambda w: (w.ref.lease_until(at),), despite_cancel=True):
         write = writes[i]
         if isinstance(write, EmitWrite):
             events.append((write.ref.run_id, write.type, write.payload, write.ref.attempt,
@@ -211,6 +218,10 @@ def _refuse_over_cap(missing: list[EmitWrite]) -> None:
                 f"was not recorded")
 
 
+def _despite_cancel(write: Write) -> bool:
+    return isinstance(write, EmitWrite) and write.despite_cancel
+
+
 def _state(write: Write) -> tuple[Any, int]:
     assert isinstance(write, CheckpointWrite)
     return write.state, write.count
@@ -223,20 +234,23 @@ CHECKPOINT_FIELDS = [(LEASE, TIMESTAMP), ("checkpoint_state", "jsonb"),
 
 def _fenced(writes: Sequence[Write], positions: list[int], results: list[Result | None],
             fields: list[tuple[str, str]], values: Callable[[Write], tuple[Any, ...]],
-            below: str | None = None) -> list[int]:
+            below: str | None = None, despite_cancel: bool = False) -> list[int]:
     """One fenced UPDATE for the writes at `positions`, setting `fields` to `values(write)`
     (with `below`, only where that field's stored value is less); records each one's
     Renewal (OK for a fence that holds with `below` unmet) and returns the positions
-    it updated."""
+    it updated. With `despite_cancel` a run with a cancel request is updated too, its
+    Renewal CANCEL_REQUESTED."""
     if not positions:
         return []
     refs = {i: writes[i].ref for i in positions}
     sql, params = rawsql.fenced_update(
         [(r.run_id, r.attempt, r.worker_id, *values(writes[i])) for i, r in refs.items()],
-        Status.RUNNING, fields, below=below)
+        Status.RUNNING, fields, below=below, despite_cancel=despite_cancel)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        done = {row[0] for row in cursor.fetchall()}
+        returned = cursor.fetchall()
+    done = {row[0] for row in returned}
+    cancelled = {row[0] for row in returned if despite_cancel and row[1] is not None}
     missed = [r for r in refs.values() if r.run_id not in done]
     # Rare: a cancel request (the fence holds) or a lost lease (it does not); with
     # `below`, a value not below the stored one (the fence holds, no cancel request).
@@ -244,7 +258,9 @@ def _fenced(writes: Sequence[Write], positions: list[int], results: list[Result 
         functools.reduce(operator.or_, [r.guard() for r in missed])).values_list(
             "pk", "cancel_requested_at")} if missed else {}
     for i, ref in refs.items():
-        if ref.run_id in done:
+        if ref.run_id in cancelled:
+            results[i] = Renewal.CANCEL_REQUESTED
+        elif ref.run_id in done:
             results[i] = Renewal.OK
         elif ref.run_id not in fenced:
             results[i] = Renewal.LOST
@@ -297,7 +313,7 @@ def apply_alone(write: Write) -> Result:
         return renew(write.ref)
     if isinstance(write, EmitWrite):
         return emit(write.ref, write.event_id, write.type, write.payload,
-                    max_events=write.max_events)
+                    max_events=write.max_events, despite_cancel=write.despite_cancel)
     if isinstance(write, CheckpointWrite):
         return checkpoint(write.ref, write.state, write.count, max_events=write.max_events)
     if isinstance(write, SucceedWrite):

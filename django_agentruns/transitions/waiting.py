@@ -17,6 +17,7 @@ from typing import Any
 
 from django.db import transaction
 
+from .. import signals
 from ..db import is_postgres, retry_on_lock
 from ..exceptions import LimitExceeded
 from ..models import TERMINAL, AgentRun, RunWait, Status
@@ -113,6 +114,9 @@ def wait_for(
         if children is not None:
             story["runs"] = sorted(set(children))
         append_events([lifecycle(ref.run_id, WAITING, ref.attempt, **story)], at)
+        signals.send_waiting_after_commit(run_id=ref.run_id, agent=row["agent"],
+                                          attempt=ref.attempt, kind=kind, key=key,
+                                          prompt=prompt)
     return Waited(WaitState.WAITING)
 
 
@@ -137,15 +141,16 @@ def _children(parent_id: int, ids: list[int]) -> dict[int, RunResult]:
 
 @retry_on_lock()
 def deliver(run_id: int, key: str, payload: Any, by: str,
-            at: datetime | None = None, *, max_unread: int | None = None,
-            max_events: int | None = None) -> DeliverResult:
+            at: datetime | None = None, *, answers_approval: bool = False,
+            max_unread: int | None = None, max_events: int | None = None) -> DeliverResult:
     """Store the payload for `key` and, if the run waits for it, queue it again.
 
     A key the run has not waited for is stored for its later `receive`, up to
     `max_unread` of them (then `LimitExceeded`); their events count against `max_events`.
 
     In the caller's transaction when there is one (like `enqueue`): roll back and the
-    delivery never happened.
+    delivery never happened. An answer to an approval (`answers_approval`) needs the run
+    to have asked for it: an approval answers a proposal, so it is never stored early.
     """
     at = at or now()
     with transaction.atomic():
@@ -153,7 +158,10 @@ def deliver(run_id: int, key: str, payload: Any, by: str,
         if row is None:
             return DeliverResult.NOT_FOUND
         wait = RunWait.objects.filter(run_id=run_id, key=key).values(
-            "pk", "delivered_at").first()
+            "pk", "delivered_at", "kind", "waited_at").first()
+        if answers_approval and (wait is None or wait["kind"] != RunWait.Kind.APPROVAL
+                                 or wait["waited_at"] is None):
+            raise _not_asked(run_id, key, row)
         if wait is not None and wait["delivered_at"] is not None:
             return DeliverResult.ALREADY_DELIVERED
         if row["status"] in TERMINAL:
@@ -185,6 +193,26 @@ def _check_unread(run_id: int, most: int | None) -> None:
     if unread >= most:
         raise LimitExceeded(f"run {run_id} already holds {unread} deliveries for keys it has "
                             f"not waited for: MAX_DELIVERIES_PER_RUN is {most}")
+
+
+def _not_asked(run_id: int, key: str, row: dict[str, Any]) -> Exception:
+    """The error for an answer to an approval the run never asked for, naming those it
+    did ask for (a typo is then plain to see)."""
+    from ..exceptions import InvalidInputError
+
+    asked = list(RunWait.objects.filter(
+        run_id=run_id, kind=RunWait.Kind.APPROVAL, waited_at__isnull=False,
+        delivered_at__isnull=True).order_by("id").values_list("key", flat=True)[:10])
+    if asked:
+        waits = "it waits for approval of " + ", ".join(repr(k) for k in asked)
+    elif row["status"] == Status.WAITING and not row["wait_key"].startswith(RESERVED_PREFIX):
+        waits = f"it waits for input {row['wait_key']!r}, not an approval (use deliver())"
+    elif row["status"] == Status.WAITING:
+        waits = "it waits for its child runs, not an approval"
+    else:
+        waits = f"it is {row['status']} and asks for no approval now"
+    return InvalidInputError(f"run #{run_id} has not asked for approval of {key!r}: "
+                             f"{waits}; nothing was recorded")
 
 
 # --------------------------------------------------------------------------- timeouts

@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('django_agentruns', '0007_stream_chunks'),
+        ('django_agentruns', '0009_schedule_backoff'),
     ]
 
     operations = [
