@@ -60,7 +60,7 @@ def test_erase_refuses_an_unfinished_run_and_deletes_nothing(status: str) -> Non
         erase(run.pk)
     assert issubclass(RunNotFinishedError, InvalidInputError)
     assert AgentRun.objects.filter(pk=run.pk).exists()
-    assert owned_rows(run.pk) == 5
+    assert owned_rows(run.pk) == 6
 
 
 def test_erase_of_a_missing_run_is_a_clear_error() -> None:
