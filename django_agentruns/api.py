@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import socket
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -13,14 +10,12 @@ from typing import Any
 
 from django.utils import timezone
 
-from . import signals, transitions, usage
+from . import signals, transitions
 from .exceptions import InvalidInputError, RunNotFoundError
-from .executor import AttemptControl, Executor, stopped_error
 from .limits import LimitKey, check_budget, check_key, check_max_running, resolve_limit_key
 from .models import AgentRun
-from .outcomes import OutcomeKind
-from .registry import QUEUE_RULE, AgentSpec, get_agent, is_queue_name
-from .transitions import AttemptRef, CancelResult, NewRun
+from .registry import QUEUE_RULE, get_agent, is_queue_name
+from .transitions import CancelResult, NewRun
 from .validation import capped_json, storable_text, unstorable_text
 
 SCOPE_MAX = 255
@@ -72,7 +67,7 @@ def enqueue(
     at = timezone.now()
     request = RunRequest(agent, input, scope, queue, priority, run_after, fired_seq, dedupe_key,
                          limit_key)
-    (run,) = transitions.insert_runs([_build(request, at, {})], at)
+    (run,) = transitions.insert_runs([build_new_run(request, at, {})], at)
     _announce([run])
     return run
 
@@ -81,7 +76,7 @@ def enqueue_many(requests: Iterable[RunRequest | Mapping[str, Any]]) -> list[Age
     """Queue many runs in one statement: all or none are written, in any transaction."""
     at = timezone.now()
     agents: dict[str, _AgentPolicy] = {}
-    new = [_build(r if isinstance(r, RunRequest) else _request(r), at, agents)
+    new = [build_new_run(r if isinstance(r, RunRequest) else _request(r), at, agents)
            for r in requests]
     if not new:
         return []
@@ -103,7 +98,7 @@ def _announce(runs: list[AgentRun]) -> None:
 def check_request(request: RunRequest) -> None:
     """Check `request` as `enqueue` would, writing nothing: `add_schedule` refuses an
     input its runs could never be enqueued with."""
-    _build(request, timezone.now(), {})
+    build_new_run(request, timezone.now(), {})
 
 
 def _request(data: Mapping[str, Any]) -> RunRequest:
@@ -122,6 +117,7 @@ class _AgentPolicy:
     priority: int
     max_requeues: int
     limit_key: LimitKey = None
+    version: int = 1
 
 
 def _policy(name: Any, agents: dict[str, _AgentPolicy]) -> _AgentPolicy:
@@ -130,12 +126,15 @@ def _policy(name: Any, agents: dict[str, _AgentPolicy]) -> _AgentPolicy:
         spec = get_agent(name)
         known = agents[spec.name] = _AgentPolicy(spec.name, spec.effective_queue(),
                                                  spec.priority, spec.effective_max_requeues(),
-                                                 spec.limit_key)
+                                                 spec.limit_key, spec.version)
     return known
 
 
-def _build(request: RunRequest, at: datetime, agents: dict[str, _AgentPolicy]) -> NewRun:
-    """Check one request; `agents` keeps agent policies for the rest of the call."""
+def build_new_run(request: RunRequest, at: datetime,
+                  agents: dict[str, _AgentPolicy]) -> NewRun:
+    """Check one request; `agents` keeps agent policies for the rest of the call.
+
+    Public for the callers that insert runs their own way (`run_now`, `ctx.spawn`)."""
     agent = _policy(request.agent, agents)
     payload = {} if request.input is None else request.input
     text = capped_json(payload, f"Input of agent {request.agent!r}", "MAX_INPUT_BYTES")
@@ -159,7 +158,7 @@ def _build(request: RunRequest, at: datetime, agents: dict[str, _AgentPolicy]) -
                   max_requeues=agent.max_requeues,
                   available_at=_due_time(request.run_after, at), dedupe_key=key,
                   limit_key=resolve_limit_key(agent.name, agent.limit_key, request.limit_key,
-                                              payload))
+                                              payload), agent_version=agent.version)
 
 
 def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:
@@ -205,7 +204,7 @@ def cancel(run_id: int, reason: str = "") -> CancelResult:
 
     A finished run gives `CancelResult.NOT_CANCELLABLE`, not an error.
     """
-    result = transitions.cancel(_run_id(run_id), storable_text(str(reason)[:2000]))
+    result = transitions.cancel(run_id_of(run_id), storable_text(str(reason)[:2000]))
     if result is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
     return result
@@ -217,7 +216,7 @@ def retry(run_id: int, by: str = "", *, budget: dict[str, Any] | None = None) ->
     `budget` ({"tokens": N, "cost": X}) replaces the agent's for this run from now on: a
     run dead-lettered `budget_exhausted` is retried with a raised one."""
     checked = check_budget(budget)
-    result = transitions.operator_retry(_run_id(run_id), by=storable_text(str(by)[:255]),
+    result = transitions.operator_retry(run_id_of(run_id), by=storable_text(str(by)[:255]),
                                         budget=None if checked is None else checked.as_dict())
     if result is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
@@ -225,7 +224,7 @@ def retry(run_id: int, by: str = "", *, budget: dict[str, Any] | None = None) ->
 
 
 def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
-         by: str = "") -> AgentRun:
+         by: str = "", replay: bool = False, agent: str | None = None) -> AgentRun:
     """Queue a new run of `run_id`'s agent that starts from its checkpoint `checkpoint`
     (numbered from 1 in the order saved; None: the last), with `input` in place of the
     run's own when given. The new run's `forked_from` is the origin, and its timeline
@@ -234,32 +233,47 @@ def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
     too); given a new `input`, an agent whose `limit_key` is a callable has it computed
     from that input.
 
-    Checked before anything is written: the run exists, its agent is registered here, the
-    checkpoint was reached, the input is JSON within MAX_INPUT_BYTES.
+    `replay=True`: every step the origin completed returns the origin's recorded result
+    in the fork, without calling its function (copied: purging the origin never breaks
+    the fork); steps it never reached, or that the code names differently, execute.
+    `agent`: the fork runs this registered agent instead (e.g. a new version, against
+    the origin's recorded steps), at its version, keeping the origin's limit key.
+
+    Checked before anything is written: the run exists, the agent that would run the fork
+    is registered here, the checkpoint was reached, the input is JSON within
+    MAX_INPUT_BYTES.
     """
-    pk = _run_id(run_id)
+    pk = run_id_of(run_id)
     if checkpoint is not None and (isinstance(checkpoint, bool)
                                    or not isinstance(checkpoint, int) or checkpoint < 1):
         raise InvalidInputError(f"checkpoint must be a whole number >= 1 (or None for the "
                                 f"last), not {checkpoint!r}")
-    agent = AgentRun.objects.filter(pk=pk).values_list("agent", flat=True).first()
-    if agent is None:
+    if not isinstance(replay, bool):
+        raise InvalidInputError(f"replay must be True or False, not {replay!r}")
+    origin_agent = AgentRun.objects.filter(pk=pk).values_list("agent", flat=True).first()
+    if origin_agent is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
-    spec = get_agent(agent)  # UnknownAgentError: nothing here could run the fork
+    # UnknownAgentError: nothing here could run the fork (the origin's agent need not be
+    # registered when another one runs it).
+    spec = get_agent(origin_agent if agent is None else agent)
     limit_key = None  # None: the origin's
     if input is not None:
-        capped_json(input, f"Input of agent {agent!r}", "MAX_INPUT_BYTES")
+        capped_json(input, f"Input of agent {spec.name!r}", "MAX_INPUT_BYTES")
         if callable(spec.limit_key):
-            limit_key = resolve_limit_key(agent, spec.limit_key, None, input)
-    run = transitions.insert_fork(pk, checkpoint, input, storable_text(str(by)[:255]),
-                                  timezone.now(), limit_key=limit_key)
+            limit_key = resolve_limit_key(spec.name, spec.limit_key, None, input)
+    run = transitions.insert_fork(
+        pk, checkpoint, input, storable_text(str(by)[:255]), timezone.now(), replay=replay,
+        agent=None if agent is None else spec.name,
+        queue=None if agent is None else spec.effective_queue(), version=spec.version,
+        limit_key=limit_key)
     if run is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
     _announce([run])
     return run
 
 
-def _run_id(run_id: Any) -> int:
+def run_id_of(run_id: Any) -> int:
+    """A run id from what a caller hands in (an int, its text, an AgentRun), checked."""
     if isinstance(run_id, AgentRun):
         return int(run_id.pk)
     try:
@@ -271,32 +285,6 @@ def _run_id(run_id: Any) -> int:
         return value
     except (TypeError, ValueError):
         raise InvalidInputError(f"Run id must be an integer, not {run_id!r}") from None
-
-
-def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
-    """Run an agent here and now, without a lease; return its output or raise its error.
-
-    The run and its events are recorded like any other; a failure is not retried (the
-    caller has the exception) and the reaper never touches the run.
-    """
-    spec: AgentSpec = get_agent(agent)
-    at = timezone.now()
-    new = _build(RunRequest(agent, input, scope), at, {})
-    run = AgentRun(agent=new.agent, queue=new.queue, priority=new.priority, scope=new.scope,
-                   fired_seq=new.fired_seq, input=new.input, max_requeues=new.max_requeues,
-                   available_at=new.available_at, created_at=at)
-    worker_id = f"interactive:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    transitions.start_interactive(run, worker_id)
-    ref = AttemptRef(run.pk, 1, worker_id, lease_ttl=None, agent=run.agent)
-    control = AttemptControl(ref, spec.timeout, checkpoints=0)
-    usage.arm(control, run, spec)  # flow control: the run's budget
-    outcome = Executor(worker_id).interactive(spec, run, control)
-    if outcome.kind is OutcomeKind.FAILED:
-        assert outcome.error is not None
-        raise outcome.error
-    if outcome.kind is OutcomeKind.STOPPED:
-        raise stopped_error(spec, outcome)
-    return outcome.output
 
 
 def set_limit(key: str, max_running: int | None) -> None:

@@ -14,6 +14,9 @@ from django.utils.module_loading import import_string
 
 SETTING_NAME = "AGENTRUNS"
 
+VERSION = "0.1.0"
+"""pyproject.toml's version: `django_agentruns.__version__`, and each worker's record."""
+
 
 @dataclass(frozen=True)
 class Defaults:
@@ -76,6 +79,9 @@ class Defaults:
     MAX_EVENTS_PER_RUN: int = 10_000
     """Events an attempt may add to its run's stream (emits and checkpoint markers); past
     it `ctx.emit` raises. The run's own transitions are always recorded."""
+    MAX_STEPS_PER_RUN: int = 10_000
+    """Durable steps (`ctx.step`) a run may record; past it `ctx.step` raises
+    `LimitExceeded`, naming the step."""
     MAX_SPAWN_DEPTH: int = 10
     """Deepest tree of child runs: a run `MAX_SPAWN_DEPTH` levels below its root cannot
     `ctx.spawn` (LimitExceeded, which dead-letters it unless the agent catches it), so an

@@ -12,11 +12,13 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Self
 
+from django.apps import apps as django_apps
 from django.db import models
 from django.db.models import Exists, F, OuterRef, Q
 
 from .db import AmongUnindexed, NotListedIn, RowBefore
 from .outcomes import ScopePolicy
+from .registry import version_rule
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Status
 
 if TYPE_CHECKING:
@@ -44,6 +46,11 @@ def _scope_groups(scopes: ScopePolicy) -> tuple[tuple[frozenset[str], bool], ...
             (scopes.ordered & scopes.dead_letters_block, True))
 
 
+def _paused_queue() -> type[models.Model]:
+    """The PausedQueue model, from the app registry: `models` imports this module."""
+    return django_apps.get_model("django_agentruns", "PausedQueue")
+
+
 class RunQuerySet(models.QuerySet["AgentRun"]):
     """`AgentRun.objects`: the run table's named reads."""
 
@@ -67,15 +74,12 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
     def unpaused(self) -> Self:
         """Runs whose queue is not paused. The claim's statement carries it, so a worker
         whose list of paused queues is a moment old still takes nothing from one."""
-        from .models import PausedQueue  # models imports this module
-
-        return self.filter(NotListedIn(F("queue"), PausedQueue._meta.db_table))
+        return self.filter(NotListedIn(F("queue"), _paused_queue()._meta.db_table))
 
     def in_paused_queues(self) -> Self:
         """Runs of a paused queue (`why` and the admin say so)."""
-        from .models import PausedQueue
-
-        return self.filter(Exists(PausedQueue.objects.filter(name=OuterRef("queue"))))
+        return self.filter(Exists(_paused_queue()._default_manager.filter(
+            name=OuterRef("queue"))))
 
     def dead_letters(self) -> Self:
         """Failed for good (retries exhausted, not retryable): what an operator looks at."""
@@ -99,7 +103,10 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
         the due (or running) index's scan that no index on `agent` can serve: the claim keeps
         the due index's order whatever the planner's statistics say.
         """
-        return self if agents is None else self.filter(AmongUnindexed(F("agent"), sorted(agents)))
+        if agents is None:
+            return self
+        return self.filter(AmongUnindexed(F("agent"), sorted(agents)),
+                           of_versions(version_rule(agents)))
 
     def ahead_in_scope(self) -> Self:
         """Runs of the outer run's agent and scope ahead of it in firing order (a subquery)."""
@@ -159,3 +166,15 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
                 qs = qs.filter(~Q(agent__in=agents)
                                | ~Exists(self._fresh().ahead_in_scope().filter(stuck)))
         return qs
+
+
+def of_versions(rule: tuple[tuple[str, int, bool], ...]) -> Q:
+    """Runs this code may run (`registry.version_rule`): of version 1 for every agent at
+    version 1; for an agent at version N, runs of version N, and older ones only if it
+    has a `migrate`. A newer run waits for a worker with its code (it stays queued)."""
+    pinned = [name for name, version, migrates in rule if version > 1 and not migrates]
+    q = Q(agent_version__lte=1) & ~Q(agent__in=pinned) if pinned else Q(agent_version__lte=1)
+    for name, version, migrates in rule:
+        q |= Q(agent=name, agent_version__lte=version,
+               agent_version__gte=1 if migrates else version)
+    return q

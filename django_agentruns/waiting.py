@@ -13,8 +13,7 @@ from typing import Any
 from . import transitions
 from .conf import app_settings
 from .exceptions import InvalidInputError
-from .receiving import check_key
-from .validation import capped_json, storable_text
+from .validation import capped_json, check_key, storable_text
 from .wait_results import DeliverResult
 
 
@@ -50,9 +49,9 @@ def reject(run_id: int, key: str, *, by: str, note: str = "") -> DeliverResult:
 
 def _deliver(run_id: int, key: str, payload: Any, by: Any, *,
              answers_approval: bool) -> DeliverResult:
-    from .api import _run_id
+    from .api import run_id_of
 
-    rid = _run_id(run_id)
+    rid = run_id_of(run_id)
     key = check_key(key)
     capped_json(payload, f"Payload delivered for {key!r}", "MAX_INPUT_BYTES")
     if not isinstance(by, str):

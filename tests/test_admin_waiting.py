@@ -34,7 +34,7 @@ def waiting_for_input(key: str = "answer", **extra: Any) -> AgentRun:
 
 def test_no_form_is_nested_in_the_change_form() -> None:
     run = enqueue("tests.steps", {"steps": 3})
-    from django_agentruns.worker import Worker
+    from django_agentruns.runtime.worker import Worker
 
     Worker(queues=["default"], burst=True, reap_interval=0).run(install_signals=False)
     approval = proposing()

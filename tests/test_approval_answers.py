@@ -78,6 +78,6 @@ def test_an_answer_to_a_finished_run_that_never_asked_is_refused() -> None:
 
 
 def burst_default() -> None:
-    from django_agentruns.worker import Worker
+    from django_agentruns.runtime.worker import Worker
 
     Worker(queues=["default"], burst=True, reap_interval=0).run(install_signals=False)

@@ -11,7 +11,7 @@ from django.test import override_settings
 from django_agentruns import DeliverResult, deliver, enqueue, transitions
 from django_agentruns.exceptions import LimitExceeded
 from django_agentruns.models import RunEvent, RunWait, Status
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -27,7 +27,7 @@ from django_agentruns.models import (
     Status,
     StreamChunk,
 )
-from django_agentruns.retention import LINKS_TO_RUN, OWNED_BY_RUN, purge
+from django_agentruns.ops.retention import LINKS_TO_RUN, OWNED_BY_RUN, purge
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

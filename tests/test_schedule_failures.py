@@ -20,7 +20,7 @@ from django_agentruns.admin.schedules import ScheduleForm
 from django_agentruns.exceptions import InvalidInputError
 from django_agentruns.models import AgentRun, Schedule
 from django_agentruns.registry import all_agents
-from django_agentruns.schedules import Ticker, backoff_delay
+from django_agentruns.runtime.ticker import Ticker, backoff_delay
 from tests import helpers
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)

@@ -12,7 +12,7 @@ from django.test import override_settings
 
 from django_agentruns import CancelResult, RunRequest, cancel, enqueue, enqueue_many
 from django_agentruns.models import AgentRun, Reason, Status
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

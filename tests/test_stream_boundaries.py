@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from django_agentruns import chunk_transport, deliver, enqueue
-from django_agentruns.chunks import afinish
-from django_agentruns.context import RunContext
-from django_agentruns.control import AttemptControl
+from django_agentruns import deliver, enqueue
 from django_agentruns.models import AgentRun, RunEvent, Status
-from django_agentruns.store import AttemptStore
+from django_agentruns.runtime.attempt_store import AttemptStore
+from django_agentruns.runtime.context import RunContext
+from django_agentruns.runtime.control import AttemptControl
+from django_agentruns.streaming import transport as chunk_transport
+from django_agentruns.streaming.chunks import afinish
 from django_agentruns.transitions import Write
 from tests import helpers
 from tests.test_store import claimed

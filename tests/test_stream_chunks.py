@@ -17,14 +17,16 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.db import connection
 
-from django_agentruns import chunk_transport, enqueue, run_now, stream, stream_chunks
-from django_agentruns.chunks import MAX_CHANNEL, stream_event_id
+from django_agentruns import enqueue, run_now, stream_chunks
 from django_agentruns.exceptions import InvalidInputError
-from django_agentruns.fanout import Hub
 from django_agentruns.models import AgentRun, RunEvent, Status, StreamChunk
 from django_agentruns.outcomes import AttemptRef
 from django_agentruns.registry import agent, unregister
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
+from django_agentruns.streaming import sse as stream
+from django_agentruns.streaming import transport as chunk_transport
+from django_agentruns.streaming.chunks import MAX_CHANNEL, stream_event_id
+from django_agentruns.streaming.hub import Hub
 from tests import helpers
 from tests.test_stream import parse
 from tests.test_stream_resources import Stream, server, session_of
@@ -218,7 +220,7 @@ def test_the_sender_sends_nothing_for_an_attempt_that_lost_its_run() -> None:
     if connection.vendor == "postgresql":
         import psycopg
 
-        from django_agentruns.notify import connect_params
+        from django_agentruns.db import connect_params
 
         listening = psycopg.connect(**connect_params("default"), autocommit=True)
         listening.execute(f"LISTEN {chunk_transport.run_channel(run.pk)}")

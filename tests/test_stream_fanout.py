@@ -1,4 +1,4 @@
-"""The fan-out behind the event streams (django_agentruns.fanout), and the stream caps.
+"""The fan-out behind the event streams (django_agentruns.streaming.hub), and the stream caps.
 
 The hub's reads are driven by hand here (`background=False`, `poll_once()`), so each step
 is deterministic; the view's caps and the release of a closed stream go through Django's
@@ -20,9 +20,11 @@ from django.db import close_old_connections, connection
 from django.test import AsyncClient, Client
 from django.test.utils import CaptureQueriesContext
 
-from django_agentruns import cancel, enqueue, fanout, stream
-from django_agentruns.fanout import Found, Hub, Subscription
+from django_agentruns import cancel, enqueue
 from django_agentruns.models import AgentRun, RunEvent
+from django_agentruns.streaming import hub as fanout
+from django_agentruns.streaming import sse as stream
+from django_agentruns.streaming.hub import Found, Hub, Subscription
 from tests.test_stream import (
     finished_run,
     make_user,

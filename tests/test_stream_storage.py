@@ -16,7 +16,7 @@ from django.test import override_settings
 from django_agentruns import cancel, deliver, enqueue
 from django_agentruns.models import AgentRun, RunEvent, Status, StreamChunk
 from django_agentruns.registry import agent, unregister
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 
 CHATTY = "tests.chatty_streamer"

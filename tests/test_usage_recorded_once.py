@@ -13,10 +13,10 @@ from django.db import OperationalError, connection, transaction
 from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, RunEvent, RunUsage, Status
 from django_agentruns.outcomes import AttemptRef, Renewal, UsageTotals
-from django_agentruns.store import AttemptStore
+from django_agentruns.runtime.attempt_store import AttemptStore
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions import Write, apply_writes
 from django_agentruns.transitions.batched import Result
-from django_agentruns.worker import Worker
 from tests.testapp.models import SideEffect
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -28,10 +28,10 @@ from django_agentruns import (
     await_run,
     deliver,
     enqueue,
-    metrics,
     wait_for_run,
 )
 from django_agentruns.models import AgentRun, Status
+from django_agentruns.ops import metrics
 from django_agentruns.streaming import waiters
 from tests import helpers
 from tests.test_waiting import until_status, worker
@@ -96,7 +96,7 @@ def test_a_finished_run_is_returned_at_once() -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_waiting_runs_are_counted_per_queue() -> None:
-    from django_agentruns.worker import Worker
+    from django_agentruns.runtime.worker import Worker
 
     enqueue("tests.waits")
     enqueue("tests.waits", {"key": "other"})
@@ -112,7 +112,7 @@ def test_a_delivery_wakes_the_queue_and_a_finished_run_notifies_its_id(
     import psycopg
     from django.db import connection
 
-    from django_agentruns.notify import CHANNEL
+    from django_agentruns.db import CHANNEL
     from django_agentruns.streaming.waiters import FINISHED_CHANNEL
     from tests.test_notify import sent_before_sentinel
 
@@ -229,7 +229,7 @@ def test_await_run_holds_no_thread_of_the_loops_executor() -> None:
 def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_refused(timeout: object) -> None:
     """NaN used to wait for ever (it compares false with every deadline)."""
     from django_agentruns import InvalidInputError
-    from django_agentruns.receiving import deadline_after
+    from django_agentruns.runtime.receiving import deadline_after
 
     run = enqueue("tests.noop")  # finished: a wait that is not refused returns at once
     AgentRun.objects.filter(pk=run.pk).update(status=Status.SUCCEEDED)

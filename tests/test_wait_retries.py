@@ -11,8 +11,8 @@ from django.utils import timezone
 
 from django_agentruns import DeliverResult, deliver, enqueue, retry
 from django_agentruns.models import AgentRun, Reason, Status
-from django_agentruns.reaper import reap
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.reaper import reap
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)

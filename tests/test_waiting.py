@@ -26,12 +26,12 @@ from django_agentruns import (
     enqueue_many,
     run_now,
 )
-from django_agentruns.context import RunContext
-from django_agentruns.control import AttemptControl
 from django_agentruns.models import AgentRun, Reason, RunEvent, RunWait, Status
 from django_agentruns.outcomes import AttemptRef
 from django_agentruns.queries import holding_statuses
-from django_agentruns.reaper import reap
+from django_agentruns.runtime.context import RunContext
+from django_agentruns.runtime.control import AttemptControl
+from django_agentruns.runtime.reaper import reap
 from tests import helpers
 from tests.testapp.models import SideEffect
 

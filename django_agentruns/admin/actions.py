@@ -21,9 +21,10 @@ from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.utils.text import capfirst
 
-from .. import api, retention
+from .. import api
 from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
 from ..models import TERMINAL, AgentRun, Reason, Status
+from ..ops import retention
 
 CONFIRM_SAMPLE = 50
 LOG_BATCH = 500

@@ -6,7 +6,6 @@ deletes a run or an event here; status changes only through `api` (see `actions`
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
@@ -20,8 +19,10 @@ from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
-from ..diagnosis import short_error
 from ..models import AgentRun, RunEvent, Status
+from ..ops.diagnosis import short_error
+from ..ops.visibility import why_not_started
+from ..registry import all_agents
 from . import approvals, views
 from . import display as show
 from . import limits as flow
@@ -59,14 +60,6 @@ class RunChangeList(ChangeList):
         runs: QuerySet[AgentRun] = super().get_queryset(request, *args, **kwargs)
         return runs.defer(*HEAVY_FIELDS).annotate(
             error_head=Substr("error_message", 1, ERROR_HEAD), **approvals.wait_columns())
-
-
-def visibility() -> Any:
-    """`visibility.why_not_started`, if that module is installed; else None (shown: nothing)."""
-    try:
-        return import_module("django_agentruns.visibility").why_not_started
-    except (ImportError, AttributeError):
-        return None
 
 
 class AgentRunAdmin(ModelAdminBase):
@@ -253,15 +246,14 @@ class AgentRunAdmin(ModelAdminBase):
 
     @admin.display(description="why it has not started")
     def waiting_for(self, run: AgentRun) -> SafeString:
-        explain = visibility()
-        return show.explanation(None if explain is None else explain(run), self._run_url)
+        return show.explanation(why_not_started(run), self._run_url)
 
     def _run_url(self, run_id: int) -> str:
         return reverse(f"{self.admin_site.name}:django_agentruns_agentrun_change", args=[run_id])
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
         fieldsets = list(super().get_fieldsets(request, obj))
-        if obj is not None and obj.status == Status.QUEUED and visibility() is not None:
+        if obj is not None and obj.status == Status.QUEUED:
             fieldsets.insert(1, ("Waiting", {"fields": ("waiting_for",)}))
         return fieldsets
 
@@ -287,6 +279,11 @@ class AgentRunAdmin(ModelAdminBase):
                 # The checkpoint history, each one a "fork from here"
                 checkpoints=show.checkpoints(obj),
                 can_fork=self.has_retry_permission(request),
+                # Durable steps, "Replay with..." (any registered agent), and for a fork
+                # its origin's outputs and steps beside its own
+                steps=show.steps(obj),
+                replay_agents=sorted(all_agents()),
+                compare_output=show.compared_outputs(obj),
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 

@@ -20,10 +20,11 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from .. import api, queues, triage
+from .. import api, queues
 from ..exceptions import AgentRunsError, InvalidInputError, RunNotFoundError
 from ..models import AgentRun, Reason, Status
-from ..workers import Coverage
+from ..ops import triage
+from ..ops.workers import Coverage
 from . import display as show
 from .actions import MISSING, RETRY, Operation, confirmation, has_permission, username
 from .approvals import awaiting_approval
@@ -194,6 +195,10 @@ def fork_run(model_admin: Any) -> Any:
         if not has_permission(model_admin, request, RETRY):
             raise PermissionDenied
         number = request.POST.get("checkpoint", "")
+        replay = request.POST.get("replay") == "1"
+        agent = request.POST.get("agent") or None
+        if replay and not number:
+            return _replay(model_admin, request, run_id, agent)
         if not (number.isascii() and number.isdigit() and len(number) < 10):
             model_admin.message_user(request, "Malformed checkpoint number: nothing was "
                                      "forked.", messages.ERROR)
@@ -213,6 +218,24 @@ def fork_run(model_admin: Any) -> Any:
         return HttpResponseRedirect(_url("change", run.pk))
 
     return view
+
+
+def _replay(model_admin: Any, request: HttpRequest, run_id: int,
+            agent: str | None) -> HttpResponse:
+    """"Replay with...": a fork from the start in which the run's completed steps return
+    their recorded results, run by the chosen agent."""
+    try:
+        run = api.fork(run_id, replay=True, agent=agent, by=username(request))
+    except RunNotFoundError:
+        model_admin.message_user(request, f"Run #{run_id} no longer exists.", messages.ERROR)
+        return HttpResponseRedirect(_url("changelist"))
+    except AgentRunsError as exc:
+        model_admin.message_user(request, f"Run #{run_id} was not replayed: {exc}",
+                                 messages.ERROR)
+        return HttpResponseRedirect(_url("change", run_id))
+    model_admin.message_user(request, f"Run #{run.pk} replays run #{run_id} with "
+                             f"{run.agent!r}.", messages.SUCCESS)
+    return HttpResponseRedirect(_url("change", run.pk))
 
 
 def pause_or_resume(model_admin: Any, pause: bool) -> Any:

@@ -1,1 +1,1 @@
-"""Operators' reads: what the engine is doing and why, for the admin and the commands."""
+"""What operators read and deployments check: metrics, triage, diagnosis, upkeep."""

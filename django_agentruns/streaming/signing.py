@@ -39,9 +39,9 @@ class Signed(enum.Enum):
 def stream_url(run_id: int, *, expires: float = 3600) -> str:
     """The path of run `run_id`'s event stream, signed to be watched without any
     permission for `expires` seconds from now (default an hour)."""
-    from ..api import _run_id
+    from ..api import run_id_of
 
-    rid = _run_id(run_id)
+    rid = run_id_of(run_id)
     if isinstance(expires, bool) or not isinstance(expires, int | float) \
             or not math.isfinite(expires) or not 0 < expires <= LONGEST:
         raise InvalidInputError(f"expires must be seconds in (0, {LONGEST}], not {expires!r}")

@@ -142,7 +142,7 @@ class FinishedListener:
         nobody waits."""
         import psycopg
 
-        from ..notify import connect_params, listen_alias
+        from ..db import connect_params, listen_alias
 
         with psycopg.connect(**connect_params(listen_alias()), autocommit=True) as conn:
             conn.execute(f"LISTEN {FINISHED_CHANNEL}")
@@ -266,9 +266,9 @@ def _outcome(outcome: AgentRun | BaseException) -> AgentRun:
 
 
 def _checked(run_id: Any, timeout: Any) -> tuple[int, float | None]:
-    from ..api import _run_id
+    from ..api import run_id_of
 
-    rid = _run_id(run_id)
+    rid = run_id_of(run_id)
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                                 or not timeout >= 0 or not math.isfinite(timeout)):
         raise InvalidInputError(f"timeout must be finite seconds >= 0 or None, "

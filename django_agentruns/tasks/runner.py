@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 from django.utils import timezone
 
 from .. import signals
-from ..context import storage_call
 from ..registry import agent
+from ..runtime.context import storage_call
 from . import compat
 from .results import ASYNC_AGENT, SYNC_AGENT, TASK_AGENTS, as_enqueued, load_task, read_result
 
 if TYPE_CHECKING:
-    from ..context import RunContext
+    from ..runtime.context import RunContext
 
 # What a task may raise that ends its attempt as a failure. Not AttemptStopped nor
 # asyncio's CancelledError: the worker stopped the attempt, the task did not fail.
@@ -116,7 +116,7 @@ class Attempt:
 
     def finish(self, error: BaseException | None, value: Any = None) -> None:
         """Keep how the task ended; `task_finished` goes once the worker has written it."""
-        from ..recording import describe
+        from ..runtime.recording import describe
 
         result = self.result
         self.error = error

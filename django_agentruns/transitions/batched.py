@@ -1,6 +1,6 @@
 """An attempt's writes as values, applied many at a time inside the caller's transaction.
 
-The worker's attempt store (`django_agentruns.store`) commits the writes of many attempts
+The worker's attempt store (`runtime.attempt_store`) commits the writes of many attempts
 together. Here they are applied without a savepoint each (nested `atomic()` blocks would
 cost a SAVEPOINT and a RELEASE round trip per write) and by kind, not one by one: every
 renewal and emit of a batch share one fenced UPDATE, every checkpoint one, every success
@@ -29,12 +29,13 @@ from django.db import connection
 from ..conf import SETTING_NAME
 from ..exceptions import LimitExceeded
 from ..models import AgentRun, Reason, RunEvent, Status
-from ..outcomes import AttemptRef, Renewal, Settlement, UsageTotals
+from ..outcomes import AttemptRef, Renewal, Settlement, StepStart, UsageTotals
 from . import rawsql
 from .attempts import checkpoint, emit, renew
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded, settle_succeeded, settle_succeeded_many
 from .snoozing import record_usage, record_usage_in
+from .steps import StepEndWrite, StepStartWrite, close_steps, end_step, open_steps, start_step
 from .waiting import parents_settled
 
 
@@ -101,8 +102,9 @@ class UsageWrite:
     seq: int | None = None  # the call's number in its attempt: a retried write adds nothing
 
 
-Write = RenewWrite | EmitWrite | CheckpointWrite | SucceedWrite | SettleWrite | UsageWrite
-Result = Renewal | Settlement | UsageTotals
+Write = (RenewWrite | EmitWrite | CheckpointWrite | SucceedWrite | SettleWrite | UsageWrite
+         | StepStartWrite | StepEndWrite)
+Result = Renewal | Settlement | UsageTotals | StepStart
 Event = tuple[int, str, dict[str, Any], int, uuid.UUID]
 
 
@@ -155,7 +157,9 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
     events: list[Event] = []
     caps: list[int | None] = []
     emits: dict[int, EmitWrite] = {}
-    renewing = [i for i in positions if isinstance(writes[i], RenewWrite | EmitWrite)
+    # Durable steps' starts and ends renew in the same UPDATE (see `_steps`).
+    renewing = [i for i in positions if isinstance(writes[i], RenewWrite | EmitWrite
+                                                    | StepStartWrite | StepEndWrite)
                 and not _despite_cancel(writes[i])]
     storing = [i for i in positions if _despite_cancel(writes[i])]
     for i in _fenced(writes, renewing, results, [(LEASE, TIMESTAMP)],
@@ -186,6 +190,7 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
     # A checkpoint not saved may be a replay (its number stored already): it only renews.
     replays = [i for i in pointing if i not in saved and results[i] is Renewal.OK]
     _fenced(writes, replays, results, [(LEASE, TIMESTAMP)], lambda w: (w.ref.lease_until(at),))
+    _steps(writes, positions, results, at, events, caps)
     succeeding = [i for i in positions if isinstance(writes[i], SucceedWrite)]
     ended = _succeed(writes, succeeding, results, at)
     if events or ended:
@@ -201,6 +206,32 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
             results[i] = write.settle()
         elif isinstance(write, UsageWrite):
             results[i] = _usage(write, at)
+
+
+def _steps(writes: Sequence[Write], positions: list[int], results: list[Result | None],
+           at: datetime, events: list[Event], caps: list[int | None]) -> None:
+    """Durable steps' starts and ends, renewed with the round's emits: the starts whose
+    fence held opened in one INSERT (`open_steps`), the ends stored in one UPDATE
+    (`close_steps`), their `run.step` events joining the round's INSERT. An end is
+    recorded under a cancel request too (the fence holds); nothing of a write whose
+    attempt lost the run."""
+    starting = [i for i in positions if isinstance(writes[i], StepStartWrite)]
+    opened = [i for i in starting if results[i] is Renewal.OK]
+    for i in starting:
+        if results[i] is not Renewal.OK:
+            renewal = results[i]
+            assert isinstance(renewal, Renewal)
+            results[i] = StepStart(renewal)
+    if opened:
+        starts = [w for w in (writes[i] for i in opened) if isinstance(w, StepStartWrite)]
+        for i, answer in zip(opened, open_steps(starts, at), strict=True):
+            results[i] = answer
+    ends = [w for w in (writes[i] for i in positions if results[i] is not Renewal.LOST)
+            if isinstance(w, StepEndWrite)]
+    if ends:
+        for event in close_steps(ends, at):
+            events.append(event)
+            caps.append(next(w.max_events for w in ends if w.ref.run_id == event[0]))
 
 
 def _refuse_over_cap(missing: list[EmitWrite]) -> None:
@@ -321,4 +352,8 @@ def apply_alone(write: Write) -> Result:
     if isinstance(write, UsageWrite):
         return record_usage(write.ref, write.input_tokens, write.output_tokens, write.cost,
                             write.model, max_events=write.max_events, seq=write.seq)
+    if isinstance(write, StepStartWrite):
+        return start_step(write)
+    if isinstance(write, StepEndWrite):
+        return end_step(write)
     return write.settle()

@@ -7,7 +7,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from django_agentruns.exceptions import InvalidInputError, RunNotFoundError
 from django_agentruns.management.arguments import run_id
-from django_agentruns.retention import erase
+from django_agentruns.ops.retention import erase
 
 
 class Command(BaseCommand):

@@ -5,12 +5,12 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from django_agentruns.diagnosis import advice, short_error
 from django_agentruns.management.arguments import run_id
 from django_agentruns.models import AgentRun, Status
+from django_agentruns.ops.diagnosis import advice, short_error
+from django_agentruns.ops.visibility import why_not_started
 from django_agentruns.ops.waits import explain_wait
-from django_agentruns.visibility import why_not_started
-from django_agentruns.workers import Coverage
+from django_agentruns.ops.workers import Coverage
 
 
 class Command(BaseCommand):

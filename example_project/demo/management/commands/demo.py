@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from django_agentruns import approve, enqueue, set_limit
 from django_agentruns.models import AgentRun, Status
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 
 TOPICS = ["agent runs", "job queues"]
 CITIES = ["Lisbon", "Oslo"]

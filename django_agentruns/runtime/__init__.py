@@ -1,0 +1,1 @@
+"""The worker process and one attempt: claiming, running, recording, leases, wake-ups."""
