@@ -12,11 +12,13 @@ from django.utils import timezone
 
 from . import signals, transitions
 from .exceptions import InvalidInputError, RunNotFoundError
-from .limits import LimitKey, check_budget, check_key, check_max_running, resolve_limit_key
+from .limits import LimitKey, check_budget, check_key, resolve_limit_key
 from .models import AgentRun
 from .registry import QUEUE_RULE, get_agent, is_queue_name
 from .transitions import CancelResult, NewRun
 from .validation import capped_json, storable_text, unstorable_text
+from .windows import KEEP
+from .windows import check_field as check_limit_field
 
 SCOPE_MAX = 255
 DEDUPE_KEY_MAX = 255
@@ -39,7 +41,10 @@ class RunRequest:
     run_after: datetime | timedelta | float | None = None
     fired_seq: int = 0
     dedupe_key: str | None = None
-    limit_key: str | None = None
+    limit_key: str | list[str] | None = None
+
+
+MAX_DEBOUNCE = 86400 * 365  # a year: a debounce is a pause, not a schedule
 
 
 def enqueue(
@@ -52,14 +57,20 @@ def enqueue(
     run_after: datetime | timedelta | float | None = None,
     fired_seq: int = 0,
     dedupe_key: str | None = None,
-    limit_key: str | None = None,
+    limit_key: str | list[str] | None = None,
+    debounce: float | None = None,
+    supersede: bool = False,
 ) -> AgentRun:
     """Queue a run of `agent`, in the caller's transaction: roll back and it never existed.
 
     `run_after` is a datetime, a timedelta or seconds from now. With `dedupe_key`, an
     unfinished (queued or running) run of the agent with that key is returned instead of
     a new one, its `deduplicated` True; race-free across processes. `limit_key` overrides
-    the agent's (see django_agentruns.limits). Raises
+    the agent's (see django_agentruns.limits). With `dedupe_key`: `debounce=seconds` makes a
+    queued run holding the key take this input and start `seconds` from now instead (its
+    `debounced` True; a new run starts then too, and gives up the key as it starts);
+    `supersede=True` cancels the unfinished run holding the key ("superseded by run N")
+    and queues this one in its place. Raises
     `UnknownAgentError` or `InvalidInputError` before anything is written. One INSERT:
     in autocommit it is the whole transaction (one round trip); PostgreSQL's trigger
     wakes the queue's workers once it commits.
@@ -67,9 +78,36 @@ def enqueue(
     at = timezone.now()
     request = RunRequest(agent, input, scope, queue, priority, run_after, fired_seq, dedupe_key,
                          limit_key)
-    (run,) = transitions.insert_runs([build_new_run(request, at, {})], at)
+    new = build_new_run(request, at, {})
+    if debounce is None and supersede is False:
+        (run,) = transitions.insert_runs([new], at)
+    else:
+        run = _enqueue_on_holder(new, at, debounce, supersede, run_after)
     _announce([run])
     return run
+
+
+def _enqueue_on_holder(new: transitions.NewRun, at: datetime, debounce: Any, supersede: Any,
+                       run_after: Any) -> AgentRun:
+    """`enqueue` with `debounce` or `supersede`, checked first (a bad one writes nothing)."""
+    if not isinstance(supersede, bool):
+        raise InvalidInputError(f"supersede must be True or False, not {supersede!r:.40}")
+    if not new.dedupe_key:
+        raise InvalidInputError("debounce and supersede act on the run holding a dedupe key: "
+                                "give a dedupe_key")
+    if debounce is None:
+        return transitions.enqueue_superseding(new, at)
+    if supersede:
+        raise InvalidInputError("give debounce or supersede, not both")
+    if run_after is not None:
+        raise InvalidInputError("a debounced run starts `debounce` seconds after the last "
+                                "enqueue: give debounce or run_after, not both")
+    if isinstance(debounce, bool) or not isinstance(debounce, int | float) \
+            or not math.isfinite(debounce) or not 0 <= debounce <= MAX_DEBOUNCE:
+        raise InvalidInputError(f"debounce must be seconds in 0..{MAX_DEBOUNCE}, "
+                                f"not {debounce!r:.40}")
+    return transitions.enqueue_debounced(
+        new._replace(available_at=at + timedelta(seconds=debounce)), at)
 
 
 def enqueue_many(requests: Iterable[RunRequest | Mapping[str, Any]]) -> list[AgentRun]:
@@ -157,8 +195,8 @@ def build_new_run(request: RunRequest, at: datetime,
                   fired_seq=fired_seq, input=payload, input_json=text,
                   max_requeues=agent.max_requeues,
                   available_at=_due_time(request.run_after, at), dedupe_key=key,
-                  limit_key=resolve_limit_key(agent.name, agent.limit_key, request.limit_key,
-                                              payload), agent_version=agent.version)
+                  limit_keys=resolve_limit_key(agent.name, agent.limit_key, request.limit_key,
+                                               payload), agent_version=agent.version)
 
 
 def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:
@@ -260,7 +298,8 @@ def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
     if input is not None:
         capped_json(input, f"Input of agent {spec.name!r}", "MAX_INPUT_BYTES")
         if callable(spec.limit_key):
-            limit_key = resolve_limit_key(spec.name, spec.limit_key, None, input)
+            keys = resolve_limit_key(spec.name, spec.limit_key, None, input)
+            limit_key = keys[0] if keys else ""  # the first of a failover list
     run = transitions.insert_fork(
         pk, checkpoint, input, storable_text(str(by)[:255]), timezone.now(), replay=replay,
         agent=None if agent is None else spec.name,
@@ -287,11 +326,20 @@ def run_id_of(run_id: Any) -> int:
         raise InvalidInputError(f"Run id must be an integer, not {run_id!r}") from None
 
 
-def set_limit(key: str, max_running: int | None) -> None:
-    """At most `max_running` runs of `key` run at once across all workers, from the next
-    claim on (runs already running are left to finish). None: back to the LIMITS setting,
-    or unlimited. 0 pauses the key. Raises InvalidInputError (writing nothing) for a bad
-    key or number."""
+def set_limit(
+    key: str, max_running: Any = KEEP, *, per_minute: Any = KEEP,
+    tokens_per_minute: Any = KEEP, cost_per_day: Any = KEEP,
+) -> None:
+    """Set a key's limits, across all workers from the next claim on (runs already running
+    are left to finish): `max_running` at once (0 pauses the key), `per_minute` runs
+    started per rolling minute, `tokens_per_minute` tokens and `cost_per_day` cost recorded
+    per rolling window. An argument left out leaves that field as it is; None puts it back
+    to the LIMITS setting (or unbounded). A key ending in `*` is a pattern: each key with
+    that prefix gets windows of its own of that size. Raises InvalidInputError (writing
+    nothing) for a bad key or value."""
     check_key(key, "key")
-    check_max_running(max_running)
-    transitions.write_limit(key, max_running)
+    given = {"max_running": max_running, "per_minute": per_minute,
+             "tokens_per_minute": tokens_per_minute, "cost_per_day": cost_per_day}
+    fields = {name: check_limit_field(name, value) for name, value in given.items()
+              if value is not KEEP}
+    transitions.write_limit(key, fields)

@@ -11,9 +11,9 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import SETTING_NAME, AppSettings, Defaults
-from .limits import limits_problem
 from .registry import QUEUE_RULE, is_queue_name
 from .sqlite import SQLITE_OPTIONS
+from .windows import settings_problem as limits_problem
 
 E001_NOT_A_DICT = "agentruns.E001"
 E002_UNKNOWN_SETTING = "agentruns.E002"

@@ -104,7 +104,7 @@ class Defaults:
     """Snoozes a run gets without spending its requeue budget (`Snooze`, or a 429/503 with
     Retry-After); past them a snooze counts as an ordinary retry, so a run cannot wait
     forever."""
-    LIMITS: dict[str, int] | None = None
+    LIMITS: dict[str, Any] | None = None
     """Most runs of a limit key running at once across all workers, e.g. {"openai": 20}.
     `set_limit(key, n)` (or the admin) overrides a key at run time; keys in neither are
     unlimited."""

@@ -13,8 +13,8 @@ from .queries import RunQuerySet
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Reason, Status
 
 __all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "UNFINISHED", "AgentLimit", "AgentRun",
-           "PausedQueue", "Reason", "RunCheckpoint", "RunEvent", "RunStep", "RunWait", "Schedule",
-           "Status", "WorkerRecord"]
+           "KeyWindowEntry", "PausedQueue", "Reason", "RunCheckpoint", "RunEvent", "RunStep",
+           "RunWait", "Schedule", "Status", "WorkerRecord"]
 
 
 class AgentRun(models.Model):
@@ -80,9 +80,19 @@ class AgentRun(models.Model):
         help_text="The run this one was forked from (`fork`), starting at one of its "
                   "checkpoints.")
 
+    limit_keys = models.JSONField(
+        null=True, blank=True, help_text="Failover: the limit keys the run may take, in order; "
+                                         "a 429 on its key moves it to the next open one.")
+    release_dedupe_at_start = models.BooleanField(
+        default=False, help_text="Debounced: the claim that starts it gives up its dedupe key, "
+                                 "so that a new enqueue with the key queues a new run.")
+
     # Set on the run `enqueue` returns: True when it is an existing unfinished run with the
     # same dedupe key rather than a new one. Not a column.
     deduplicated: bool = False
+    # Set on the run `enqueue(debounce=...)` returns: True when an existing queued run took
+    # the new input and start time. Not a column.
+    debounced: bool = False
 
     # Named reads (`.dead_letters()`, `.lapsed(at)`, ...): see django_agentruns.queries.
     objects = RunQuerySet.as_manager()
@@ -163,6 +173,15 @@ class AgentLimit(models.Model):
     closed_until = models.DateTimeField(
         null=True, blank=True, help_text="No run of this key starts before then (a 429).")
     closed_reason = models.CharField(max_length=255, blank=True, default="")
+    per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Most runs of this key started per rolling minute; "
+                                         "empty: the LIMITS setting, else unbounded.")
+    tokens_per_minute = models.BigIntegerField(
+        null=True, blank=True, help_text="Most tokens recorded per rolling minute; empty: the "
+                                         "LIMITS setting, else unbounded.")
+    cost_per_day = models.FloatField(
+        null=True, blank=True, help_text="Most cost recorded per rolling day; empty: the "
+                                         "LIMITS setting, else unbounded.")
     updated_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -171,6 +190,36 @@ class AgentLimit(models.Model):
 
     def __str__(self) -> str:
         return self.key
+
+
+class KeyWindowEntry(models.Model):
+    """An attempt started under a windowed limit key: one start in its key's per-minute
+    window, and the tokens and cost it reserved (an estimate) and used (`record_usage`).
+
+    While its attempt is the run's running one it counts the larger of the two; once that
+    attempt ended (or was lost and its run reclaimed) only what it used.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    key = models.CharField(max_length=200)
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="+")
+    attempt = models.PositiveIntegerField()
+    started_at = models.DateTimeField()
+    reserved_tokens = models.BigIntegerField(default=0)
+    reserved_cost = models.FloatField(default=0.0)
+    used_tokens = models.BigIntegerField(default=0)
+    used_cost = models.FloatField(default=0.0)
+
+    class Meta:
+        verbose_name = "key window entry"
+        verbose_name_plural = "key window entries"
+        indexes = (
+            models.Index(fields=("key", "started_at"), name="agentruns_window_key"),
+            models.Index(fields=("run", "attempt"), name="agentruns_window_run"),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.key}: run {self.run_id} attempt {self.attempt}"
 
 
 class RunEvent(models.Model):

@@ -18,6 +18,7 @@ from .exceptions import InvalidInputError, UnknownAgentError
 from .limits import Budget, LimitKey, check_agent_limit_key, check_budget
 from .outcomes import ScopePolicy
 from .ticks import Timing, check_timing
+from .windows import Estimate, check_estimate
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,6 +69,7 @@ class AgentSpec:
     budget: Budget | None = None
     version: int = 1  # runs record it; a worker claims runs of its version or older
     migrate: Callable[[Any, int], Any] | None = None  # (state, from_version) -> state
+    estimate: Estimate | None = None  # reserved in its key's token/cost windows at claim
 
     @property
     def is_async(self) -> bool:
@@ -107,6 +109,7 @@ def agent(
     budget: dict[str, Any] | None = None,
     version: int = 1,
     migrate: Callable[[Any, int], Any] | None = None,
+    estimate: dict[str, Any] | None = None,
 ) -> Callable[[F], F]:
     """Register a function (sync or `async def`) taking a `RunContext` as agent `name`.
 
@@ -115,7 +118,9 @@ def agent(
     ticks run only the latest unless `catch_up` (see django_agentruns.schedules).
     `limit_key`: the key whose limit its runs count against (a string, or a callable of
     the input); `budget`: {"tokens": N, "cost": X}, past which an attempt stops and the
-    run is dead-lettered `budget_exhausted` (see django_agentruns.limits).
+    run is dead-lettered `budget_exhausted` (see django_agentruns.limits); `estimate`:
+    {"tokens": N, "cost": X} a run reserves in its key's token and cost windows when it
+    starts, settled with what it records (default: the key's recent average per run).
     `version`: runs record the version they started under; a worker whose version is
     lower does not claim them. `migrate(state, from_version) -> state`: how a run of an
     older version resumes on this code (its checkpoint state migrated when claimed);
@@ -133,6 +138,7 @@ def agent(
         raise InvalidInputError(f"Agent {name!r}: catch_up must be True or False")
     check_agent_limit_key(name, limit_key)
     checked_budget = check_budget(budget, f"Agent {name!r}: budget")
+    checked_estimate = check_estimate(estimate, f"Agent {name!r}: estimate")
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version < 2**31:
         raise InvalidInputError(f"Agent {name!r}: version must be a whole number >= 1, "
                                 f"not {version!r}")
@@ -152,6 +158,7 @@ def agent(
             timeout=timeout, lease_ttl=lease_ttl, priority=priority, classify=classify,
             schedule_timing=timing, catch_up=catch_up,
             limit_key=limit_key, budget=checked_budget, version=version, migrate=migrate,
+            estimate=checked_estimate,
         )
         return func
 

@@ -17,10 +17,13 @@ from django.db.models.functions import TruncDate
 from django.http import HttpRequest
 from django.utils import timezone
 
+from .. import transitions
 from ..api import set_limit
 from ..exceptions import InvalidInputError
-from ..limits import check_key, check_max_running, effective_limit
+from ..limits import check_key
 from ..models import AgentLimit, AgentRun, Status
+from ..ops.visibility import key_limits
+from ..windows import FIELDS, check_field, effective_limit, is_pattern
 
 USAGE_DAYS = 14  # the overview's usage by day: the last two weeks (the created_at index)
 
@@ -36,7 +39,7 @@ class LimitForm(forms.ModelForm):  # type: ignore[type-arg]
 
     class Meta:
         model = AgentLimit
-        fields = ("key", "max_running")
+        fields = ("key", "max_running", "per_minute", "tokens_per_minute", "cost_per_day")
 
     def clean_key(self) -> str:
         key = self.cleaned_data.get("key")
@@ -45,30 +48,68 @@ class LimitForm(forms.ModelForm):  # type: ignore[type-arg]
         except InvalidInputError as exc:
             raise forms.ValidationError(str(exc)) from None
 
-    def clean_max_running(self) -> int | None:
-        try:
-            return check_max_running(self.cleaned_data.get("max_running"))
-        except InvalidInputError as exc:
-            raise forms.ValidationError(str(exc)) from None
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        for name in FIELDS:
+            try:
+                cleaned[name] = check_field(name, cleaned.get(name))
+            except InvalidInputError as exc:
+                self.add_error(name, str(exc))
+        return cleaned
 
 
 class AgentLimitAdmin(LimitAdminBase):
     form = LimitForm
-    list_display = ("key", "max_running", "effective", "running", "closed")
-    fields = ("key", "max_running", "effective", "running", "closed")
-    readonly_fields = ("effective", "running", "closed")
+    list_display = ("key", "max_running", "effective", "running", "windows", "spend_per_day",
+                    "closed")
+    fields = ("key", "max_running", "per_minute", "tokens_per_minute", "cost_per_day",
+              "effective", "running", "windows", "spend_per_day", "closed")
+    readonly_fields = ("effective", "running", "windows", "spend_per_day", "closed")
     search_fields = ("key",)
     ordering = ("key",)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         return (*self.readonly_fields, "key") if obj is not None else self.readonly_fields
 
-    @admin.display(description="limit in force")
+    @admin.display(description="running limit in force")
     def effective(self, row: AgentLimit) -> str:
         cap = effective_limit(row.key, row.max_running) if row.key else None
+        if row.key and not is_pattern(row.key):
+            cap = key_limits(row).max_running
         if cap is None:
             return "unlimited"
         return f"{cap}" + ("" if row.max_running is not None else " (LIMITS setting)")
+
+    @admin.display(description="windows now")
+    def windows(self, row: AgentLimit) -> str:
+        """Each window's use against its size (reservations of running attempts included)."""
+        if not row.key or is_pattern(row.key):
+            return "—"
+        limits = key_limits(row)
+        if not limits.windowed:
+            return "—"
+        use = transitions.window_use([row.key], timezone.now()).get(row.key,
+                                                                     transitions.WindowUse())
+        parts = []
+        if limits.per_minute is not None:
+            parts.append(f"{use.starts}/{limits.per_minute} started per minute")
+        if limits.tokens_per_minute is not None:
+            parts.append(f"{use.tokens:,.0f}/{limits.tokens_per_minute:,} tokens per minute")
+        if limits.cost_per_day is not None:
+            parts.append(f"{use.cost:.4g}/{limits.cost_per_day:g} per day")
+        return "; ".join(parts)
+
+    @admin.display(description="spend, last 24 h")
+    def spend_per_day(self, row: AgentLimit) -> str:
+        """Cost recorded by the key's runs created in the last day (a pattern: all of its
+        keys')."""
+        since = timezone.now() - timedelta(days=1)
+        runs = AgentRun.objects.filter(created_at__gte=since)
+        runs = runs.filter(limit_key__startswith=row.key[:-1]) if is_pattern(row.key) \
+            else runs.filter(limit_key=row.key)
+        spent = runs.aggregate(cost=Sum("cost"), tokens=Sum(F("input_tokens") +
+                                                            F("output_tokens")))
+        return f"{spent['cost'] or 0:.4g} ({spent['tokens'] or 0:,} tokens)"
 
     @admin.display(description="running now")
     def running(self, row: AgentLimit) -> int:
@@ -85,7 +126,8 @@ class AgentLimitAdmin(LimitAdminBase):
         return False  # clear a limit instead (empty: the setting's, else unlimited)
 
     def save_model(self, request: HttpRequest, obj: AgentLimit, form: Any, change: bool) -> None:
-        set_limit(obj.key, obj.max_running)  # through the API, which checks it
+        set_limit(obj.key, obj.max_running, per_minute=obj.per_minute,  # the API checks them
+                  tokens_per_minute=obj.tokens_per_minute, cost_per_day=obj.cost_per_day)
 
 
 def usage_totals() -> dict[str, Any]:

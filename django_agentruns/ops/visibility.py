@@ -15,9 +15,9 @@ from django.db.models import Count
 from django.utils import timezone
 
 from .. import transitions
-from ..limits import effective_limit
 from ..models import AgentLimit, AgentRun, PausedQueue, Status
 from ..registry import claimable_version, find_agent
+from ..windows import KeyLimits, resolve, row_limits
 
 NOT_QUEUED = "not_queued"
 UNKNOWN_AGENT = "unknown_agent"
@@ -27,6 +27,7 @@ BLOCKED = "blocked"
 PAUSED = "paused"
 KEY_CLOSED = "key_closed"
 KEY_FULL = "key_full"
+KEY_WINDOW = "key_window"
 VERSION = "version"
 
 
@@ -99,7 +100,16 @@ def key_hold(run: AgentRun, at: datetime) -> Hold | None:
         return Hold(KEY_CLOSED, f"its limit key {row.key!r} is closed until "
                                 f"{_when(row.closed_until)} ({seconds:.1f}s from now"
                                 f"{_because(row.closed_reason)})")
-    cap = effective_limit(row.key, row.max_running)
+    limits = key_limits(row)
+    if limits.windowed:
+        full = transitions.full_window(limits, transitions.window_use([row.key], at).get(
+            row.key, transitions.WindowUse()), at)
+        if full is not None:
+            when = "" if full.room_at is None else \
+                f"; it has room at {_when(full.room_at)}"
+            return Hold(KEY_WINDOW, f"waiting for the {full.window} window of its limit key "
+                                    f"{row.key!r}: {full.text}{when}")
+    cap = limits.max_running
     if cap is None:
         return None
     running = AgentRun.objects.filter(status=Status.RUNNING, limit_key=row.key).count()
@@ -183,3 +193,9 @@ def _when(value: datetime) -> str:
 
 def _because(reason: str) -> str:
     return f": {reason}" if reason else ""
+
+
+def key_limits(row: AgentLimit) -> KeyLimits:
+    """A limits row's limits in force (its own, its pattern's, the setting's)."""
+    patterns = {r.key: row_limits(r) for r in AgentLimit.objects.filter(key__endswith="*")}
+    return resolve(row.key, row_limits(row), patterns)

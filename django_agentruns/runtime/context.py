@@ -31,7 +31,7 @@ class RunContext:
 
     def __init__(
         self, *, run_id: int, agent: str, input: Any, attempt: int, state: Any,
-        scope: str, control: AttemptControl,
+        scope: str, control: AttemptControl, limit_key: str = "",
     ) -> None:
         self.run_id = run_id
         self.agent = agent
@@ -39,6 +39,8 @@ class RunContext:
         self.attempt = attempt
         self.state = state
         self.scope = scope
+        # The limit key this attempt was started under: with failover keys, the one taken.
+        self.limit_key = limit_key
         self._control = control
 
     @property

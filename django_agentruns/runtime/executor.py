@@ -232,7 +232,8 @@ def finish_stream(control: AttemptControl, outcome: Outcome) -> None:
 
 def make_context(run: AgentRun, control: AttemptControl) -> RunContext:
     return RunContext(run_id=run.pk, agent=run.agent, input=run.input, attempt=run.attempt,
-                      state=run.checkpoint_state, scope=run.scope, control=control)
+                      state=run.checkpoint_state, scope=run.scope, control=control,
+                      limit_key=run.limit_key)
 
 
 def call_agent(spec: AgentSpec, ctx: RunContext, control: AttemptControl) -> Outcome:

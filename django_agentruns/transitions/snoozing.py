@@ -25,8 +25,9 @@ from ..signals import send_after_commit
 from .attempts import _renew_locked
 from .due import CLAIM_FIELDS
 from .events import SNOOZED, USAGE, append_events, append_one, lifecycle, now
-from .limited import close_key
+from .limited import close_key, failover_key
 from .settling import _apply, _decide, locked_row
+from .windows import add_usage
 
 
 @retry_on_lock()
@@ -42,18 +43,24 @@ def snooze(
         qs = AgentRun.objects.filter(ref.guard())
         if is_postgres():
             qs = qs.select_for_update()
-        row: dict[str, Any] | None = qs.values(*CLAIM_FIELDS, "snooze_count", "limit_key").first()
+        row: dict[str, Any] | None = qs.values(*CLAIM_FIELDS, "snooze_count", "limit_key",
+                                               "limit_keys").first()
         if row is None:
             return Settlement.LOST
+        moved: dict[str, Any] = {}
         if failure.closes_key and row["limit_key"]:
             close_key(row["limit_key"], at + timedelta(seconds=delay),
                       f"{failure.cause} on run {ref.run_id}", at)
+            other = failover_key(row["limit_keys"], row["limit_key"], at)
+            if other is not None:  # the retry takes the next open key, at once
+                moved, delay = {"limit_key": other}, 0.0
         if row["cancel_requested_at"] is not None \
                 or row["snooze_count"] >= int(app_settings.MAX_SNOOZES):
             return _apply(row, ref.guard(), _decide(row, failure), error, at, events=[])
         if not AgentRun.objects.filter(ref.guard()).update(
                 status=Status.QUEUED, snooze_count=F("snooze_count") + 1,
-                available_at=at + timedelta(seconds=delay), claimed_by="", lease_expires=None):
+                available_at=at + timedelta(seconds=delay), claimed_by="", lease_expires=None,
+                **moved):
             return Settlement.LOST
         append_events([lifecycle(ref.run_id, SNOOZED, ref.attempt, delay=round(delay, 3),
                                  cause=failure.cause, snoozes=row["snooze_count"] + 1,
@@ -94,6 +101,7 @@ def record_usage_in(
         AgentRun.objects.filter(ref.guard()).update(
             input_tokens=F("input_tokens") + input_tokens,
             output_tokens=F("output_tokens") + output_tokens, cost=F("cost") + cost)
+        add_usage(ref.run_id, ref.attempt, input_tokens + output_tokens, cost)
         append_one(lifecycle(ref.run_id, USAGE, ref.attempt, input_tokens=input_tokens,
                              output_tokens=output_tokens, cost=cost, model=model), at,
                    below=max_events)
