@@ -303,6 +303,32 @@ class RunWait(models.Model):
         return f"#{self.run_id} {self.key}"
 
 
+class RunUsage(models.Model):
+    """One model call's usage as `ctx.record_usage` recorded it, keyed by attempt and
+    sequence: a write retried after a lost commit acknowledgement finds its key taken and
+    adds nothing, so the run's totals (on AgentRun) count each call once."""
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="usage_records")
+    attempt = models.PositiveIntegerField()
+    seq = models.PositiveIntegerField(help_text="The call's number within its attempt, from 1.")
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    cost = models.FloatField(default=0.0)
+    model = models.CharField(max_length=100, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        verbose_name = "usage record"
+        ordering = ("run", "attempt", "seq")
+        constraints = (
+            models.UniqueConstraint(fields=("run", "attempt", "seq"), name="agentruns_usage_key"),
+        )
+
+    def __str__(self) -> str:
+        return f"#{self.run_id} attempt {self.attempt} usage {self.seq}"
+
+
 class RunCheckpoint(models.Model):
     """Every checkpoint a run saved, not only the last: what `fork` starts a new run from.
 

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db import connection
 
 from tests import browser as browser_support
-from tests import helpers
+from tests import fakeprovider, helpers
 from tests import pgbouncer as pgb
 
 
@@ -110,3 +110,11 @@ def _release_pooled_test_database(request: pytest.FixtureRequest) -> Iterator[No
     request.getfixturevalue("django_db_setup")
     yield
     pgb.PgBouncer.kill_on(int(port), str(connection.settings_dict["NAME"]))
+
+
+@pytest.fixture
+def fake_provider() -> Iterator[fakeprovider.FakeProvider]:
+    """A scripted OpenAI-compatible server (tests/fakeprovider.py), stopped after the test;
+    give a worker subprocess `fake_provider.env()` to reach it."""
+    with fakeprovider.FakeProvider() as provider:
+        yield provider

@@ -251,3 +251,20 @@ def test_await_run_holds_no_thread_of_the_loops_executor() -> None:
         return [run.status for run in await asyncio.gather(*waits)]
 
     assert asyncio.run(scenario()) == ["succeeded"] * 4
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), float("-inf"), -1, "5", True])
+def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_refused(timeout: object) -> None:
+    """NaN used to wait for ever (it compares false with every deadline)."""
+    from django_agentruns import InvalidInputError
+    from django_agentruns.runtime.receiving import deadline_after
+
+    run = enqueue("tests.noop")  # finished: a wait that is not refused returns at once
+    AgentRun.objects.filter(pk=run.pk).update(status=Status.SUCCEEDED)
+    with pytest.raises(InvalidInputError, match="timeout must be"):
+        wait_for_run(run.pk, timeout=timeout)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="timeout must be"):
+        asyncio.run(await_run(run.pk, timeout=timeout))  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="timeout must be"):
+        deadline_after(timeout)  # ctx.receive, request_approval, wait_for_runs

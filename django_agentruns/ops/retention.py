@@ -28,6 +28,7 @@ from ..models import (
     RunCheckpoint,
     RunEvent,
     RunStep,
+    RunUsage,
     RunWait,
     StreamChunk,
 )
@@ -54,8 +55,9 @@ OWNED_BY_RUN: tuple[tuple[type[models.Model], str, tuple[str, ...]], ...] = (
     (RunStep, "run", ("result", "error")),  # durable steps (a fork keeps its own copies)
     # A limit key's window entries: a run deleted within its window leaves that room free.
     (KeyWindowEntry, "run", ()),
+    (RunUsage, "run", ()),  # each recorded model call (the totals are the run's columns)
 )
-"""Every table whose rows belong to one run. Usage totals are columns of the run itself."""
+"""Every table whose rows belong to one run."""
 
 CHUNK_GRACE = timedelta(seconds=60)
 """How long a finished run's live-output rows stay for readers before a prune takes them."""

@@ -49,8 +49,12 @@ class RunContext:
 
     @property
     def stop_requested(self) -> bool:
-        """True once the attempt must stop; the next context call will raise."""
-        return self._control.stop_reason is not None or self._control.timed_out()
+        """True once the attempt must stop (a cancel, a lost lease, its timeout, a shutdown,
+        or its run's budget spent by `record_usage`); the next context call will raise.
+        An agent checks it before a paid call it can skip."""
+        control = self._control
+        return control.stop_reason is not None or control.timed_out() \
+            or control.over_budget is not None
 
     def emit(self, type: str, payload: dict[str, Any] | None = None) -> None:
         """Append an event to the run's stream (a step boundary)."""
@@ -161,10 +165,12 @@ class RunContext:
         return receiving.request_approval(self, key, proposal, timeout=timeout)
 
     def spawn(self, agent: str, input: Any = None, *, key: str, queue: str | None = None,
-              scope: str | None = None, priority: int | None = None) -> int:
-        """Enqueue a child run once per `key`, whatever attempt asks; return its id."""
+              scope: str | None = None, priority: int | None = None,
+              budget: dict[str, Any] | None = None) -> int:
+        """Enqueue a child run once per `key`, whatever attempt asks; return its id. The
+        child has its own budget (`budget`, else its agent's), not a share of this run's."""
         return receiving.spawn(self, agent, input, key=key, queue=queue, scope=scope,
-                               priority=priority)
+                               priority=priority, budget=budget)
 
     def wait_for_runs(self, ids: Iterable[int], *,
                       timeout: float | None = None) -> dict[int, RunResult]:
@@ -184,9 +190,11 @@ class RunContext:
 
     async def aspawn(self, agent: str, input: Any = None, *, key: str,
                      queue: str | None = None, scope: str | None = None,
-                     priority: int | None = None) -> int:
+                     priority: int | None = None,
+                     budget: dict[str, Any] | None = None) -> int:
         return await storage_call(self, functools.partial(
-            self.spawn, agent, input, key=key, queue=queue, scope=scope, priority=priority))
+            self.spawn, agent, input, key=key, queue=queue, scope=scope, priority=priority,
+            budget=budget))
 
     async def await_runs(self, ids: Iterable[int], *,
                          timeout: float | None = None) -> dict[int, RunResult]:

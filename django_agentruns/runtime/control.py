@@ -53,6 +53,7 @@ class AttemptControl:
         self.over_budget: str | None = None
         # Durable steps (runtime.steps): the last occurrence of each step name called.
         self.step_counts: dict[str, int] = {}
+        self.usage_calls = 0  # record_usage calls so far: each write's key (run, attempt, n)
 
     def request_stop(self, reason: StopReason) -> None:
         """Ask the attempt to stop; the first reason wins."""

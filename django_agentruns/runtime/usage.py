@@ -49,8 +49,10 @@ def usage_write(control: AttemptControl, input_tokens: Any, output_tokens: Any, 
         raise InvalidInputError(f"record_usage: model must be a string of at most {MODEL_MAX} "
                                 f"characters with no NUL or surrogate, not {model!r:.60}")
     control.check()
+    control.usage_calls += 1  # the write's key: retried as it is, it adds nothing again
     return transitions.UsageWrite(control.ref, input_tokens, output_tokens, float(cost), model,
-                                  max_events=int(app_settings.MAX_EVENTS_PER_RUN))
+                                  max_events=int(app_settings.MAX_EVENTS_PER_RUN),
+                                  seq=control.usage_calls)
 
 
 def recorded(control: AttemptControl, agent: str, write: transitions.UsageWrite,

@@ -214,10 +214,11 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
 def insert_fork(
     origin_id: int, number: int | None, input: Any, by: str, at: datetime, *,
     replay: bool = False, agent: str | None = None, queue: str | None = None,
-    version: int | None = None,
+    version: int | None = None, limit_key: str | None = None,
 ) -> AgentRun | None:
     """Queue a new run of `origin_id`'s agent starting from its checkpoint `number` (None:
-    its last; with none saved, from the start), with `input` (None: the origin's).
+    its last; with none saved, from the start), with `input` (None: the origin's) and
+    `limit_key` (None: the origin's).
 
     One transaction: the new run, a copy of the origin's checkpoints 1..N (so the fork's
     own numbers go on from N, as its `checkpoint_count` does, and a fork of the fork can
@@ -247,7 +248,8 @@ def insert_fork(
             state = saved[0]
         run = AgentRun.objects.create(
             agent=agent or origin.agent, queue=queue or origin.queue, priority=origin.priority,
-            limit_key=origin.limit_key, agent_version=version or origin.agent_version,
+            limit_key=origin.limit_key if limit_key is None else limit_key,
+            agent_version=version or origin.agent_version,
             scope=origin.scope, fired_seq=origin.fired_seq,
             input=origin.input if input is None else input, max_requeues=origin.max_requeues,
             status=Status.QUEUED, available_at=at, created_at=at, checkpoint_state=state,

@@ -86,6 +86,31 @@ def keyed_broken(ctx: RunContext) -> None:
     """Its limit_key callable raises: enqueue refuses the run."""
 
 
+@agent("tests.asks_a_delay", max_requeues=2)
+def asks_a_delay(ctx: RunContext) -> None:
+    """Fails with `Retryable(delay=input["delay"])` (a float; "inf"/"nan" as strings), or
+    with a 429 whose Retry-After is input["retry_after"]."""
+    from django_agentruns import Retryable
+
+    if "retry_after" in ctx.input:
+        raise RateLimitError(429, str(ctx.input["retry_after"]))
+    raise Retryable("later", delay=float(ctx.input["delay"]))
+
+
+@agent("tests.polite_spender", budget={"tokens": 1000})
+def polite_spender(ctx: RunContext) -> dict[str, Any]:
+    """Checks `ctx.stop_requested` before each (paid) model call, as an agent should: each
+    call is a SideEffect row, then 400 tokens recorded. At most 10 calls."""
+    from .agents import record
+
+    calls = 0
+    while not ctx.stop_requested and calls < 10:
+        record(ctx, step=calls, note="model call")
+        calls += 1
+        ctx.record_usage(input_tokens=400, model="m")
+    return {"calls": calls}
+
+
 @agent("tests.estimated", limit_key=_key, estimate={"tokens": 1000, "cost": 0.5})
 def estimated(ctx: RunContext) -> dict[str, Any]:
     """Reserves 1000 tokens and 0.5 at claim; records input["tokens"] (default 1000) and
