@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from .conf import SETTING_NAME, app_settings
 from .exceptions import InvalidInputError, LimitExceeded
-from .wait_results import KEY_MAX, RESERVED_PREFIX
+from .outcomes import KEY_MAX, RESERVED_PREFIX
 
 # Deeper JSON is refused: SQLite's JSON functions stop at 1000 levels, PostgreSQL does not.
 MAX_JSON_DEPTH = 500

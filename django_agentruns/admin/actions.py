@@ -22,9 +22,9 @@ from django.template.response import TemplateResponse
 from django.utils.text import capfirst
 
 from .. import api
-from ..ops import retention
 from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
 from ..models import TERMINAL, AgentRun, Reason, Status
+from ..ops import retention
 
 CONFIRM_SAMPLE = 50
 LOG_BATCH = 500

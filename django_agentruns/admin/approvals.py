@@ -27,7 +27,7 @@ from django.views.decorators.http import require_POST
 
 from ..exceptions import InvalidInputError
 from ..models import TERMINAL, AgentRun, RunWait, Status
-from ..wait_results import RESERVED_PREFIX, DeliverResult
+from ..outcomes import RESERVED_PREFIX, DeliverResult
 from .actions import username
 
 PERMISSION = f"{AgentRun._meta.app_label}.approve_agentrun"

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .. import transitions
 from ..conf import app_settings
 from ..exceptions import InvalidInputError
+from ..outcomes import Approval, RunResult
 from ..streaming import chunks
 from ..validation import capped_json, unstorable_text
-from ..wait_results import Approval, RunResult
 from . import receiving, steps, usage
 
 if TYPE_CHECKING:
