@@ -12,11 +12,11 @@ from django.utils import timezone
 
 from . import signals, transitions
 from .exceptions import InvalidInputError, RunNotFoundError
-from .limits import LimitKey, check_budget, check_key, check_max_running, resolve_limit_key
+from .limits import LimitKey, check_budget, check_limit_key, check_max_running, resolve_limit_key
 from .models import AgentRun
 from .registry import QUEUE_RULE, get_agent, is_queue_name
 from .transitions import CancelResult, NewRun
-from .validation import capped_json, storable_text, unstorable_text
+from .validation import capped_json, is_short_text, storable_text
 
 SCOPE_MAX = 255
 DEDUPE_KEY_MAX = 255
@@ -164,7 +164,7 @@ def build_new_run(request: RunRequest, at: datetime,
 def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:
     if not isinstance(value, str):
         raise InvalidInputError(f"{name} must be a string, not {type(value).__name__}")
-    if (not value and not allow_empty) or len(value) > limit or unstorable_text(value):
+    if not is_short_text(value, limit, empty=allow_empty):
         raise InvalidInputError(f"{name} must be {'0' if allow_empty else '1'}-{limit} "
                                 f"characters with no NUL or surrogate, not {value[:50]!r}")
     return value
@@ -285,6 +285,6 @@ def set_limit(key: str, max_running: int | None) -> None:
     claim on (runs already running are left to finish). None: back to the LIMITS setting,
     or unlimited. 0 pauses the key. Raises InvalidInputError (writing nothing) for a bad
     key or number."""
-    check_key(key, "key")
+    check_limit_key(key, "key")
     check_max_running(max_running)
     transitions.write_limit(key, max_running)

@@ -10,29 +10,24 @@ limits table under a lock per key. A key's limit is its row's `max_running`, els
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .conf import SETTING_NAME, app_settings
 from .exceptions import InvalidInputError
+from .validation import check_short_text
 
 KEY_MAX = 200  # AgentRun.limit_key, AgentLimit.key
-_NUL_OR_SURROGATE = re.compile("[\x00\ud800-\udfff]")
 LARGEST_LIMIT = 2**31 - 1
 BUDGET_FIELDS = ("tokens", "cost")
 
 LimitKey = str | Callable[[Any], "str | None"] | None
 
 
-def check_key(value: Any, what: str = "limit_key") -> str:
+def check_limit_key(value: Any, what: str = "limit_key") -> str:
     """A limit key is 1-200 characters with no NUL or surrogate."""
-    if not isinstance(value, str) or not 1 <= len(value) <= KEY_MAX \
-            or _NUL_OR_SURROGATE.search(value):
-        raise InvalidInputError(f"{what} must be a string of 1-{KEY_MAX} characters with no NUL "
-                                f"or surrogate, not {value!r:.80}")
-    return value
+    return check_short_text(value, what, KEY_MAX)
 
 
 def check_max_running(value: Any) -> int | None:
@@ -48,14 +43,14 @@ def check_agent_limit_key(name: str, value: Any) -> None:
     """`@agent(limit_key=...)`: a key, or a callable of the input returning one."""
     if value is None or callable(value):
         return
-    check_key(value, f"Agent {name!r}: limit_key")
+    check_limit_key(value, f"Agent {name!r}: limit_key")
 
 
 def resolve_limit_key(agent: str, default: LimitKey, override: Any, input: Any) -> str:
     """The key stored on a new run: `enqueue(limit_key=...)`, else the agent's (a callable
     is called with the input), else "" (no key). Raises InvalidInputError for a bad one."""
     if override is not None:
-        return check_key(override)
+        return check_limit_key(override)
     if default is None:
         return ""
     if callable(default):
@@ -64,8 +59,8 @@ def resolve_limit_key(agent: str, default: LimitKey, override: Any, input: Any) 
         except Exception as exc:
             raise InvalidInputError(f"Agent {agent!r}: limit_key({input!r:.80}) raised "
                                     f"{type(exc).__name__}: {exc}") from exc
-        return "" if key is None else check_key(key, f"Agent {agent!r}: limit_key(input)")
-    return check_key(default)
+        return "" if key is None else check_limit_key(key, f"Agent {agent!r}: limit_key(input)")
+    return check_limit_key(default)
 
 
 # --------------------------------------------------------------------------- budgets
@@ -135,7 +130,7 @@ def settings_limits() -> dict[str, int]:
 def limits_problem(key: Any, value: Any) -> str | None:
     """Why `LIMITS[key] = value` is refused, if it is."""
     try:
-        check_key(key, f"{SETTING_NAME}['LIMITS'] key")
+        check_limit_key(key, f"{SETTING_NAME}['LIMITS'] key")
         if value is None:
             raise InvalidInputError("a limit must be a whole number >= 0, not None")
         check_max_running(value)

@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from ..api import set_limit
 from ..exceptions import InvalidInputError
-from ..limits import check_key, check_max_running, effective_limit
+from ..limits import check_limit_key, check_max_running, effective_limit
 from ..models import AgentLimit, AgentRun, Status
 
 USAGE_DAYS = 14  # the overview's usage by day: the last two weeks (the created_at index)
@@ -41,7 +41,7 @@ class LimitForm(forms.ModelForm):  # type: ignore[type-arg]
     def clean_key(self) -> str:
         key = self.cleaned_data.get("key")
         try:
-            return check_key(key, "key")
+            return check_limit_key(key, "key")
         except InvalidInputError as exc:
             raise forms.ValidationError(str(exc)) from None
 

@@ -54,7 +54,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     """
     from ..models import AgentLimit, AgentRun, PausedQueue
     from ..registry import all_agents, scope_policy
-    from .visibility import due_elsewhere
+    from .visibility import count_due_elsewhere
 
     at = at or timezone.now()
     backlog = Backlog()
@@ -92,7 +92,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
-    backlog.unknown_agents.update(due_elsewhere(None, frozenset(all_agents()), at))
+    backlog.unknown_agents.update(count_due_elsewhere(None, frozenset(all_agents()), at))
     closed = AgentLimit.objects.filter(closed_until__gt=at).values_list("key", "closed_until")
     backlog.closed_keys.update((key, (until - at).total_seconds()) for key, until in closed
                                if until is not None)
