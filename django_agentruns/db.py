@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hashlib
@@ -9,7 +10,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from django.db import (
@@ -273,3 +274,44 @@ def self_check(listening: Any, channel: str, send_alias: str = DEFAULT_DB_ALIAS,
         sender.execute("SELECT pg_notify(%s, %s)", [channel, nonce])
     return any(note.channel == channel and note.payload == nonce
                for note in listening.notifies(timeout=timeout, stop_after=1))
+
+
+# ------------------------------------------------------ retrying an attempt's writes
+
+FIRST_RETRY_WAIT = 0.05
+LONGEST_RETRY_WAIT = 1.0
+RetryHandler = Callable[[Exception, float, bool], None]
+"""`on_error(exc, wait, spent)`: raises to give up, or returns to retry after `wait` s;
+`spent` says half the lease is (or would be, after the wait) gone."""
+
+
+def retry_for_half_lease(lease_ttl: float | None, write: Callable[[], T],
+                         on_error: RetryHandler,
+                         errors: tuple[type[Exception], ...] = (DatabaseError,)) -> T:
+    """`write()`, retried after each of `errors` with backoff (0.05 s doubling to 1 s) while
+    half the lease is left: past it the run lapses and another worker may reclaim it, so a
+    write retried longer would race the new owner. `on_error` decides each time."""
+    deadline = time.monotonic() + (lease_ttl or 0.0) / 2
+    wait = FIRST_RETRY_WAIT
+    while True:
+        try:
+            return write()
+        except errors as exc:
+            on_error(exc, wait, time.monotonic() + wait > deadline)
+        time.sleep(wait)
+        wait = min(LONGEST_RETRY_WAIT, wait * 2)
+
+
+async def aretry_for_half_lease(lease_ttl: float | None, write: Callable[[], Awaitable[T]],
+                                on_error: RetryHandler,
+                                errors: tuple[type[Exception], ...] = (DatabaseError,)) -> T:
+    """`retry_for_half_lease` on the event loop: the write awaited, the waits too."""
+    deadline = time.monotonic() + (lease_ttl or 0.0) / 2
+    wait = FIRST_RETRY_WAIT
+    while True:
+        try:
+            return await write()
+        except errors as exc:
+            on_error(exc, wait, time.monotonic() + wait > deadline)
+        await asyncio.sleep(wait)
+        wait = min(LONGEST_RETRY_WAIT, wait * 2)
