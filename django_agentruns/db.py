@@ -10,7 +10,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from django.db import (
@@ -274,6 +274,38 @@ def self_check(listening: Any, channel: str, send_alias: str = DEFAULT_DB_ALIAS,
         sender.execute("SELECT pg_notify(%s, %s)", [channel, nonce])
     return any(note.channel == channel and note.payload == nonce
                for note in listening.notifies(timeout=timeout, stop_after=1))
+
+
+@contextlib.contextmanager
+def listening(alias: str, *channels: str) -> Iterator[Any]:
+    """A psycopg connection of its own to `alias` (no pool: a pooled one would be handed
+    to others between statements), LISTENing on `channels`; closed on leaving."""
+    import psycopg
+
+    with psycopg.connect(**connect_params(alias), autocommit=True) as conn:
+        for channel in channels:
+            conn.execute(f"LISTEN {channel}")
+        yield conn
+
+
+class Reconnects:
+    """The failures in a row of a LISTEN connection that its thread keeps reopening:
+    each is logged (the first with its traceback) and waited out, doubling up to
+    `longest` seconds, so a database that is away is not hammered; polling covers it."""
+
+    def __init__(self, log: logging.Logger, what: str, first: float, longest: float) -> None:
+        self.log, self.what, self.first, self.longest = log, what, first, longest
+        self.failures = 0
+
+    def connected(self) -> None:
+        self.failures = 0
+
+    def failed(self, then: str = "", *args: Any) -> float:
+        """Log one more failure (`then`: what happens meanwhile); the seconds to wait."""
+        self.failures += 1
+        self.log.warning(f"%s failed (%s in a row){then}", self.what, self.failures, *args,
+                         exc_info=self.failures == 1)
+        return min(self.longest, self.first * 2.0 ** min(self.failures, 16))
 
 
 # ------------------------------------------------------ retrying an attempt's writes

@@ -33,7 +33,7 @@ from asgiref.sync import sync_to_async
 from django.db import connection
 
 from ..conf import SETTING_NAME, app_settings
-from ..db import is_postgres
+from ..db import Reconnects, is_postgres
 from ..exceptions import InvalidInputError, RunNotFoundError, TooManyWaitersError
 from ..models import TERMINAL, AgentRun
 
@@ -117,7 +117,7 @@ class FinishedListener:
         self._changed.set()
 
     def _run(self) -> None:
-        failures = 0
+        reconnects = Reconnects(logger, "the waiters' LISTEN connection", 0.1, 5.0)
         while True:
             with self._lock:
                 idle = not self._waiters
@@ -127,12 +127,9 @@ class FinishedListener:
                 continue
             try:
                 self._serve()
-                failures = 0
+                reconnects.connected()
             except Exception:  # the database is away: waiters keep waiting, or time out
-                failures += 1
-                logger.warning("the waiters' LISTEN connection failed (%s in a row)",
-                               failures, exc_info=failures == 1)
-                time.sleep(min(5.0, 0.1 * 2 ** failures))
+                time.sleep(reconnects.failed())
             finally:
                 self.connected = False
                 connection.close()
@@ -140,12 +137,9 @@ class FinishedListener:
     def _serve(self) -> None:
         """LISTEN, then read the awaited runs as they register or are heard of, until
         nobody waits."""
-        import psycopg
+        from ..db import listen_alias, listening
 
-        from ..db import connect_params, listen_alias
-
-        with psycopg.connect(**connect_params(listen_alias()), autocommit=True) as conn:
-            conn.execute(f"LISTEN {FINISHED_CHANNEL}")
+        with listening(listen_alias(), FINISHED_CHANNEL) as conn:
             self.connected = True
             with self._lock:
                 self._fresh = set(self._waiters)  # all are read after LISTEN
