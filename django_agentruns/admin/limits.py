@@ -16,6 +16,7 @@ from django.db.models import Count, F, Sum
 from django.db.models.functions import TruncDate
 from django.http import HttpRequest
 from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
 
 from ..api import set_limit
 from ..exceptions import InvalidInputError
@@ -63,18 +64,18 @@ class AgentLimitAdmin(LimitAdminBase):
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         return (*self.readonly_fields, "key") if obj is not None else self.readonly_fields
 
-    @admin.display(description="limit in force")
+    @admin.display(description=_("limit in force"))
     def effective(self, row: AgentLimit) -> str:
         cap = effective_limit(row.key, row.max_running) if row.key else None
         if cap is None:
             return "unlimited"
         return f"{cap}" + ("" if row.max_running is not None else " (LIMITS setting)")
 
-    @admin.display(description="running now")
+    @admin.display(description=_("running now"))
     def running(self, row: AgentLimit) -> int:
         return AgentRun.objects.filter(status=Status.RUNNING, limit_key=row.key).count()
 
-    @admin.display(description="closed")
+    @admin.display(description=_("closed"))
     def closed(self, row: AgentLimit) -> str:
         if row.closed_until is None or row.closed_until <= timezone.now():
             return "open"
