@@ -8,6 +8,7 @@ import functools
 import hashlib
 import logging
 import random
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -306,6 +307,26 @@ class Reconnects:
         self.log.warning(f"%s failed (%s in a row){then}", self.what, self.failures, *args,
                          exc_info=self.failures == 1)
         return min(self.longest, self.first * 2.0 ** min(self.failures, 16))
+
+
+def serve_on_demand(wanted: Callable[[], bool], changed: threading.Event,
+                    serve: Callable[[], None], reconnects: Reconnects,
+                    after: Callable[[], None]) -> None:
+    """A listener thread's life, forever: asleep while nothing is `wanted()` (woken by
+    `changed`), else `serve()` (which returns once nothing is), reopened after a failure
+    when `reconnects` says; `after()` follows each serve, failed or not."""
+    while True:
+        if not wanted():
+            changed.wait()
+            changed.clear()
+            continue
+        try:
+            serve()
+            reconnects.connected()
+        except Exception:  # the database is away: those waiting time out or poll meanwhile
+            time.sleep(reconnects.failed())
+        finally:
+            after()
 
 
 # ------------------------------------------------------ retrying an attempt's writes

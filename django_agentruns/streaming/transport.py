@@ -26,7 +26,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, close_old_connections, connection, connections
 from django.db.models import Q
 
-from ..db import Reconnects, retry_on_lock
+from ..db import Reconnects, retry_on_lock, serve_on_demand
 from ..models import AgentRun, StreamChunk
 from ..outcomes import AttemptRef
 
@@ -317,19 +317,13 @@ class Listener:
         self._thread.start()
 
     def _run(self) -> None:
-        reconnects = Reconnects(logger, "live-chunk LISTEN connection", 0.1, 5.0)
-        while True:
-            if not self._watched():
-                self.changed.wait()
-                self.changed.clear()
-                continue
-            try:
-                self._serve()
-                reconnects.connected()
-            except Exception:  # the database is away: chunks wait for the coalesced event
-                wait = reconnects.failed()
-                self.connected = False
-                time.sleep(wait)
+        # While the database is away, chunks wait for the coalesced event.
+        serve_on_demand(lambda: bool(self._watched()), self.changed, self._serve,
+                        Reconnects(logger, "live-chunk LISTEN connection", 0.1, 5.0),
+                        after=self._disconnected)
+
+    def _disconnected(self) -> None:
+        self.connected = False
 
     def _serve(self) -> None:
         """LISTEN to what is watched, until nothing is."""

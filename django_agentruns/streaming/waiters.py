@@ -33,7 +33,7 @@ from asgiref.sync import sync_to_async
 from django.db import connection
 
 from ..conf import SETTING_NAME, app_settings
-from ..db import Reconnects, is_postgres
+from ..db import Reconnects, is_postgres, serve_on_demand
 from ..exceptions import InvalidInputError, RunNotFoundError, TooManyWaitersError
 from ..models import TERMINAL, AgentRun
 
@@ -117,22 +117,18 @@ class FinishedListener:
         self._changed.set()
 
     def _run(self) -> None:
-        reconnects = Reconnects(logger, "the waiters' LISTEN connection", 0.1, 5.0)
-        while True:
-            with self._lock:
-                idle = not self._waiters
-            if idle:
-                self._changed.wait()
-                self._changed.clear()
-                continue
-            try:
-                self._serve()
-                reconnects.connected()
-            except Exception:  # the database is away: waiters keep waiting, or time out
-                time.sleep(reconnects.failed())
-            finally:
-                self.connected = False
-                connection.close()
+        # While the database is away, waiters keep waiting, or time out.
+        serve_on_demand(self._wanted, self._changed, self._serve,
+                        Reconnects(logger, "the waiters' LISTEN connection", 0.1, 5.0),
+                        after=self._disconnected)
+
+    def _wanted(self) -> bool:
+        with self._lock:
+            return bool(self._waiters)
+
+    def _disconnected(self) -> None:
+        self.connected = False
+        connection.close()
 
     def _serve(self) -> None:
         """LISTEN, then read the awaited runs as they register or are heard of, until
