@@ -16,7 +16,6 @@ from django.apps import apps
 from django.db import models
 from django.utils import timezone
 
-from django_agentruns import reaper
 from django_agentruns.models import (
     AgentRun,
     Reason,
@@ -27,6 +26,7 @@ from django_agentruns.models import (
     StreamChunk,
 )
 from django_agentruns.ops.retention import LINKS_TO_RUN, OWNED_BY_RUN, purge
+from django_agentruns.runtime import reaper
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

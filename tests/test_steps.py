@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 from django.db.models import F
 
-from django_agentruns import deliver, enqueue, reaper, transitions
+from django_agentruns import deliver, enqueue, transitions
 from django_agentruns.exceptions import LimitExceeded
 from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status
 from django_agentruns.outcomes import AttemptRef, Renewal
 from django_agentruns.registry import scope_policy
+from django_agentruns.runtime import reaper
 from django_agentruns.runtime.worker import Worker
 from tests import helpers
 from tests.testapp.step_agents import executions
