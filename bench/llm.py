@@ -56,7 +56,7 @@ STEPS = "llm_steps_"  # the kinds whose calls are durable steps
 
 @dataclass(frozen=True)
 class Goal:
-    """What issue 14 asks of ours in a row."""
+    """The throughput ratio to procrastinate, and the ceilings, a row of ours must meet."""
 
     ratio: float
     connections: int

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         set_limit,
     )
     from .ops.retention import erase
+    from .outcomes import Approval, DeliverResult, RunResult
     from .queues import pause_queue, resume_queue
     from .runtime.context import RunContext
     from .runtime.interactive import run_now
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
     from .streaming.signing import stream_url
     from .streaming.waiters import await_run, wait_for_run
     from .transitions import CancelResult
-    from .wait_results import Approval, DeliverResult, RunResult
     from .waiting import approve, deliver, reject
 
 __version__ = VERSION
@@ -104,8 +104,8 @@ __all__ = [
 
 _LAZY = {"RunContext": "runtime.context", "CancelResult": "outcomes", "enqueue": "api",
          "enqueue_many": "api", "cancel": "api", "retry": "api", "run_now": "runtime.interactive",
-         "RunRequest": "api", "Approval": "wait_results", "DeliverResult": "wait_results",
-         "RunResult": "wait_results", "deliver": "waiting", "approve": "waiting",
+         "RunRequest": "api", "Approval": "outcomes", "DeliverResult": "outcomes",
+         "RunResult": "outcomes", "deliver": "waiting", "approve": "waiting",
          "reject": "waiting", "wait_for_run": "streaming.waiters", "await_run": "streaming.waiters",
          "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
          "add_schedule": "schedules", "remove_schedule": "schedules", "set_limit": "api",
@@ -138,6 +138,7 @@ MOVED = {
     "triage": ("ops.triage",), "visibility": ("ops.visibility",),
     "diagnosis": ("ops.diagnosis",), "tracing": ("ops.tracing",), "pooling": ("ops.pooling",),
     "retention": ("ops.retention",), "workers": ("ops.workers", "runtime.presence"),
+    "wait_results": ("outcomes",),
 }
 
 

@@ -13,11 +13,11 @@ from django.utils import timezone
 
 from . import signals, transitions
 from .exceptions import InvalidInputError, RunNotFoundError
-from .limits import LimitKey, check_budget, check_key, resolve_limit_key
+from .limits import LimitKey, check_budget, check_limit_key, resolve_limit_key
 from .models import AgentRun
 from .registry import QUEUE_RULE, get_agent, is_queue_name
 from .transitions import CancelResult, NewRun
-from .validation import capped_json, storable_text, unstorable_text
+from .validation import capped_json, is_short_text, storable_text
 from .windows import KEEP
 from .windows import check_field as check_limit_field
 
@@ -205,7 +205,7 @@ def build_new_run(request: RunRequest, at: datetime,
 def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:
     if not isinstance(value, str):
         raise InvalidInputError(f"{name} must be a string, not {type(value).__name__}")
-    if (not value and not allow_empty) or len(value) > limit or unstorable_text(value):
+    if not is_short_text(value, limit, empty=allow_empty):
         raise InvalidInputError(f"{name} must be {'0' if allow_empty else '1'}-{limit} "
                                 f"characters with no NUL or surrogate, not {value[:50]!r}")
     return value
@@ -340,7 +340,7 @@ def set_limit(
     to the LIMITS setting (or unbounded). A key ending in `*` is a pattern: each key with
     that prefix gets windows of its own of that size. Raises InvalidInputError (writing
     nothing) for a bad key or value."""
-    check_key(key, "key")
+    check_limit_key(key, "key")
     given = {"max_running": max_running, "per_minute": per_minute,
              "tokens_per_minute": tokens_per_minute, "cost_per_day": cost_per_day}
     fields = {name: check_limit_field(name, value) for name, value in given.items()
@@ -352,7 +352,7 @@ def set_limit(
 def open_key(key: str) -> bool:
     """Reopen a limit key closed by a 429 (a `Snooze` that closes its key)
     before its time: its runs may start at the next claim. False if it was not closed."""
-    check_key(key, "key")
+    check_limit_key(key, "key")
     opened = transitions.open_key(key)
     if opened:
         logger.info("limit key %s reopened", key, extra={"limit_key": key})

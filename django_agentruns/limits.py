@@ -10,15 +10,14 @@ in django_agentruns.windows.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .exceptions import InvalidInputError
+from .validation import check_short_text
 
 KEY_MAX = 200  # AgentRun.limit_key, AgentLimit.key
-_NUL_OR_SURROGATE = re.compile("[\x00\ud800-\udfff]")
 LARGEST_LIMIT = 2**31 - 1
 BUDGET_FIELDS = ("tokens", "cost")
 
@@ -26,13 +25,9 @@ LimitKey = str | list[str] | Callable[[Any], "str | list[str] | None"] | None
 MAX_FAILOVER_KEYS = 20
 
 
-def check_key(value: Any, what: str = "limit_key") -> str:
+def check_limit_key(value: Any, what: str = "limit_key") -> str:
     """A limit key is 1-200 characters with no NUL or surrogate."""
-    if not isinstance(value, str) or not 1 <= len(value) <= KEY_MAX \
-            or _NUL_OR_SURROGATE.search(value):
-        raise InvalidInputError(f"{what} must be a string of 1-{KEY_MAX} characters with no NUL "
-                                f"or surrogate, not {value!r:.80}")
-    return value
+    return check_short_text(value, what, KEY_MAX)
 
 
 def check_max_running(value: Any) -> int | None:
@@ -58,11 +53,11 @@ def check_keys(value: Any, what: str = "limit_key") -> tuple[str, ...]:
         if not value or len(value) > MAX_FAILOVER_KEYS:
             raise InvalidInputError(f"{what} as a list must hold 1-{MAX_FAILOVER_KEYS} keys, "
                                     f"not {len(value)}")
-        keys = tuple(check_key(k, what) for k in value)
+        keys = tuple(check_limit_key(k, what) for k in value)
         if len(set(keys)) != len(keys):
             raise InvalidInputError(f"{what} lists a key twice: {list(keys)!r:.120}")
         return keys
-    return (check_key(value, what),)
+    return (check_limit_key(value, what),)
 
 
 def resolve_limit_key(agent: str, default: LimitKey, override: Any, input: Any

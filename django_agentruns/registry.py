@@ -18,6 +18,7 @@ from .exceptions import InvalidInputError, UnknownAgentError
 from .limits import Budget, LimitKey, check_agent_limit_key, check_budget
 from .outcomes import ScopePolicy
 from .ticks import Timing, check_timing
+from .validation import is_short_text
 from .windows import Estimate, check_estimate
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -30,7 +31,6 @@ QUEUE_RULE = "1-100 characters of letters, digits and _ . : -"
 
 
 WORKER_ID_MAX = 255  # AgentRun.claimed_by
-_NUL_OR_SURROGATE = re.compile("[\x00\ud800-\udfff]")
 
 
 def is_queue_name(value: Any) -> bool:
@@ -40,8 +40,7 @@ def is_queue_name(value: Any) -> bool:
 def check_worker_names(queues: Sequence[str], worker_id: str) -> None:
     """Refuse at a worker's start what would fail every claim it makes: a worker id
     `claimed_by` cannot hold, a queue name no run can have."""
-    if not isinstance(worker_id, str) or not 1 <= len(worker_id) <= WORKER_ID_MAX \
-            or _NUL_OR_SURROGATE.search(worker_id):
+    if not is_short_text(worker_id, WORKER_ID_MAX):
         raise InvalidInputError(f"a worker id is 1-{WORKER_ID_MAX} characters with no NUL, "
                                 f"not {worker_id!r:.60}")
     for queue in queues:

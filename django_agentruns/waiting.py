@@ -13,8 +13,8 @@ from typing import Any
 from . import transitions
 from .conf import app_settings
 from .exceptions import InvalidInputError
+from .outcomes import DeliverResult
 from .validation import capped_json, check_key, storable_text
-from .wait_results import DeliverResult
 
 
 def deliver(run_id: int, key: str, payload: Any = None, *, by: str = "") -> DeliverResult:

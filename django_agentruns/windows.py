@@ -17,7 +17,7 @@ from typing import Any
 
 from .conf import SETTING_NAME, app_settings
 from .exceptions import InvalidInputError
-from .limits import LARGEST_LIMIT, check_key, check_max_running
+from .limits import LARGEST_LIMIT, check_limit_key, check_max_running
 
 FIELDS = ("max_running", "per_minute", "tokens_per_minute", "cost_per_day")
 MINUTE = 60.0
@@ -107,7 +107,7 @@ def parse_limits(value: Any) -> KeyLimits:
 def settings_problem(key: Any, value: Any) -> str | None:
     """Why `LIMITS[key] = value` is refused, if it is."""
     try:
-        check_key(key, f"{SETTING_NAME}['LIMITS'] key")
+        check_limit_key(key, f"{SETTING_NAME}['LIMITS'] key")
         parse_limits(value)
     except InvalidInputError as exc:
         return str(exc)

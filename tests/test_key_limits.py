@@ -1,4 +1,4 @@
-"""Limits per key, across every worker (issue 17, points 3-4).
+"""Limits per key, across every worker.
 
 A run's limit key is resolved at enqueue; a key's limit (LIMITS, `set_limit`) bounds how
 many of its runs run at once across all workers, race-free; a 429 with Retry-After closes

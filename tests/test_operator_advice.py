@@ -19,10 +19,10 @@ from django.utils import timezone
 
 import django_agentruns
 from django_agentruns import open_key
-from django_agentruns.diagnosis import advice
 from django_agentruns.models import AgentLimit, AgentRun, PausedQueue, Reason, Status
+from django_agentruns.ops.diagnosis import advice
 from django_agentruns.outcomes import AttemptRef, Outcome, Settlement
-from django_agentruns.recording import log_settlement, settlement_facts
+from django_agentruns.runtime.recording import log_settlement, settlement_facts
 from django_agentruns.transitions import close_key
 from tests.test_admin import make_run
 

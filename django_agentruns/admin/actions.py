@@ -20,6 +20,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.utils.text import capfirst
+from django.utils.translation import gettext_lazy as _
 
 from .. import api
 from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
@@ -263,20 +264,20 @@ def confirmation(model_admin: Any, request: HttpRequest, queryset: QuerySet[Agen
     return TemplateResponse(request, "django_agentruns/admin/confirm_action.html", context)
 
 
-@admin.action(permissions=["retry"], description="Retry selected runs (failed or cancelled)")
+@admin.action(permissions=["retry"], description=_("Retry selected runs (failed or cancelled)"))
 def retry_runs(model_admin: Any, request: HttpRequest,
                queryset: QuerySet[AgentRun]) -> TemplateResponse | None:
     return bulk(model_admin, request, queryset, RETRY, "retry_runs")
 
 
-@admin.action(permissions=["cancel"], description="Cancel selected runs (queued or running)")
+@admin.action(permissions=["cancel"], description=_("Cancel selected runs (queued or running)"))
 def cancel_runs(model_admin: Any, request: HttpRequest,
                 queryset: QuerySet[AgentRun]) -> TemplateResponse | None:
     return bulk(model_admin, request, queryset, CANCEL, "cancel_runs")
 
 
 @admin.action(permissions=["erase"],
-              description="Erase selected runs and everything they stored (finished only)")
+              description=_("Erase selected runs and everything they stored (finished only)"))
 def erase_runs(model_admin: Any, request: HttpRequest,
                queryset: QuerySet[AgentRun]) -> TemplateResponse | None:
     return bulk(model_admin, request, queryset, ERASE, "erase_runs")

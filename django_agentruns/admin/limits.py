@@ -18,12 +18,13 @@ from django.db.models.functions import TruncDate
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
 from django.views.decorators.http import require_POST
 
 from .. import transitions
 from ..api import open_key, set_limit
 from ..exceptions import InvalidInputError
-from ..limits import check_key
+from ..limits import check_limit_key
 from ..models import AgentLimit, AgentRun, Status
 from ..ops.visibility import key_limits
 from ..windows import FIELDS, check_field, effective_limit, is_pattern
@@ -48,7 +49,7 @@ class LimitForm(forms.ModelForm):  # type: ignore[type-arg]
     def clean_key(self) -> str:
         key = self.cleaned_data.get("key")
         try:
-            return check_key(key, "key")
+            return check_limit_key(key, "key")
         except InvalidInputError as exc:
             raise forms.ValidationError(str(exc)) from None
 
@@ -86,7 +87,7 @@ class AgentLimitAdmin(LimitAdminBase):
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         return (*self.readonly_fields, "key") if obj is not None else self.readonly_fields
 
-    @admin.display(description="running limit in force")
+    @admin.display(description=_("running limit in force"))
     def effective(self, row: AgentLimit) -> str:
         cap = effective_limit(row.key, row.max_running) if row.key else None
         if row.key and not is_pattern(row.key):
@@ -97,7 +98,7 @@ class AgentLimitAdmin(LimitAdminBase):
             return "paused (limit 0)"
         return f"{cap}" + ("" if row.max_running is not None else " (LIMITS setting)")
 
-    @admin.display(description="windows now")
+    @admin.display(description=_("windows now"))
     def windows(self, row: AgentLimit) -> str:
         """Each window's use against its size (reservations of running attempts included)."""
         if not row.key or is_pattern(row.key):
@@ -116,7 +117,7 @@ class AgentLimitAdmin(LimitAdminBase):
             parts.append(f"{use.cost:.4g}/{limits.cost_per_day:g} per day")
         return "; ".join(parts)
 
-    @admin.display(description="spend, last 24 h")
+    @admin.display(description=_("spend, last 24 h"))
     def spend_per_day(self, row: AgentLimit) -> str:
         """Cost recorded by the key's runs created in the last day (a pattern: all of its
         keys')."""
@@ -128,15 +129,15 @@ class AgentLimitAdmin(LimitAdminBase):
                                                             F("output_tokens")))
         return f"{spent['cost'] or 0:.4g} ({spent['tokens'] or 0:,} tokens)"
 
-    @admin.display(description="running now")
+    @admin.display(description=_("running now"))
     def running(self, row: AgentLimit) -> int:
         return AgentRun.objects.filter(status=Status.RUNNING, limit_key=row.key).count()
 
-    @admin.display(description="queued now")
+    @admin.display(description=_("queued now"))
     def queued(self, row: AgentLimit) -> int:
         return AgentRun.objects.filter(status=Status.QUEUED, limit_key=row.key).count()
 
-    @admin.display(description="closed")
+    @admin.display(description=_("closed"))
     def closed(self, row: AgentLimit) -> str:
         if not is_closed(row):
             return "open"

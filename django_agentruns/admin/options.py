@@ -19,6 +19,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
+from django.utils.translation import gettext_lazy as _
 
 from ..models import AgentRun, RunEvent, Status
 from ..ops.diagnosis import short_error
@@ -157,8 +158,8 @@ class AgentRunAdmin(ModelAdminBase):
         """A POSTed action this user may not run is forbidden, not silently ignored; a query
         the database cannot even hold (a NUL byte: PostgreSQL refuses it) is dropped."""
         if any("\x00" in key + "".join(values) for key, values in request.GET.lists()):
-            self.message_user(request, "Malformed filter (it contained a NUL character): "
-                              "showing all runs.", messages.ERROR)
+            self.message_user(request, _("Malformed filter (it contained a NUL character): "
+                                       "showing all runs."), messages.ERROR)
             return HttpResponseRedirect(request.path)
         if request.method == "POST" and "action" in request.POST:
             allowed = self.get_actions(request)
@@ -169,32 +170,32 @@ class AgentRunAdmin(ModelAdminBase):
     def response_action(self, request: HttpRequest, queryset: QuerySet[AgentRun],
                         *args: Any, **kwargs: Any) -> HttpResponse | None:
         if selected_ids(request) is None:
-            self.message_user(request, "Malformed selection (run ids are integers): "
-                              "nothing was changed.", messages.ERROR)
+            self.message_user(request, _("Malformed selection (run ids are integers): "
+                                       "nothing was changed."), messages.ERROR)
             return None
         return super().response_action(request, queryset, *args, **kwargs)
 
-    @admin.display(description="id", ordering="id")
+    @admin.display(description=_("id"), ordering="id")
     def short_id(self, run: AgentRun) -> str:
         return f"#{run.pk}"
 
-    @admin.display(description="status", ordering="status")
+    @admin.display(description=_("status"), ordering="status")
     def status_badge(self, run: AgentRun) -> SafeString:
         live = live_ids() if run.status == Status.RUNNING else None
         return show.status_badge(run, live)
 
-    @admin.display(description="reason", ordering="reason")
+    @admin.display(description=_("reason"), ordering="reason")
     def reason_text(self, run: AgentRun) -> SafeString:
         return show.reason(run)
 
-    @admin.display(description="attempts", ordering="attempt")
+    @admin.display(description=_("attempts"), ordering="attempt")
     def attempts(self, run: AgentRun) -> str:
         """Attempts started, and the requeues they took if any: "3 (2 requeues)"."""
         if not run.requeue_count:
             return str(run.attempt)
         return f"{run.attempt} ({run.requeue_count} req.)"
 
-    @admin.display(description="agent / scope", ordering="agent")
+    @admin.display(description=_("agent / scope"), ordering="agent")
     def run_name(self, run: AgentRun) -> SafeString:
         task = getattr(run, "task_path", None) if run.agent in TASK_AGENTS else None
         if task:  # every task run has the same agent: its task says what it is
@@ -203,7 +204,7 @@ class AgentRunAdmin(ModelAdminBase):
         return format_html('{}<br><span class="agentruns-muted">{}</span>', run.agent,
                            run.scope)
 
-    @admin.display(description="status / reason / error", ordering="status")
+    @admin.display(description=_("status / reason / error"), ordering="status")
     def state(self, run: AgentRun) -> SafeString:
         """The badge; under it the reason (and error class), then the error's first words."""
         head = getattr(run, "error_head", "") or ""
@@ -216,70 +217,70 @@ class AgentRunAdmin(ModelAdminBase):
                            format_html("<br>{}", reason) if reason else "", error,
                            format_html("<br>{}", waiting) if waiting else "")
 
-    @admin.display(description="created / duration", ordering="created_at")
+    @admin.display(description=_("created / duration"), ordering="created_at")
     def when(self, run: AgentRun) -> SafeString:
         return format_html('{}<br><span class="agentruns-muted">{}</span>',
                            show.timestamp(run.created_at), show.duration_or_age(run))
 
-    @admin.display(description="created", ordering="created_at")
+    @admin.display(description=_("created"), ordering="created_at")
     def created(self, run: AgentRun) -> str:
         return show.timestamp(run.created_at)
 
-    @admin.display(description="available at")
+    @admin.display(description=_("available at"))
     def available(self, run: AgentRun) -> str:
         return show.timestamp(run.available_at)
 
-    @admin.display(description="started")
+    @admin.display(description=_("started"))
     def started(self, run: AgentRun) -> str:
         return show.timestamp(run.started_at) or "—"
 
-    @admin.display(description="finished")
+    @admin.display(description=_("finished"))
     def finished(self, run: AgentRun) -> str:
         return show.timestamp(run.finished_at) or "—"
 
-    @admin.display(description="usage", ordering="cost")
+    @admin.display(description=_("usage"), ordering="cost")
     def usage(self, run: AgentRun) -> str:
         return flow.usage(run)
 
-    @admin.display(description="duration / age")
+    @admin.display(description=_("duration / age"))
     def duration(self, run: AgentRun) -> str:
         return show.duration_or_age(run)
 
     # ------------------------------------------------------------------ run page
 
-    @admin.display(description="requeues")
+    @admin.display(description=_("requeues"))
     def requeues(self, run: AgentRun) -> str:
         return show.requeues(run)
 
-    @admin.display(description="lease")
+    @admin.display(description=_("lease"))
     def lease(self, run: AgentRun) -> str:
         return show.lease(run)
 
-    @admin.display(description="cancel requested")
+    @admin.display(description=_("cancel requested"))
     def cancel_request(self, run: AgentRun) -> str:
         return show.cancel_request(run)
 
-    @admin.display(description="input")
+    @admin.display(description=_("input"))
     def input_json(self, run: AgentRun) -> SafeString:
         return show.pretty_json(run.input)
 
-    @admin.display(description="output")
+    @admin.display(description=_("output"))
     def output_json(self, run: AgentRun) -> SafeString:
         return show.pretty_json(run.output)
 
-    @admin.display(description="checkpoint state")
+    @admin.display(description=_("checkpoint state"))
     def checkpoint_json(self, run: AgentRun) -> SafeString:
         return show.pretty_json(run.checkpoint_state)
 
-    @admin.display(description="forked from")
+    @admin.display(description=_("forked from"))
     def forked_from_link(self, run: AgentRun) -> SafeString:
         return show.run_link(run.forked_from_id, self._run_url)
 
-    @admin.display(description="error")
+    @admin.display(description=_("error"))
     def last_error(self, run: AgentRun) -> SafeString:
         return show.last_error(run)
 
-    @admin.display(description="why it has not started")
+    @admin.display(description=_("why it has not started"))
     def waiting_for(self, run: AgentRun) -> SafeString:
         return show.explanation(why_not_started(run), self._run_url)
 

@@ -13,6 +13,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
 
 from ..exceptions import AgentRunsError
 from ..models import Schedule
@@ -53,15 +54,15 @@ class ScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
         return data
 
 
-@admin.action(permissions=["change"], description="Pause the selected schedules")
+@admin.action(permissions=["change"], description=_("Pause the selected schedules"))
 def pause_schedules(modeladmin: Any, request: HttpRequest, queryset: QuerySet[Schedule]) -> None:
     for row in queryset.filter(enabled=True):
         row.enabled = False
         row.save(update_fields=["enabled", "updated_at"])  # updated_at: tickers re-read
-    modeladmin.message_user(request, "Paused.", messages.SUCCESS)
+    modeladmin.message_user(request, _("Paused."), messages.SUCCESS)
 
 
-@admin.action(permissions=["change"], description="Resume the selected schedules")
+@admin.action(permissions=["change"], description=_("Resume the selected schedules"))
 def resume_schedules(modeladmin: Any, request: HttpRequest,
                      queryset: QuerySet[Schedule]) -> None:
     for row in queryset.filter(enabled=False):
@@ -69,7 +70,8 @@ def resume_schedules(modeladmin: Any, request: HttpRequest,
         row.last_tick = timing_of(row).latest(timezone.now())  # the pause's ticks are skipped
         row.failures, row.retry_at = 0, None
         row.save(update_fields=["enabled", "last_tick", "failures", "retry_at", "updated_at"])
-    modeladmin.message_user(request, "Resumed: each runs from its next tick.", messages.SUCCESS)
+    modeladmin.message_user(request, _("Resumed: each runs from its next tick."),
+                            messages.SUCCESS)
 
 
 class ScheduleAdmin(ScheduleAdminBase):
@@ -86,13 +88,13 @@ class ScheduleAdmin(ScheduleAdminBase):
     def last_ticked(self, row: Schedule) -> str:
         return show.timestamp(row.last_tick) or "—"
 
-    @admin.display(description="when")
+    @admin.display(description=_("when"))
     def timing(self, row: Schedule) -> str:
         if row.cron:
             return f"cron {row.cron}" + (f" ({row.tz})" if row.tz else "")
         return f"every {row.every} s"
 
-    @admin.display(description="next tick")
+    @admin.display(description=_("next tick"))
     def upcoming(self, row: Schedule) -> str:
         if not row.enabled:
             return "paused"

@@ -18,6 +18,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from .. import api, queues
@@ -139,8 +140,8 @@ def retry_class(model_admin: Any) -> Any:
             raise PermissionDenied
         error_type = request.POST.get("error_type")
         if error_type is None or "\x00" in error_type:
-            model_admin.message_user(request, "No valid failure class given: nothing was retried.",
-                                     messages.ERROR)
+            model_admin.message_user(
+                request, _("No valid failure class given: nothing was retried."), messages.ERROR)
             return HttpResponseRedirect(_url("overview"))
         agent, reason = request.POST.get("agent"), request.POST.get("reason")
         if "\x00" in (agent or "") + (reason or ""):
@@ -150,13 +151,14 @@ def retry_class(model_admin: Any) -> Any:
             return _confirm_class(model_admin, request, error_type, runs, agent, reason)
         up_to = request.POST.get("up_to", "")
         if not (up_to.isascii() and up_to.isdigit() and len(up_to) < 19):
-            model_admin.message_user(request, "Malformed confirmation: nothing was retried.",
+            model_admin.message_user(request, _("Malformed confirmation: nothing was retried."),
                                      messages.ERROR)
             return HttpResponseRedirect(_url("overview"))
         ids = runs.filter(pk__lte=int(up_to)).values_list("pk", flat=True).iterator()
         text, level = RETRY.describe(RETRY.apply_logged(request, ids))
         label = _label(error_type, agent, reason)
-        model_admin.message_user(request, f"Dead letters of class {label}: {text}", level)
+        model_admin.message_user(request, _("Dead letters of class %(label)s: %(text)s")
+                                 % {"label": label, "text": text}, level)
         return HttpResponseRedirect(_url("overview"))
 
     return view
@@ -210,21 +212,23 @@ def fork_run(model_admin: Any) -> Any:
         if replay and not number:
             return _replay(model_admin, request, run_id, agent)
         if not (number.isascii() and number.isdigit() and len(number) < 10):
-            model_admin.message_user(request, "Malformed checkpoint number: nothing was "
-                                     "forked.", messages.ERROR)
+            model_admin.message_user(request, _("Malformed checkpoint number: nothing was "
+                                                "forked."), messages.ERROR)
             return HttpResponseRedirect(_url("change", run_id))
         try:
             run = api.fork(run_id, checkpoint=int(number), by=username(request))
         except RunNotFoundError:
-            model_admin.message_user(request, f"Run #{run_id} no longer exists.",
-                                     messages.ERROR)
+            model_admin.message_user(request, _("Run #%(id)s no longer exists.")
+                                     % {"id": run_id}, messages.ERROR)
             return HttpResponseRedirect(_url("changelist"))
         except AgentRunsError as exc:
-            model_admin.message_user(request, f"Run #{run_id} was not forked: {exc}",
-                                     messages.ERROR)
+            model_admin.message_user(request, _("Run #%(id)s was not forked: %(error)s")
+                                     % {"id": run_id, "error": exc}, messages.ERROR)
             return HttpResponseRedirect(_url("change", run_id))
-        model_admin.message_user(request, f"Run #{run.pk} forked from run #{run_id} at "
-                                 f"checkpoint {number}.", messages.SUCCESS)
+        model_admin.message_user(request, _("Run #%(id)s forked from run #%(source)s at "
+                                           "checkpoint %(number)s.")
+                                 % {"id": run.pk, "source": run_id, "number": number},
+                                 messages.SUCCESS)
         return HttpResponseRedirect(_url("change", run.pk))
 
     return view
@@ -237,14 +241,17 @@ def _replay(model_admin: Any, request: HttpRequest, run_id: int,
     try:
         run = api.fork(run_id, replay=True, agent=agent, by=username(request))
     except RunNotFoundError:
-        model_admin.message_user(request, f"Run #{run_id} no longer exists.", messages.ERROR)
+        model_admin.message_user(request, _("Run #%(id)s no longer exists.") % {"id": run_id},
+                                 messages.ERROR)
         return HttpResponseRedirect(_url("changelist"))
     except AgentRunsError as exc:
-        model_admin.message_user(request, f"Run #{run_id} was not replayed: {exc}",
-                                 messages.ERROR)
+        model_admin.message_user(request, _("Run #%(id)s was not replayed: %(error)s")
+                                 % {"id": run_id, "error": exc}, messages.ERROR)
         return HttpResponseRedirect(_url("change", run_id))
-    model_admin.message_user(request, f"Run #{run.pk} replays run #{run_id} with "
-                             f"{run.agent!r}.", messages.SUCCESS)
+    model_admin.message_user(request, _("Run #%(id)s replays run #%(source)s with "
+                                       "%(agent)r.")
+                             % {"id": run.pk, "source": run_id, "agent": run.agent},
+                             messages.SUCCESS)
     return HttpResponseRedirect(_url("change", run.pk))
 
 
@@ -264,11 +271,13 @@ def pause_or_resume(model_admin: Any, pause: bool) -> Any:
         except InvalidInputError as exc:
             model_admin.message_user(request, str(exc), messages.ERROR)
             return HttpResponseRedirect(_url("overview"))
-        verb = "paused" if pause else "resumed"
-        model_admin.message_user(
-            request, f"Queue {name!r} {verb}." if done else
-            f"Queue {name!r} was {'paused already' if pause else 'not paused'}.",
-            messages.SUCCESS if done else messages.WARNING)
+        if done:
+            text = _("Queue %(name)r paused.") if pause else _("Queue %(name)r resumed.")
+        else:
+            text = _("Queue %(name)r was paused already.") if pause \
+                else _("Queue %(name)r was not paused.")
+        model_admin.message_user(request, text % {"name": name},
+                                 messages.SUCCESS if done else messages.WARNING)
         return HttpResponseRedirect(_url("overview"))
 
     return view

@@ -58,7 +58,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     from ..registry import all_agents, scope_policy
     from ..transitions import window_fill
     from ..windows import FIELDS
-    from .visibility import due_elsewhere
+    from .visibility import count_due_elsewhere
 
     at = at or timezone.now()
     backlog = Backlog()
@@ -96,7 +96,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
-    backlog.unknown_agents.update(due_elsewhere(None, frozenset(all_agents()), at))
+    backlog.unknown_agents.update(count_due_elsewhere(None, frozenset(all_agents()), at))
     limits = list(AgentLimit.objects.values("key", "closed_until", *FIELDS))
     backlog.closed_keys.update((row["key"], (row["closed_until"] - at).total_seconds())
                                for row in limits

@@ -119,7 +119,7 @@ def key_hold(run: AgentRun, at: datetime) -> Hold | None:
     return Hold(KEY_FULL, f"waiting for its limit key {row.key!r}: {running} of its runs are "
                           f"running, its limit is {cap}")
 
-def due_elsewhere(
+def count_due_elsewhere(
     queues: Iterable[str] | None, agents: frozenset[str], at: datetime | None = None
 ) -> dict[tuple[str, str], int]:
     """Due runs a worker with only `agents` leaves queued, by (queue, agent): of any queue,

@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import transitions
 from ..conf import app_settings
-from ..exceptions import InvalidInputError
+from ..outcomes import Approval, RunResult
 from ..streaming import chunks
-from ..validation import capped_json, unstorable_text
-from ..wait_results import Approval, RunResult
+from ..validation import capped_json, check_short_text
 from . import receiving, steps, usage
 
 if TYPE_CHECKING:
@@ -205,9 +204,7 @@ class RunContext:
         """The write of one event, checked (the checks cost no database)."""
         control = self._control
         control.check()
-        if not isinstance(type, str) or not type or len(type) > 100 or unstorable_text(type):
-            raise InvalidInputError(f"Event type must be a string of 1-100 characters with no "
-                                    f"NUL or surrogate, not {type!r:.120}")
+        check_short_text(type, "Event type", 100)
         payload = {} if payload is None else payload
         capped_json(payload, f"Payload of event {type!r}", "MAX_EVENT_BYTES")
         event_id = transitions.emitted_event_id(self.run_id, control.checkpoints, control.position)

@@ -21,8 +21,9 @@ from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from asgiref.sync import async_to_sync, sync_to_async
-from django.db import DatabaseError, close_old_connections, connection
+from django.db import close_old_connections, connection
 
+from ..db import aretry_for_half_lease, retry_for_half_lease
 from ..exceptions import (
     AttemptStopped,
     AttemptTimeout,
@@ -164,17 +165,15 @@ class Executor:
             return Settlement.LOST
         if self.store is None:
             return await sync_to_async(self.record, thread_sensitive=False)(spec, ref, outcome)
-        deadline = time.monotonic() + (ref.lease_ttl or 0.0) / 2
-        wait = 0.05
-        while True:
-            try:
-                return recording.settled(await self.store.acall(step))
-            except DatabaseError as exc:
-                if time.monotonic() + wait > deadline:
-                    raise
-                _log_retry(ref, exc, wait)
-            await asyncio.sleep(wait)
-            wait = min(1.0, wait * 2)
+        store = self.store
+
+        def on_error(exc: Exception, wait: float, spent: bool) -> None:
+            if spent:
+                raise exc
+            _log_retry(ref, exc, wait)
+
+        return recording.settled(
+            await aretry_for_half_lease(ref.lease_ttl, lambda: store.acall(step), on_error))
 
     def interactive(self, spec: AgentSpec, run: AgentRun, control: AttemptControl) -> Outcome:
         """`run_now`'s attempt, in the caller's thread (and transaction, if one is open)."""
@@ -207,18 +206,13 @@ class Executor:
 
 
 def _retrying(ref: AttemptRef, write: Callable[[], T]) -> T:
-    deadline = time.monotonic() + (ref.lease_ttl or 0.0) / 2
-    wait = 0.05
-    while True:
-        try:
-            return write()
-        except DatabaseError as exc:
-            if time.monotonic() + wait > deadline:
-                raise
-            _log_retry(ref, exc, wait)
-            connection.close()
-            time.sleep(wait)
-            wait = min(1.0, wait * 2)
+    def on_error(exc: Exception, wait: float, spent: bool) -> None:
+        if spent:
+            raise exc
+        _log_retry(ref, exc, wait)
+        connection.close()
+
+    return retry_for_half_lease(ref.lease_ttl, write, on_error)
 
 
 def _log_retry(ref: AttemptRef, exc: BaseException, wait: float) -> None:

@@ -16,9 +16,8 @@ from django.utils import timezone
 
 from ..api import RunRequest, build_new_run, run_id_of
 from ..exceptions import AttemptStopped, InvalidInputError, WaitTimedOut
-from ..outcomes import Renewal, StopReason
+from ..outcomes import Approval, Renewal, RunResult, StopReason, Waited, WaitState
 from ..validation import capped_json, check_key, deadline_after
-from ..wait_results import Approval, RunResult, Waited, WaitState
 
 if TYPE_CHECKING:
     from .context import RunContext

@@ -17,7 +17,7 @@ from ..exceptions import InvalidInputError
 from ..limits import effective_budget
 from ..ops import metrics
 from ..outcomes import Renewal, UsageTotals
-from ..validation import unstorable_text
+from ..validation import is_short_text
 from .control import AttemptControl
 
 MODEL_MAX = 100
@@ -45,7 +45,7 @@ def usage_write(control: AttemptControl, input_tokens: Any, output_tokens: Any, 
             or cost < 0:
         raise InvalidInputError(f"record_usage: cost must be a finite number >= 0, "
                                 f"not {cost!r:.60}")
-    if not isinstance(model, str) or len(model) > MODEL_MAX or unstorable_text(model):
+    if not is_short_text(model, MODEL_MAX, empty=True):
         raise InvalidInputError(f"record_usage: model must be a string of at most {MODEL_MAX} "
                                 f"characters with no NUL or surrogate, not {model!r:.60}")
     control.check()

@@ -34,7 +34,7 @@ from asgiref.sync import sync_to_async
 from django.db import connection
 
 from ..conf import SETTING_NAME, app_settings
-from ..db import is_postgres
+from ..db import Reconnects, is_postgres, serve_on_demand
 from ..exceptions import InvalidInputError, RunNotFoundError, TooManyWaitersError
 from ..models import TERMINAL, AgentRun
 
@@ -124,36 +124,26 @@ class FinishedListener:
         self._changed.set()
 
     def _run(self) -> None:
-        failures = 0
-        while True:
-            with self._lock:
-                idle = not self._waiters
-            if idle:
-                self._changed.wait()
-                self._changed.clear()
-                continue
-            try:
-                self._serve()
-                failures = 0
-            except Exception:  # the database is away: waiters keep waiting, or time out
-                failures += 1
-                logger.warning("the waiters' LISTEN connection failed (%s in a row)",
-                               failures, exc_info=failures == 1)
-                time.sleep(min(5.0, 0.1 * 2 ** failures))
-            finally:
-                self.connected = False
-                connection.close()
+        # While the database is away, waiters keep waiting, or time out.
+        serve_on_demand(self._wanted, self._changed, self._serve,
+                        Reconnects(logger, "the waiters' LISTEN connection", 0.1, 5.0),
+                        after=self._disconnected)
+
+    def _wanted(self) -> bool:
+        with self._lock:
+            return bool(self._waiters)
+
+    def _disconnected(self) -> None:
+        self.connected = False
+        connection.close()
 
     def _serve(self) -> None:
         """LISTEN, then read the awaited runs as they register or are heard of, until
         nobody waits."""
-        import psycopg
-
-        from ..db import connect_params, listen_alias
+        from ..db import listen_alias, listening
 
         watcher = uuid.uuid4().hex
-        with psycopg.connect(**connect_params(listen_alias()), autocommit=True) as conn:
-            conn.execute(f"LISTEN {FINISHED_CHANNEL}")
+        with listening(listen_alias(), FINISHED_CHANNEL) as conn:
             conn.execute(f"DELETE FROM {WATCH_TABLE} WHERE created_at < now() - interval "
                          f"'{STALE_WATCH}'")
             self.connected = True

@@ -26,7 +26,7 @@ from .attempts import _renew_locked
 from .due import CLAIM_FIELDS
 from .events import SNOOZED, USAGE, append_events, append_one, lifecycle, now
 from .limited import close_key, failover_key
-from .settling import _apply, _decide, locked_row
+from .settling import _apply, _decide, settle_fenced
 from .windows import add_usage
 
 
@@ -136,13 +136,11 @@ def exhaust_budget(ref: AttemptRef, why: str, at: datetime | None = None) -> Set
     """The run's recorded usage passed its budget: dead-lettered `budget_exhausted`, which
     no retry of the same budget can fix (an operator retries it with a raised one). A
     requested cancel wins."""
-    at = at or now()
-    with transaction.atomic():
-        row = locked_row(ref.guard())
-        if row is None:
-            return Settlement.LOST
+    def settle(row: dict[str, Any], at: datetime) -> Settlement:
         decision = policy.Decision(DecisionAction.CANCEL) \
             if row["cancel_requested_at"] is not None \
             else policy.Decision(DecisionAction.DEAD_LETTER, reason=Reason.BUDGET_EXHAUSTED)
         error = ErrorInfo("BudgetExhausted", f"the run passed its budget: {why}", "")
         return _apply(row, ref.guard(), decision, error, at, events=[])
+
+    return settle_fenced(ref, at, settle)

@@ -21,8 +21,15 @@ from .. import signals
 from ..db import is_postgres, retry_on_lock
 from ..exceptions import LimitExceeded
 from ..models import TERMINAL, AgentRun, RunWait, Status
-from ..outcomes import AttemptRef, Renewal
-from ..wait_results import RESERVED_PREFIX, DeliverResult, RunResult, Waited, WaitState
+from ..outcomes import (
+    RESERVED_PREFIX,
+    AttemptRef,
+    DeliverResult,
+    Renewal,
+    RunResult,
+    Waited,
+    WaitState,
+)
 from .enqueue import NewRun, insert_runs
 from .events import append_events, append_one, lifecycle, now
 
