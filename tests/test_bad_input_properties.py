@@ -304,7 +304,8 @@ def test_cancel_and_retry_take_any_reason_and_operator(reason: Any, by: Any) -> 
 # --------------------------------------------------------------------------- settings
 
 CAPS = {"MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES",
-        "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP", "MAX_STEPS_PER_RUN"}
+        "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP", "MAX_STEPS_PER_RUN", "MAX_SPAWN_DEPTH",
+        "MAX_CHILDREN_PER_RUN", "MAX_DELIVERIES_PER_RUN"}
 NUMBERS = {"LEASE_TTL", "POLL_INTERVAL", "BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL",
            "GRACE", "MAX_REQUEUES", "CLAIM_BATCH", "BACKOFF_JITTER", "STREAMS_PER_USER",
            "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS", "MAX_SNOOZES", "WAITERS_PER_PROCESS",
@@ -483,8 +484,9 @@ def test_a_number_the_check_accepts_is_one_the_library_can_use(key: str, value: 
         assert value <= 2**31 - 1, "compared with AgentRun.snooze_count, an integer column"
     elif key == "MAX_EVENTS_PER_RUN":
         assert value <= 2**31 - 1, "RunEvent.seq is an integer column"
-    elif key == "SCHEDULE_MAX_CATCH_UP":
-        # The ticks a catch-up enqueues at once: a count, as many as a run's events.
+    elif key in ("SCHEDULE_MAX_CATCH_UP", "MAX_STEPS_PER_RUN", "MAX_SPAWN_DEPTH",
+                 "MAX_CHILDREN_PER_RUN", "MAX_DELIVERIES_PER_RUN"):
+        # Counts compared with integer columns (a step's occurrence, a run's depth, ...).
         assert value <= 2**31 - 1
     elif key in CAPS:
         assert value <= 64 * 1024 * 1024, "under PostgreSQL's 255 MB for one jsonb value"

@@ -21,11 +21,13 @@ from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.utils.text import capfirst
 from django.utils.translation import gettext_lazy as _
+from django.utils.translation import ngettext_lazy
 
 from .. import api
 from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
 from ..models import TERMINAL, AgentRun, Reason, Status
 from ..ops import retention
+from .budgets import confirmation_context
 
 CONFIRM_SAMPLE = 50
 LOG_BATCH = 500
@@ -57,8 +59,8 @@ class Operation:
     eligible: tuple[str, ...]
     eligible_text: str
     call: Callable[[int, str], str]
-    outcomes: dict[str, str]  # outcome -> how a bulk message counts it, in message order
-    single: dict[str, str]  # outcome -> the message about one run
+    outcomes: dict[str, Any]  # outcome -> how a bulk message counts it ("%(count)d ...")
+    single: dict[str, Any]  # outcome -> the message about one run ("{run} ...")
     changed: tuple[str, ...]  # the outcomes that changed a run
     permission: str = ""  # the permission's action, when it is not `name`
     removes: bool = False  # the run is gone afterwards: its history entry is a deletion
@@ -109,17 +111,18 @@ class Operation:
 
     def describe_one(self, run_id: int, outcome: str) -> tuple[str, int]:
         level = messages.SUCCESS if outcome in self.changed else messages.WARNING
-        return self.single[outcome].format(run=f"Run #{run_id}"), level
+        return str(self.single[outcome]).format(run=_("Run #%(id)s") % {"id": run_id}), level
 
     def describe(self, tally: Counter[str]) -> tuple[str, int]:
         """The operator's message, and its level: success if anything happened."""
-        parts = [f"{tally[key]} {text.format(s='' if tally[key] == 1 else 's')}"
+        parts = [text % {"count": tally[key]}
                  for key, text in self.outcomes.items() if tally[key]]
         if not parts:
-            return f"{self.title}: no runs selected; nothing was changed.", messages.WARNING
+            return (_("%(title)s: no runs selected; nothing was changed.")
+                    % {"title": self.title}, messages.WARNING)
         changed = any(tally[key] for key in self.changed)
-        return f"{self.title}: {'; '.join(parts)}.", messages.SUCCESS if changed \
-            else messages.WARNING
+        return (_("%(title)s: %(parts)s.") % {"title": self.title, "parts": "; ".join(parts)},
+                messages.SUCCESS if changed else messages.WARNING)
 
 
 RETRY = Operation(
@@ -128,14 +131,20 @@ RETRY = Operation(
     eligible_text="failed or cancelled",
     call=_retry,
     outcomes={
-        "retried": "run{s} queued again with a fresh retry budget",
-        "skipped": "skipped (not failed or cancelled)",
-        MISSING: "skipped (no such run)",
+        "retried": ngettext_lazy(
+            "%(count)d run queued again with a fresh retry budget",
+            "%(count)d runs queued again with a fresh retry budget", "count"),
+        "skipped": ngettext_lazy(
+            "%(count)d skipped (not failed or cancelled)",
+            "%(count)d skipped (not failed or cancelled)", "count"),
+        MISSING: ngettext_lazy(
+            "%(count)d skipped (no such run)",
+            "%(count)d skipped (no such run)", "count"),
     },
     single={
-        "retried": "{run} is queued again, with a fresh retry budget.",
-        "skipped": "{run} was not retried: it is not failed or cancelled.",
-        MISSING: "{run} does not exist: nothing was changed.",
+        "retried": _("{run} is queued again, with a fresh retry budget."),
+        "skipped": _("{run} was not retried: it is not failed or cancelled."),
+        MISSING: _("{run} does not exist: nothing was changed."),
     },
     changed=("retried",),
 )
@@ -145,18 +154,28 @@ CANCEL = Operation(
     eligible_text="queued, running or waiting",
     call=_cancel,
     outcomes={
-        "cancelled": "queued run{s} cancelled",
-        "requested": "running run{s} asked to stop (cancelled once its worker notices)",
-        "already_requested": "skipped (already asked to stop)",
-        "not_cancellable": "skipped (already finished)",
-        MISSING: "skipped (no such run)",
+        "cancelled": ngettext_lazy(
+            "%(count)d queued run cancelled",
+            "%(count)d queued runs cancelled", "count"),
+        "requested": ngettext_lazy(
+            "%(count)d running run asked to stop (cancelled once its worker notices)",
+            "%(count)d running runs asked to stop (cancelled once its worker notices)", "count"),
+        "already_requested": ngettext_lazy(
+            "%(count)d skipped (already asked to stop)",
+            "%(count)d skipped (already asked to stop)", "count"),
+        "not_cancellable": ngettext_lazy(
+            "%(count)d skipped (already finished)",
+            "%(count)d skipped (already finished)", "count"),
+        MISSING: ngettext_lazy(
+            "%(count)d skipped (no such run)",
+            "%(count)d skipped (no such run)", "count"),
     },
     single={
-        "cancelled": "{run} is cancelled.",
-        "requested": "{run} was asked to stop: it is cancelled once its worker notices.",
-        "already_requested": "{run} was already asked to stop.",
-        "not_cancellable": "{run} was not cancelled: it has already finished.",
-        MISSING: "{run} does not exist: nothing was changed.",
+        "cancelled": _("{run} is cancelled."),
+        "requested": _("{run} was asked to stop: it is cancelled once its worker notices."),
+        "already_requested": _("{run} was already asked to stop."),
+        "not_cancellable": _("{run} was not cancelled: it has already finished."),
+        MISSING: _("{run} does not exist: nothing was changed."),
     },
     changed=("cancelled", "requested"),
 )
@@ -166,14 +185,20 @@ ERASE = Operation(
     eligible_text="finished or cancelled",
     call=_erase,
     outcomes={
-        "erased": "run{s} erased, stored rows and all",
-        "skipped": "skipped (not finished)",
-        MISSING: "skipped (no such run)",
+        "erased": ngettext_lazy(
+            "%(count)d run erased, stored rows and all",
+            "%(count)d runs erased, stored rows and all", "count"),
+        "skipped": ngettext_lazy(
+            "%(count)d skipped (not finished)",
+            "%(count)d skipped (not finished)", "count"),
+        MISSING: ngettext_lazy(
+            "%(count)d skipped (no such run)",
+            "%(count)d skipped (no such run)", "count"),
     },
     single={
-        "erased": "{run} is erased, with everything it stored.",
-        "skipped": "{run} was not erased: it is not finished.",
-        MISSING: "{run} does not exist: nothing was changed.",
+        "erased": _("{run} is erased, with everything it stored."),
+        "skipped": _("{run} was not erased: it is not finished."),
+        MISSING: _("{run} does not exist: nothing was changed."),
     },
     changed=("erased",),
     permission="delete",
@@ -225,12 +250,6 @@ def bulk(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentRun],
     return None
 
 
-def budget_context(eligible: QuerySet[AgentRun], single: bool) -> dict[str, Any]:
-    from .budgets import confirmation_context  # it builds on this module's RETRY
-
-    return confirmation_context(eligible, single)
-
-
 def confirmation(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentRun],
                  op: Operation, *, action: str = "", selected: list[int] | None = None,
                  across: bool = False, single: str | None = None) -> TemplateResponse:
@@ -259,7 +278,7 @@ def confirmation(model_admin: Any, request: HttpRequest, queryset: QuerySet[Agen
         "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
         "not_retryable_count": hopeless,
         "single": single,
-        **(budget_context(eligible, single is not None) if op is RETRY else {}),
+        **(confirmation_context(eligible, single is not None) if op is RETRY else {}),
     }
     return TemplateResponse(request, "django_agentruns/admin/confirm_action.html", context)
 

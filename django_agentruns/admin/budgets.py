@@ -14,11 +14,8 @@ from typing import Any
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from .. import api
-from ..exceptions import InvalidInputError, RunNotFoundError
 from ..models import AgentRun, Reason
 from ..ops.diagnosis import run_budget
-from .actions import MISSING, RETRY, log_changes, username
 
 FIELDS = ("budget_tokens", "budget_cost")
 
@@ -46,19 +43,6 @@ def posted_budget(request: HttpRequest) -> dict[str, Any] | str | None:
                    "nothing was retried."
         budget["cost"] = cost
     return budget
-
-
-def retry_with_budget(request: HttpRequest, run_id: int, budget: dict[str, Any]) -> str:
-    """`api.retry` with the raised budget; the outcome as `RETRY` names them."""
-    try:
-        retried = api.retry(run_id, by=username(request), budget=budget)
-    except RunNotFoundError:
-        return MISSING
-    except InvalidInputError:  # its dedupe key is held by another unfinished run
-        return "skipped"
-    if retried:
-        log_changes(request, [run_id], RETRY)
-    return "retried" if retried else "skipped"
 
 
 def confirmation_context(eligible: QuerySet[AgentRun], single: bool) -> dict[str, Any]:

@@ -27,9 +27,17 @@ from ..models import AgentRun, Reason, Status
 from ..ops import triage
 from ..ops.workers import NOBODY_REAPS, Coverage, lapse, live_ids, rescuer
 from ..runtime import reaper
-from .actions import MISSING, RETRY, Operation, confirmation, has_permission, username
+from .actions import (
+    MISSING,
+    RETRY,
+    Operation,
+    confirmation,
+    has_permission,
+    log_changes,
+    username,
+)
 from .approvals import awaiting_approval
-from .budgets import posted_budget, retry_with_budget
+from .budgets import posted_budget
 from .chart import svg
 from .limits import usage_totals
 
@@ -309,3 +317,16 @@ def reap_now(model_admin: Any) -> Any:
         return HttpResponseRedirect(back)
 
     return view
+
+
+def retry_with_budget(request: HttpRequest, run_id: int, budget: dict[str, Any]) -> str:
+    """`api.retry` with the raised budget; the outcome as `RETRY` names them."""
+    try:
+        retried = api.retry(run_id, by=username(request), budget=budget)
+    except RunNotFoundError:
+        return MISSING
+    except InvalidInputError:  # its dedupe key is held by another unfinished run
+        return "skipped"
+    if retried:
+        log_changes(request, [run_id], RETRY)
+    return "retried" if retried else "skipped"
