@@ -10,6 +10,9 @@ its own through the ORM (`bench/benchapp/tasks.py`); django-tasks-db runs one ta
 time and sits this one out.
 
     python -m bench --only llm    # these rows alone; their section of results.md replaced
+
+The `steps_*` rows run the same calls as durable steps (`ctx.step`, ours only): their
+rate beside the plain rows' is the cost of a step.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ POLL = 0.02  # seconds between two looks at the queue
 SAMPLE = 0.025  # seconds between two samples of the worker's connections and RSS
 START_TIMEOUT = 60.0  # seconds a worker gets to claim its first run
 BEGIN, END = "<!-- llm:begin -->", "<!-- llm:end -->"
+STEPS = "llm_steps_"  # the kinds whose calls are durable steps
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,8 @@ def run_llm(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
     order = ENGINES[rep % 2:] + ENGINES[:rep % 2]
     for kind, concurrency in plan.llm_configs:
         for engine in order:
+            if kind.startswith(STEPS) and engine is not OURS:
+                continue  # durable steps are ours alone
             r = run_trial(admin, f"{kind} c={concurrency} {engine.key}", trial, engine, kind,
                           concurrency, concurrency * plan.llm_waves, plan.llm_cap, limit, logs)
             for metric in METRICS:

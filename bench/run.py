@@ -68,8 +68,9 @@ class Plan:
     """The second no-op drain's concurrency per worker process (the first runs one at a time)."""
     worker_warmup: float = 2.5
     """Seconds an idle worker gets to start (and LISTEN) before the latency producer."""
-    llm_configs: tuple[tuple[str, int], ...] = (("llm_sync", 200), ("llm_async", 200),
-                                                ("llm_async", 1000))
+    llm_configs: tuple[tuple[str, int], ...] = (("llm_sync", 200), ("llm_steps_sync", 200),
+                                                ("llm_async", 200), ("llm_async", 1000),
+                                                ("llm_steps_async", 1000))
     """The LLM-shaped rows: (agent, concurrency of the one worker process)."""
     llm_waves: int = 4
     """Runs queued per LLM trial, in multiples of the concurrency: the steady state dominates."""

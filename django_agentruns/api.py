@@ -116,6 +116,7 @@ class _AgentPolicy:
     priority: int
     max_requeues: int
     limit_key: LimitKey = None
+    version: int = 1
 
 
 def _policy(name: Any, agents: dict[str, _AgentPolicy]) -> _AgentPolicy:
@@ -124,7 +125,7 @@ def _policy(name: Any, agents: dict[str, _AgentPolicy]) -> _AgentPolicy:
         spec = get_agent(name)
         known = agents[spec.name] = _AgentPolicy(spec.name, spec.effective_queue(),
                                                  spec.priority, spec.effective_max_requeues(),
-                                                 spec.limit_key)
+                                                 spec.limit_key, spec.version)
     return known
 
 
@@ -153,7 +154,7 @@ def _build(request: RunRequest, at: datetime, agents: dict[str, _AgentPolicy]) -
                   max_requeues=agent.max_requeues,
                   available_at=_due_time(request.run_after, at), dedupe_key=key,
                   limit_key=resolve_limit_key(agent.name, agent.limit_key, request.limit_key,
-                                              payload))
+                                              payload), agent_version=agent.version)
 
 
 def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:
@@ -219,28 +220,41 @@ def retry(run_id: int, by: str = "", *, budget: dict[str, Any] | None = None) ->
 
 
 def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
-         by: str = "") -> AgentRun:
+         by: str = "", replay: bool = False, agent: str | None = None) -> AgentRun:
     """Queue a new run of `run_id`'s agent that starts from its checkpoint `checkpoint`
     (numbered from 1 in the order saved; None: the last), with `input` in place of the
     run's own when given. The new run's `forked_from` is the origin, and its timeline
     opens with a `run.forked` event; the origin is left as it was.
 
-    Checked before anything is written: the run exists, its agent is registered here, the
-    checkpoint was reached, the input is JSON within MAX_INPUT_BYTES.
+    `replay=True`: every step the origin completed returns the origin's recorded result
+    in the fork, without calling its function (copied: purging the origin never breaks
+    the fork); steps it never reached, or that the code names differently, execute.
+    `agent`: the fork runs this registered agent instead (e.g. a new version, against
+    the origin's recorded steps), at its version, keeping the origin's limit key.
+
+    Checked before anything is written: the run exists, the agent that would run the fork
+    is registered here, the checkpoint was reached, the input is JSON within
+    MAX_INPUT_BYTES.
     """
     pk = _run_id(run_id)
     if checkpoint is not None and (isinstance(checkpoint, bool)
                                    or not isinstance(checkpoint, int) or checkpoint < 1):
         raise InvalidInputError(f"checkpoint must be a whole number >= 1 (or None for the "
                                 f"last), not {checkpoint!r}")
-    agent = AgentRun.objects.filter(pk=pk).values_list("agent", flat=True).first()
-    if agent is None:
+    if not isinstance(replay, bool):
+        raise InvalidInputError(f"replay must be True or False, not {replay!r}")
+    origin_agent = AgentRun.objects.filter(pk=pk).values_list("agent", flat=True).first()
+    if origin_agent is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
-    get_agent(agent)  # UnknownAgentError: nothing here could run the fork
+    # UnknownAgentError: nothing here could run the fork (the origin's agent need not be
+    # registered when another one runs it).
+    spec = get_agent(origin_agent if agent is None else agent)
     if input is not None:
-        capped_json(input, f"Input of agent {agent!r}", "MAX_INPUT_BYTES")
-    run = transitions.insert_fork(pk, checkpoint, input, storable_text(str(by)[:255]),
-                                  timezone.now())
+        capped_json(input, f"Input of agent {spec.name!r}", "MAX_INPUT_BYTES")
+    run = transitions.insert_fork(
+        pk, checkpoint, input, storable_text(str(by)[:255]), timezone.now(), replay=replay,
+        agent=None if agent is None else spec.name,
+        queue=None if agent is None else spec.effective_queue(), version=spec.version)
     if run is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
     _announce([run])
@@ -270,7 +284,8 @@ def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
     spec: AgentSpec = get_agent(agent)
     at = timezone.now()
     new = _build(RunRequest(agent, input, scope), at, {})
-    run = AgentRun(agent=new.agent, queue=new.queue, priority=new.priority, scope=new.scope,
+    run = AgentRun(agent=new.agent, agent_version=new.agent_version, queue=new.queue,
+                   priority=new.priority, scope=new.scope,
                    fired_seq=new.fired_seq, input=new.input, max_requeues=new.max_requeues,
                    available_at=new.available_at, created_at=at)
     worker_id = f"interactive:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"

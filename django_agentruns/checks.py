@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Warning, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import SETTING_NAME, AppSettings, Defaults
@@ -29,6 +29,7 @@ W002_SQLITE_NOT_WAL = "agentruns.W002"
 W003_SHORT_LEASE = "agentruns.W003"
 W004_RECONNECT_PER_RUN = "agentruns.W004"
 W008_CONNECTIONS = "agentruns.W008"
+W009_PINNED_VERSIONS = "agentruns.W009"
 
 SHORTEST_SENSIBLE_LEASE = 1.0
 # Both SQLite warnings give the one fix, with the values SQLITE_OPTIONS and the guides use.
@@ -51,7 +52,7 @@ _INTEGERS = ("MAX_REQUEUES", "CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PRO
              "WRITER_CONNECTIONS", "MAX_SNOOZES")
 _AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS")
 _SIZES = ("MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES")
-_CAPS = (*_SIZES, "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP")
+_CAPS = (*_SIZES, "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP", "MAX_STEPS_PER_RUN")
 _FLAGS = ("UNKNOWN_ERRORS_RETRYABLE", "PREPARED_STATEMENTS")
 
 
@@ -287,3 +288,25 @@ def server_max_connections() -> int | None:
             return int(cursor.fetchone()[0])
     except Exception:
         return None
+
+
+@register(Tags.database)
+def check_pinned_versions(app_configs: Any = None, databases: Any = None,
+                          **kwargs: Any) -> list[CheckMessage]:
+    """Unfinished runs of an older agent version that the code here cannot resume (no
+    `migrate`): only a worker with their version claims them. Asked only with databases
+    (`manage.py check --database default`, `migrate`)."""
+    if not databases:
+        return []
+    from .ops.agent_versions import PINNED, unfinished_versions
+
+    try:
+        rows = [r for r in unfinished_versions() if r.verdict == PINNED]
+    except Exception:  # not migrated yet, or no database to read: nothing to say
+        return []
+    return [Warning(f"{row.runs} unfinished run(s) of {row.agent!r} started under version "
+                    f"{row.version}; version {row.registered} registered here has no migrate, "
+                    f"so no worker with this code claims them.",
+                    hint=f"Keep a worker with version {row.version} of {row.agent!r} running "
+                         f"until they finish, or give @agent a migrate(state, from_version).",
+                    id=W009_PINNED_VERSIONS) for row in rows]

@@ -69,6 +69,9 @@ class Defaults:
     MAX_EVENTS_PER_RUN: int = 10_000
     """Events an attempt may add to its run's stream (emits and checkpoint markers); past
     it `ctx.emit` raises. The run's own transitions are always recorded."""
+    MAX_STEPS_PER_RUN: int = 10_000
+    """Durable steps (`ctx.step`) a run may record; past it `ctx.step` raises
+    `LimitExceeded`, naming the step."""
     LISTEN_DATABASE: str | None = None
     """Alias of the `DATABASES` entry the worker's LISTEN connection uses, one that reaches
     PostgreSQL directly, not through a transaction pooler (PgBouncer in transaction mode

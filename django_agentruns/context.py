@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from . import chunks, receiving, transitions, usage
 from .conf import app_settings
 from .exceptions import InvalidInputError
+from .runtime import steps
 from .validation import capped_json, unstorable_text
 from .wait_results import Approval, RunResult
 
@@ -101,6 +102,30 @@ class RunContext:
 
     async def _acoalesce(self) -> None:
         self._control.apply(await chunks.acoalesce(self._control))
+    # Durable steps (django_agentruns.runtime.steps): run once per run, result stored.
+
+    def step(self, name: str, fn: Callable[..., T], *args: Any, retries: int = 0,
+             timeout: float | None = None, **kwargs: Any) -> T:
+        """Run `fn(*args, **kwargs)` once per run as step `name` (its next occurrence) and
+        return its JSON result; an attempt reaching a step done already gets the stored
+        result without calling `fn`. `retries`: executions retried in this attempt on a
+        retryable error; `timeout`: seconds one execution may take (a sync `fn` runs on
+        in its thread past it; its late result is discarded)."""
+        result: T = steps.run_step(self, name, fn, args, kwargs, retries, timeout)
+        return result
+
+    async def astep(self, name: str, fn: Callable[..., Any], *args: Any, retries: int = 0,
+                    timeout: float | None = None, **kwargs: Any) -> Any:
+        """`step` for an `async` fn (awaited; cancelled past `timeout`)."""
+        return await steps.arun_step(self, name, fn, args, kwargs, retries, timeout)
+
+    @property
+    def step_key(self) -> str | None:
+        """The idempotency key of the step executing now (e.g. "run-42/draft/1"), the same
+        in every attempt that executes it; None outside a step. Give it to an API that
+        takes one (Stripe, OpenAI...) and the step's effect happens once."""
+        return steps.current_key()
+
     def record_usage(self, *, input_tokens: int = 0, output_tokens: int = 0, cost: float = 0.0,
                      model: str = "") -> None:
         """Add a model call's tokens and cost to the run's totals (a step boundary); once a
@@ -108,11 +133,13 @@ class RunContext:
         is dead-lettered `budget_exhausted`."""
         write = usage.usage_write(self._control, input_tokens, output_tokens, cost, model)
         usage.recorded(self._control, self.agent, write, self._control.write(write))
+        steps.attribute_usage(write.input_tokens, write.output_tokens, write.cost)
 
     async def arecord_usage(self, *, input_tokens: int = 0, output_tokens: int = 0,
                             cost: float = 0.0, model: str = "") -> None:
         write = usage.usage_write(self._control, input_tokens, output_tokens, cost, model)
         usage.recorded(self._control, self.agent, write, await self._control.awrite(write))
+        steps.attribute_usage(write.input_tokens, write.output_tokens, write.cost)
 
     # Waiting (django_agentruns.receiving): the attempt may end with the run `waiting`.
     # Each is one fenced transaction of its own (`control.call`), on the attempt's thread;

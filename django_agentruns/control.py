@@ -51,6 +51,8 @@ class AttemptControl:
         self.budget: Budget | None = None
         self.spent: tuple[int, float] = (0, 0.0)
         self.over_budget: str | None = None
+        # Durable steps (runtime.steps): the last occurrence of each step name called.
+        self.step_counts: dict[str, int] = {}
 
     def request_stop(self, reason: StopReason) -> None:
         """Ask the attempt to stop; the first reason wins."""

@@ -75,6 +75,12 @@ class AttemptTimeout(TimeoutError):
     """The attempt ran past its agent's `timeout`; retryable like any timeout."""
 
 
+class StepTimeout(AgentRunsError, TimeoutError):
+    """One execution of a step (`ctx.step(..., timeout=)`) took longer than its timeout.
+    Retryable, like any timeout; a sync step's thread runs on and its late result is
+    discarded."""
+
+
 class AttemptStopped(BaseException):
     """Raised inside an agent's context call when its attempt must stop.
 

@@ -25,7 +25,7 @@ from django.db import DatabaseError, close_old_connections, connection
 
 from . import chunks, metrics, recording, tracing
 from .context import RunContext
-from .control import AttemptControl
+from .control import AttemptControl, in_thread
 from .exceptions import (
     AttemptStopped,
     AttemptTimeout,
@@ -35,6 +35,7 @@ from .exceptions import (
 from .models import AgentRun
 from .outcomes import AttemptRef, Outcome, OutcomeKind, Settlement, StopReason
 from .registry import AgentSpec
+from .runtime import versions
 from .store import AttemptStore
 from .validation import capped_json
 
@@ -100,7 +101,8 @@ class Executor:
         began = time.monotonic()
         try:
             with tracing.attempt_span(run, self.worker_id) as span:
-                outcome = await acall_agent(spec, make_context(run, control), control)
+                outcome = await self._aupgraded(run, spec, control) or \
+                    await acall_agent(spec, make_context(run, control), control)
                 await chunks.afinish(control, store=chunks.stores_at_finish(outcome.stop_reason),
                                      succeeded=outcome.kind is OutcomeKind.SUCCEEDED)
                 settlement = await self.arecord(spec, control.ref, outcome)
@@ -121,7 +123,24 @@ class Executor:
                 control: AttemptControl) -> Outcome:
         if spec is None:
             return Outcome(OutcomeKind.FAILED, error=UnknownAgentError(run.agent, self.known))
+        if versions.needs_upgrade(run, spec):
+            try:
+                versions.upgrade(run, spec, control)
+            except BaseException as exc:
+                return _raised(control, exc)
         return call_agent(spec, make_context(run, control), control)
+
+    async def _aupgraded(self, run: AgentRun, spec: AgentSpec,
+                         control: AttemptControl) -> Outcome | None:
+        """An older run's state migrated (off the loop) before its agent runs; the
+        outcome if that failed."""
+        if not versions.needs_upgrade(run, spec):
+            return None
+        try:
+            await in_thread(control, versions.upgrade, run, spec, control)
+        except BaseException as exc:
+            return _raised(control, exc)
+        return None
 
     def record(self, spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome) -> Settlement:
         """Write the outcome, retrying a database error for up to half the lease.

@@ -95,6 +95,11 @@ if prometheus_client is not None:
         "agentruns_cost",
         "Cost agents recorded with ctx.record_usage (in the callers' unit), by agent and "
         "model.", ("agent", "model"))
+    STEPS = prometheus_client.Counter(
+        "agentruns_steps",
+        "Durable steps (ctx.step) by agent and outcome: done (executed and stored), "
+        "replayed (its stored result returned, not executed), failed (an execution raised).",
+        ("agent", "outcome"))
     WAKEUPS_DEGRADED = prometheus_client.Gauge(
         "agentruns_wakeups_degraded",
         "1 while this worker's LISTEN connection is down or failed its self-check (a "
@@ -124,6 +129,13 @@ def observe_usage(agent: str, model: str, tokens: int, cost: float) -> None:
         return
     TOKENS.labels(agent, model).inc(tokens)
     COST.labels(agent, model).inc(cost)
+
+
+def observe_step(agent: str, outcome: str) -> None:
+    """Count one step's end (agentruns_steps_total): done, replayed or failed."""
+    if prometheus_client is None:
+        return
+    STEPS.labels(agent, outcome).inc()
 
 
 def set_wakeups_degraded(degraded: bool) -> None:

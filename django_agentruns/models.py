@@ -13,8 +13,8 @@ from .queries import RunQuerySet
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Reason, Status
 
 __all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "UNFINISHED", "AgentLimit", "AgentRun",
-           "PausedQueue", "Reason", "RunCheckpoint", "RunEvent", "RunWait", "Schedule", "Status",
-           "WorkerRecord"]
+           "PausedQueue", "Reason", "RunCheckpoint", "RunEvent", "RunStep", "RunWait", "Schedule",
+           "Status", "WorkerRecord"]
 
 
 class AgentRun(models.Model):
@@ -51,6 +51,8 @@ class AgentRun(models.Model):
 
     checkpoint_state = models.JSONField(null=True, blank=True)
     checkpoint_count = models.PositiveIntegerField(default=0)
+    agent_version = models.PositiveIntegerField(
+        default=1, help_text="The agent's version the run started under (@agent(version=)).")
 
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     cancel_reason = models.TextField(blank=True, default="")
@@ -350,3 +352,53 @@ class StreamChunk(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.run_id} {self.channel}[{self.first}:{self.end}]"
+
+
+class RunStep(models.Model):
+    """One durable step of a run (`ctx.step`): its result once done, so no later attempt
+    of the run executes it again. Written by `transitions.steps` only, fenced."""
+
+    class State(models.TextChoices):
+        STARTED = "started", "Started"
+        """Its execution began; if the attempt died, the next one executes it again."""
+        DONE = "done", "Done"
+        """Its result is stored: every later attempt gets it without executing the step."""
+        FAILED = "failed", "Failed"
+        """Its last execution raised (or timed out); a later attempt executes it again."""
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="steps")
+    name = models.CharField(max_length=200)
+    occurrence = models.PositiveIntegerField(help_text="1, 2, 3... per name, in call order.")
+    status = models.CharField(max_length=16, choices=State.choices, default=State.STARTED)
+    result = models.JSONField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+    attempt = models.PositiveIntegerField(default=0, help_text="The attempt that last ran it.")
+    checkpoint = models.PositiveIntegerField(
+        default=0, help_text="The run's checkpoint count when the step first started.")
+    replayed_from = models.BigIntegerField(
+        null=True, blank=True, help_text="Copied from this run's step by a replaying fork.")
+    started_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    cost = models.FloatField(default=0.0)
+
+    class Meta:
+        ordering = ("run", "id")
+        constraints = (
+            models.UniqueConstraint(fields=("run", "name", "occurrence"),
+                                    name="agentruns_step_occurrence"),
+        )
+
+    def __str__(self) -> str:
+        return f"#{self.run_id} {self.name}/{self.occurrence} ({self.status})"
+
+    @property
+    def key(self) -> str:
+        """The step's idempotency key (`ctx.step_key`)."""
+        return step_key(self.run_id, self.name, self.occurrence)
+
+
+def step_key(run_id: int, name: str, occurrence: int) -> str:
+    return f"run-{run_id}/{name}/{occurrence}"

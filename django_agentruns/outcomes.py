@@ -56,6 +56,18 @@ class UsageTotals:
     cost: float
 
 
+@dataclass(frozen=True)
+class StepStart:
+    """What a step's start write answered: its renewal, the step's occurrence, and for a
+    step done already (by an earlier attempt, or copied by a replaying fork) its result."""
+
+    renewal: Renewal
+    occurrence: int = 0
+    done: bool = False
+    result: Any = None
+    replayed: bool = False
+
+
 class Settlement(enum.Enum):
     SUCCEEDED = "succeeded"
     REQUEUED = "requeued"

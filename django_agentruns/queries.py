@@ -17,6 +17,7 @@ from django.db.models import Exists, F, OuterRef, Q
 
 from .db import AmongUnindexed, NotListedIn, RowBefore
 from .outcomes import ScopePolicy
+from .registry import version_rule
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Status
 
 if TYPE_CHECKING:
@@ -99,7 +100,10 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
         the due (or running) index's scan that no index on `agent` can serve: the claim keeps
         the due index's order whatever the planner's statistics say.
         """
-        return self if agents is None else self.filter(AmongUnindexed(F("agent"), sorted(agents)))
+        if agents is None:
+            return self
+        return self.filter(AmongUnindexed(F("agent"), sorted(agents)),
+                           of_versions(version_rule(agents)))
 
     def ahead_in_scope(self) -> Self:
         """Runs of the outer run's agent and scope ahead of it in firing order (a subquery)."""
@@ -159,3 +163,15 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
                 qs = qs.filter(~Q(agent__in=agents)
                                | ~Exists(self._fresh().ahead_in_scope().filter(stuck)))
         return qs
+
+
+def of_versions(rule: tuple[tuple[str, int, bool], ...]) -> Q:
+    """Runs this code may run (`registry.version_rule`): of version 1 for every agent at
+    version 1; for an agent at version N, runs of version N, and older ones only if it
+    has a `migrate`. A newer run waits for a worker with its code (it stays queued)."""
+    pinned = [name for name, version, migrates in rule if version > 1 and not migrates]
+    q = Q(agent_version__lte=1) & ~Q(agent__in=pinned) if pinned else Q(agent_version__lte=1)
+    for name, version, migrates in rule:
+        q |= Q(agent=name, agent_version__lte=version,
+               agent_version__gte=1 if migrates else version)
+    return q

@@ -66,6 +66,8 @@ class AgentSpec:
     catch_up: bool = False
     limit_key: LimitKey = None  # a key, or f(input) -> key; see django_agentruns.limits
     budget: Budget | None = None
+    version: int = 1  # runs record it; a worker claims runs of its version or older
+    migrate: Callable[[Any, int], Any] | None = None  # (state, from_version) -> state
 
     @property
     def is_async(self) -> bool:
@@ -103,6 +105,8 @@ def agent(
     catch_up: bool = False,
     limit_key: LimitKey = None,
     budget: dict[str, Any] | None = None,
+    version: int = 1,
+    migrate: Callable[[Any, int], Any] | None = None,
 ) -> Callable[[F], F]:
     """Register a function (sync or `async def`) taking a `RunContext` as agent `name`.
 
@@ -112,6 +116,10 @@ def agent(
     `limit_key`: the key whose limit its runs count against (a string, or a callable of
     the input); `budget`: {"tokens": N, "cost": X}, past which an attempt stops and the
     run is dead-lettered `budget_exhausted` (see django_agentruns.limits).
+    `version`: runs record the version they started under; a worker whose version is
+    lower does not claim them. `migrate(state, from_version) -> state`: how a run of an
+    older version resumes on this code (its checkpoint state migrated when claimed);
+    without it, older runs wait for a worker with their code (docs/steps.md).
     """
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidInputError(
@@ -125,6 +133,12 @@ def agent(
         raise InvalidInputError(f"Agent {name!r}: catch_up must be True or False")
     check_agent_limit_key(name, limit_key)
     checked_budget = check_budget(budget, f"Agent {name!r}: budget")
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version < 2**31:
+        raise InvalidInputError(f"Agent {name!r}: version must be a whole number >= 1, "
+                                f"not {version!r}")
+    if migrate is not None and not callable(migrate):
+        raise InvalidInputError(f"Agent {name!r}: migrate must be a callable "
+                                f"f(state, from_version) -> state, not {migrate!r}")
 
     def register(func: F) -> F:
         existing = _registry.get(name)
@@ -137,7 +151,7 @@ def agent(
             dead_letters_block=dead_letters_block, max_requeues=max_requeues,
             timeout=timeout, lease_ttl=lease_ttl, priority=priority, classify=classify,
             schedule_timing=timing, catch_up=catch_up,
-            limit_key=limit_key, budget=checked_budget,
+            limit_key=limit_key, budget=checked_budget, version=version, migrate=migrate,
         )
         return func
 
@@ -200,6 +214,21 @@ def scope_policy(agents: dict[str, AgentSpec] | None = None) -> ScopePolicy:
         ordered=frozenset(s.name for s in specs if s.ordered),
         dead_letters_block=frozenset(s.name for s in specs if s.ordered and s.dead_letters_block),
     )
+
+
+def claimable_version(spec: AgentSpec, run_version: int) -> bool:
+    """Whether this code may run a run started under `run_version` of its agent: its own
+    version, or an older one it has a `migrate` for; never a newer one."""
+    return run_version == spec.version or (run_version < spec.version
+                                           and spec.migrate is not None)
+
+
+def version_rule(agents: frozenset[str]) -> tuple[tuple[str, int, bool], ...]:
+    """What the claim needs to know of `agents`' versions: (name, version, migrates) of
+    each whose version is not 1 (the usual case leaves this empty)."""
+    return tuple(sorted((s.name, s.version, s.migrate is not None)
+                        for s in (_registry.get(a) for a in agents)
+                        if s is not None and s.version != 1))
 
 
 def unregister(name: str) -> None:

@@ -13,7 +13,7 @@ from django.db.models.deletion import Collector
 from django.utils import timezone
 
 from .exceptions import InvalidInputError
-from .models import TERMINAL, AgentRun, RunCheckpoint, RunEvent
+from .models import TERMINAL, AgentRun, RunCheckpoint, RunEvent, RunStep
 from .queries import dead_letter
 
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -94,6 +94,7 @@ def purge(
             # the checkpoint history goes with them, and forks keep no link to a purged run.
             events = _delete_events(batch, batch_size)
             RunCheckpoint.objects.filter(run_id__in=batch).delete()  # fast: one DELETE
+            RunStep.objects.filter(run_id__in=batch).delete()  # the steps too (forks copy theirs)
             AgentRun.objects.filter(forked_from_id__in=batch).update(forked_from=None)
             runs = _delete_by_pk(AgentRun, batch, RUN_PAYLOADS)
         report.runs += runs

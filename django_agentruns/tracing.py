@@ -89,3 +89,18 @@ def attempt_span(run: AgentRun, worker_id: str | None = None) -> Iterator[Attemp
     with tracer.start_as_current_span(f"process {run.queue}", kind=SpanKind.CONSUMER,
                                       attributes=attributes) as span:
         yield AttemptSpan(span)
+
+
+@contextmanager
+def step_span(agent: str, name: str, occurrence: int, key: str) -> Iterator[Any]:
+    """An INTERNAL span `step <name>` around one execution of a durable step, a child of
+    the attempt's span; an exception escaping it is recorded (status ERROR). A step
+    returned from its record is not executed, so it has no span."""
+    if trace is None:
+        yield None
+        return
+    tracer = trace.get_tracer(TRACER_NAME)
+    with tracer.start_as_current_span(f"step {name}", kind=SpanKind.INTERNAL, attributes={
+            "agentruns.agent": agent, "agentruns.step.name": name,
+            "agentruns.step.occurrence": occurrence, "agentruns.step.key": key}) as span:
+        yield span

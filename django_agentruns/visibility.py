@@ -17,7 +17,7 @@ from django.utils import timezone
 from . import transitions
 from .limits import effective_limit
 from .models import AgentLimit, AgentRun, PausedQueue, Status
-from .registry import find_agent
+from .registry import claimable_version, find_agent
 
 NOT_QUEUED = "not_queued"
 UNKNOWN_AGENT = "unknown_agent"
@@ -27,6 +27,7 @@ BLOCKED = "blocked"
 PAUSED = "paused"
 KEY_CLOSED = "key_closed"
 KEY_FULL = "key_full"
+VERSION = "version"
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ def why_not_started(run: AgentRun | int, at: datetime | None = None) -> list[Hol
     spec = find_agent(run.agent)
     if spec is None:
         holds.append(Hold(UNKNOWN_AGENT, _unknown_agent(run, at)))
+    elif not claimable_version(spec, run.agent_version):
+        holds.append(Hold(VERSION, _version(run, spec.version)))
     if run.cancel_requested_at is not None:
         holds.append(Hold(CANCEL_REQUESTED, f"a cancel was requested at "
                                             f"{_when(run.cancel_requested_at)}"
@@ -124,6 +127,16 @@ def _unknown_agent(run: AgentRun, at: datetime) -> str:
         text = f"run #{run.pk} is queued and due, but {text}, and no worker that knows " \
                f"{name} has claimed it"
     return f"{text}; check that a worker with {name} deployed serves queue {run.queue!r}"
+
+
+def _version(run: AgentRun, here: int) -> str:
+    if run.agent_version > here:
+        return (f"it started under version {run.agent_version} of {run.agent!r}, newer than "
+                f"version {here} registered here: only a worker with version "
+                f"{run.agent_version} or later claims it")
+    return (f"it started under version {run.agent_version} of {run.agent!r}; version {here} "
+            f"registered here has no migrate, so it waits for a worker with version "
+            f"{run.agent_version}")
 
 
 def _scope_holder(run: AgentRun, dead_letters_block: bool) -> AgentRun | None:

@@ -36,6 +36,9 @@ BAD_SETTINGS: list[tuple[str, Any, str, str]] = [
     ("ttl-negative", {"LEASE_TTL": -1}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
     ("ttl-string", {"LEASE_TTL": "60"}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
     ("ttl-bool", {"LEASE_TTL": True}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
+    ("steps-cap-zero", {"MAX_STEPS_PER_RUN": 0}, checks.E003_BAD_NUMBER, "'MAX_STEPS_PER_RUN'"),
+    ("steps-cap-float", {"MAX_STEPS_PER_RUN": 1.5}, checks.E003_BAD_NUMBER,
+     "'MAX_STEPS_PER_RUN'"),
     ("ttl-nan", {"LEASE_TTL": float("nan")}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
     ("ttl-inf", {"LEASE_TTL": float("inf")}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
     ("ttl-short", {"LEASE_TTL": 0.2}, checks.W003_SHORT_LEASE, "loses the run"),
@@ -168,7 +171,9 @@ def test_every_check_id_is_exercised() -> None:
     exercised = {c[2] for c in BAD_SETTINGS} | {checks.W001_SQLITE_DEFERRED,
                                                  checks.W002_SQLITE_NOT_WAL,
                                                  checks.W004_RECONNECT_PER_RUN,
-                                                 checks.W008_CONNECTIONS}
+                                                 checks.W008_CONNECTIONS,
+                                                 # tests/test_step_replay.py
+                                                 checks.W009_PINNED_VERSIONS}
     assert exercised == CHECK_IDS
     assert len(CHECK_IDS) >= 7
 

@@ -51,3 +51,32 @@ async def llm_async(ctx: RunContext) -> None:
         await ctx.aemit("llm.step", {"step": step, "tokens": 256})
         if step == 1:
             await ctx.acheckpoint({"next": 2})
+
+
+# The same calls as durable steps (`ctx.step`): each call's result stored once, so a retry
+# pays for none of them again; the event after each as above, no checkpoint needed.
+# Compared with the rows above, this is the cost of a step (two fenced writes each).
+
+
+def _model_call() -> dict[str, int]:
+    time.sleep(LLM_CALL)
+    return {"tokens": 256}
+
+
+async def _amodel_call() -> dict[str, int]:
+    await asyncio.sleep(LLM_CALL)
+    return {"tokens": 256}
+
+
+@agent("bench.llm_steps_sync")
+def llm_steps_sync(ctx: RunContext) -> None:
+    for step in range(3):
+        reply = ctx.step("model", _model_call)
+        ctx.emit("llm.step", {"step": step, "tokens": reply["tokens"]})
+
+
+@agent("bench.llm_steps_async")
+async def llm_steps_async(ctx: RunContext) -> None:
+    for step in range(3):
+        reply = await ctx.astep("model", _amodel_call)
+        await ctx.aemit("llm.step", {"step": step, "tokens": reply["tokens"]})

@@ -17,7 +17,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from ..models import AgentRun, RunCheckpoint, Status
+from ..models import AgentRun, RunCheckpoint, RunStep, Status
 
 BADGE_COLOURS: dict[str, str] = {
     Status.QUEUED: "#5b6b7a",
@@ -170,3 +170,62 @@ def run_link(run_id: int | None, url: Callable[[int], str]) -> SafeString:
     if run_id is None:
         return format_html("{}", "—")
     return format_html('<a href="{}">#{}</a>', url(run_id), run_id)
+
+
+STEPS_SHOWN = 200
+
+
+def steps(run: AgentRun) -> dict[str, Any]:
+    """The run's durable steps, compact (name, duration, attempt, usage, a failed one's
+    error), at most STEPS_SHOWN; and for a fork, its origin's beside them, by step."""
+    rows = [_step_row(step) for step in RunStep.objects.filter(run=run).order_by("id")
+            .defer("result")[:STEPS_SHOWN]]
+    origin = None
+    if run.forked_from_id is not None:
+        theirs = {(s.name, s.occurrence): s for s in
+                  RunStep.objects.filter(run_id=run.forked_from_id)[:STEPS_SHOWN]}
+        mine = {(s.name, s.occurrence): s for s in RunStep.objects.filter(run=run)[:STEPS_SHOWN]}
+        keys = list(dict.fromkeys([*theirs, *mine]))
+        origin = {
+            "run": run.forked_from,
+            "rows": [{"step": f"{name}/{n}",
+                      "origin": _result_preview(theirs.get((name, n))),
+                      "fork": _result_preview(mine.get((name, n))),
+                      "replayed": (name, n) in mine and mine[(name, n)].replayed_from
+                      is not None,
+                      "differs": _result_preview(theirs.get((name, n)))
+                      != _result_preview(mine.get((name, n)))} for name, n in keys],
+        }
+    return {"rows": rows, "total": RunStep.objects.filter(run=run).count() if rows else 0,
+            "origin": origin}
+
+
+def _step_row(step: RunStep) -> dict[str, Any]:
+    took = None if step.finished_at is None else \
+        short_duration((step.finished_at - step.started_at).total_seconds())
+    return {"name": step.name, "occurrence": step.occurrence, "status": step.status,
+            "attempt": step.attempt, "duration": took or "—",
+            "tokens": step.input_tokens + step.output_tokens, "cost": step.cost,
+            "error": step.error, "replayed": step.replayed_from is not None}
+
+
+def _result_preview(step: RunStep | None) -> str:
+    if step is None:
+        return "—"
+    if step.status != RunStep.State.DONE:
+        return str(step.status)
+    text = compact_json(step.result)
+    return text if len(text) <= STATE_PREVIEW else text[:STATE_PREVIEW] + "…"
+
+
+def compared_outputs(run: AgentRun) -> dict[str, str] | None:
+    """A fork's output beside its origin's, each cut to a preview."""
+    origin = run.forked_from
+    if origin is None:
+        return None
+
+    def cut(value: Any) -> str:
+        text = compact_json(value)
+        return text if len(text) <= STATE_PREVIEW * 2 else text[:STATE_PREVIEW * 2] + "…"
+
+    return {"origin": cut(origin.output), "fork": cut(run.output)}

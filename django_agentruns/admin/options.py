@@ -22,6 +22,7 @@ from django.utils.safestring import SafeString, mark_safe
 
 from ..diagnosis import short_error
 from ..models import AgentRun, RunEvent, Status
+from ..registry import all_agents
 from . import approvals, views
 from . import display as show
 from . import limits as flow
@@ -271,6 +272,11 @@ class AgentRunAdmin(ModelAdminBase):
                 # The checkpoint history, each one a "fork from here"
                 checkpoints=show.checkpoints(obj),
                 can_fork=self.has_retry_permission(request),
+                # Durable steps, "Replay with..." (any registered agent), and for a fork
+                # its origin's outputs and steps beside its own
+                steps=show.steps(obj),
+                replay_agents=sorted(all_agents()),
+                compare_output=show.compared_outputs(obj),
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 

@@ -190,6 +190,10 @@ def fork_run(model_admin: Any) -> Any:
         if not has_permission(model_admin, request, RETRY):
             raise PermissionDenied
         number = request.POST.get("checkpoint", "")
+        replay = request.POST.get("replay") == "1"
+        agent = request.POST.get("agent") or None
+        if replay and not number:
+            return _replay(model_admin, request, run_id, agent)
         if not (number.isascii() and number.isdigit() and len(number) < 10):
             model_admin.message_user(request, "Malformed checkpoint number: nothing was "
                                      "forked.", messages.ERROR)
@@ -209,6 +213,24 @@ def fork_run(model_admin: Any) -> Any:
         return HttpResponseRedirect(_url("change", run.pk))
 
     return view
+
+
+def _replay(model_admin: Any, request: HttpRequest, run_id: int,
+            agent: str | None) -> HttpResponse:
+    """"Replay with...": a fork from the start in which the run's completed steps return
+    their recorded results, run by the chosen agent."""
+    try:
+        run = api.fork(run_id, replay=True, agent=agent, by=username(request))
+    except RunNotFoundError:
+        model_admin.message_user(request, f"Run #{run_id} no longer exists.", messages.ERROR)
+        return HttpResponseRedirect(_url("changelist"))
+    except AgentRunsError as exc:
+        model_admin.message_user(request, f"Run #{run_id} was not replayed: {exc}",
+                                 messages.ERROR)
+        return HttpResponseRedirect(_url("change", run_id))
+    model_admin.message_user(request, f"Run #{run.pk} replays run #{run_id} with "
+                             f"{run.agent!r}.", messages.SUCCESS)
+    return HttpResponseRedirect(_url("change", run.pk))
 
 
 def pause_or_resume(model_admin: Any, pause: bool) -> Any:

@@ -16,7 +16,7 @@ as values, many applied in one transaction); `events` appends the story;
 `rawsql` builds the hot path's statements once per shape; `waiting` (the wait, deliveries,
 resumes, wait timeouts, child runs); `limited` (the claim of runs whose limit key has a
 row, and that table's writes) and `snoozing` (snoozes, recorded usage, budgets) are flow
-control.
+control; `steps` writes durable steps' starts and ends.
 
 Import direction (docs/architecture.md, enforced by tests/test_layers.py): UI/commands ->
 api and queries -> transitions -> models; worker -> executor -> transitions. This package
@@ -29,7 +29,7 @@ from __future__ import annotations
 from .. import policy
 from ..outcomes import AttemptRef, CancelResult, ErrorInfo, Renewal, ScopePolicy, Settlement
 from . import waiting
-from .attempts import checkpoint, emit, renew, renew_many
+from .attempts import checkpoint, emit, migrate_version, renew, renew_many
 from .batched import (
     CheckpointWrite,
     EmitWrite,
@@ -76,17 +76,20 @@ from .settling import (
     settle_succeeded_many,
 )
 from .snoozing import exhaust_budget, record_usage, snooze
+from .steps import STEP, StepEndWrite, StepStartWrite, end_step, start_step
 
 __all__ = [
     "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "FORKED",
-    "INTERRUPTED", "RETRIED", "RETRYING", "SNOOZED", "STARTED", "SUCCEEDED", "USAGE",
+    "INTERRUPTED", "RETRIED", "RETRYING", "SNOOZED", "STARTED", "STEP", "SUCCEEDED", "USAGE",
     "AttemptRef", "CancelResult", "CheckpointWrite", "EmitWrite", "ErrorInfo", "NewRun",
     "RenewWrite", "Renewal", "Result", "ScopePolicy", "SettleWrite", "Settlement",
-    "SucceedWrite", "UsageWrite", "Write", "abandon", "apply_alone", "apply_writes", "awaited",
-    "cancel", "checkpoint", "claim", "claim_limited", "close_key", "due_elsewhere",
-    "due_queued", "emit", "emitted_event_id", "exhaust_budget", "find_stale", "insert_fork",
-    "insert_runs", "interrupt", "lapsed", "lifecycle_event_id", "limits_in_use", "now",
+    "StepEndWrite", "StepStartWrite", "SucceedWrite", "UsageWrite", "Write", "abandon",
+    "apply_alone", "apply_writes", "awaited", "cancel", "checkpoint", "claim",
+    "claim_limited", "close_key", "due_elsewhere", "due_queued", "emit", "emitted_event_id",
+    "end_step", "exhaust_budget", "find_stale", "insert_fork", "insert_runs", "interrupt",
+    "lapsed", "lifecycle_event_id", "limits_in_use", "migrate_version", "now",
     "operator_retry", "policy", "reap_one", "record_usage", "renew", "renew_many",
     "seed_settings_limits", "settle_cancelled", "settle_failed", "settle_succeeded",
-    "settle_succeeded_many", "snooze", "start_interactive", "waiting", "write_limit",
+    "settle_succeeded_many", "snooze", "start_interactive", "start_step", "waiting",
+    "write_limit",
 ]

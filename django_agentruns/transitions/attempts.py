@@ -19,7 +19,7 @@ from ..db import retry_on_lock
 from ..exceptions import LimitExceeded
 from ..models import AgentRun, RunCheckpoint, Status
 from ..outcomes import AttemptRef, Renewal
-from .events import CHECKPOINT, append_one, event_exists, lifecycle, now
+from .events import CHECKPOINT, MIGRATED, append_one, event_exists, lifecycle, now
 
 
 @retry_on_lock()
@@ -124,4 +124,21 @@ def checkpoint(
                                      created_at=at)
         append_one(lifecycle(ref.run_id, CHECKPOINT, ref.attempt, count=count), at,
                    below=max_events)
+    return Renewal.OK
+
+
+@retry_on_lock()
+def migrate_version(ref: AttemptRef, state: Any, version: int, from_version: int,
+                    at: datetime | None = None) -> Renewal:
+    """A run of an older agent version, claimed by newer code: its checkpoint state as the
+    agent's `migrate` made it, and its new version, fenced (the attempt's first write,
+    before the agent runs), with a `run.migrated` event."""
+    at = at or now()
+    with transaction.atomic():
+        updated = AgentRun.objects.filter(ref.guard(), agent_version=from_version).update(
+            checkpoint_state=state, agent_version=version, lease_expires=ref.lease_until(at))
+        if not updated:
+            return _renew_locked(ref, at)
+        append_one(lifecycle(ref.run_id, MIGRATED, ref.attempt, version=version,
+                             from_version=from_version), at)
     return Renewal.OK

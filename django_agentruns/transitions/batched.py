@@ -29,12 +29,13 @@ from django.db import connection
 from ..conf import SETTING_NAME
 from ..exceptions import LimitExceeded
 from ..models import AgentRun, Reason, RunEvent, Status
-from ..outcomes import AttemptRef, Renewal, Settlement, UsageTotals
+from ..outcomes import AttemptRef, Renewal, Settlement, StepStart, UsageTotals
 from . import rawsql
 from .attempts import checkpoint, emit, renew
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded, settle_succeeded, settle_succeeded_many
 from .snoozing import record_usage, record_usage_in
+from .steps import StepEndWrite, StepStartWrite, end_step, end_step_in, start_step, start_step_in
 from .waiting import parents_settled
 
 
@@ -97,8 +98,9 @@ class UsageWrite:
     max_events: int | None = None
 
 
-Write = RenewWrite | EmitWrite | CheckpointWrite | SucceedWrite | SettleWrite | UsageWrite
-Result = Renewal | Settlement | UsageTotals
+Write = (RenewWrite | EmitWrite | CheckpointWrite | SucceedWrite | SettleWrite | UsageWrite
+         | StepStartWrite | StepEndWrite)
+Result = Renewal | Settlement | UsageTotals | StepStart
 Event = tuple[int, str, dict[str, Any], int, uuid.UUID]
 
 
@@ -193,6 +195,10 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
             results[i] = write.settle()
         elif isinstance(write, UsageWrite):
             results[i] = _usage(write, at)
+        elif isinstance(write, StepStartWrite):  # a durable step's start and end: each its own
+            results[i] = start_step_in(write, at)
+        elif isinstance(write, StepEndWrite):
+            results[i] = end_step_in(write, at)
 
 
 def _refuse_over_cap(missing: list[EmitWrite]) -> None:
@@ -304,4 +310,8 @@ def apply_alone(write: Write) -> Result:
     if isinstance(write, UsageWrite):
         return record_usage(write.ref, write.input_tokens, write.output_tokens, write.cost,
                             write.model, max_events=write.max_events)
+    if isinstance(write, StepStartWrite):
+        return start_step(write)
+    if isinstance(write, StepEndWrite):
+        return end_step(write)
     return write.settle()

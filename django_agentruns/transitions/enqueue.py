@@ -12,7 +12,7 @@ from django.db import OperationalError, connection, transaction
 
 from ..conf import app_settings
 from ..exceptions import InvalidInputError
-from ..models import AgentRun, RunCheckpoint, Status
+from ..models import AgentRun, RunCheckpoint, RunStep, Status
 from . import rawsql
 from .events import FORKED, append_events, lifecycle
 
@@ -31,11 +31,12 @@ class NewRun(NamedTuple):
     available_at: datetime
     dedupe_key: str = ""  # "": none; else an unfinished run of the agent with it is returned
     limit_key: str = ""  # resolved by api (django_agentruns.limits)
+    agent_version: int = 1  # the agent's version the run starts under
 
 
 # What each element of insert_runs' JSON array holds, in order (input as its JSON text).
 _PER_RUN = ("agent", "queue", "priority", "scope", "fired_seq", "input", "max_requeues",
-            "available_at", "dedupe_key", "limit_key")
+            "available_at", "dedupe_key", "limit_key", "agent_version")
 # A dedupe key taken by a run that finished before its holder could be read: insert again,
 # at most this many times (each round needs another run to finish at that very moment).
 DEDUPE_ROUNDS = 5
@@ -77,7 +78,7 @@ def _insert_rows(rows: Sequence[NewRun], at: datetime) -> list[tuple[int, str, s
     at_text = _json_time(at)
     data = [[r.agent, r.queue, r.priority, r.scope, r.fired_seq, r.input_json, r.max_requeues,
              at_text if r.available_at is at else _json_time(r.available_at), r.dedupe_key,
-             r.limit_key]
+             r.limit_key, r.agent_version]
             for r in rows]
     # Escaping at most doubles a row's text: below half the cap, one statement surely does.
     if sum(len(r.input_json) + 1000 for r in rows) * 2 <= MAX_STATEMENT_BYTES:
@@ -181,7 +182,9 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
 
 
 def insert_fork(
-    origin_id: int, number: int | None, input: Any, by: str, at: datetime,
+    origin_id: int, number: int | None, input: Any, by: str, at: datetime, *,
+    replay: bool = False, agent: str | None = None, queue: str | None = None,
+    version: int | None = None,
 ) -> AgentRun | None:
     """Queue a new run of `origin_id`'s agent starting from its checkpoint `number` (None:
     its last; with none saved, from the start), with `input` (None: the origin's).
@@ -191,6 +194,12 @@ def insert_fork(
     start from any of them) and a `run.forked` event opening its timeline. The origin and
     its timeline are not touched. None: no such run; `InvalidInputError` for a checkpoint
     the run never reached (nothing written).
+
+    Steps: with `replay`, every step the origin completed is copied (the fork gets their
+    results without executing them, and records no usage for them); without, those
+    started before the checkpoint the fork starts from (it does not call them again).
+    `agent`: the fork runs that agent (on `queue`, at `version`), keeping the origin's
+    limit key.
     """
     with transaction.atomic():
         origin = AgentRun.objects.filter(pk=origin_id).first()
@@ -207,7 +216,8 @@ def insert_fork(
                                                     else " (its history is incomplete)"))
             state = saved[0]
         run = AgentRun.objects.create(
-            agent=origin.agent, queue=origin.queue, priority=origin.priority,
+            agent=agent or origin.agent, queue=queue or origin.queue, priority=origin.priority,
+            limit_key=origin.limit_key, agent_version=version or origin.agent_version,
             scope=origin.scope, fired_seq=origin.fired_seq,
             input=origin.input if input is None else input, max_requeues=origin.max_requeues,
             status=Status.QUEUED, available_at=at, created_at=at, checkpoint_state=state,
@@ -219,6 +229,28 @@ def insert_fork(
                     f"INSERT INTO {table} (run_id, number, state, created_at) "
                     f"SELECT %s, number, state, created_at FROM {table} "
                     f"WHERE run_id = %s AND number <= %s", [run.pk, origin_id, n])
+        _copy_steps(origin_id, run.pk, None if replay else n)
+        extra: dict[str, Any] = {"replay": True} if replay else {}
+        if run.agent != origin.agent:
+            extra["agent"] = run.agent
         append_events([lifecycle(run.pk, FORKED, 0, origin=origin_id, checkpoint=n, by=by,
-                                 input_replaced=input is not None)], at)
+                                 input_replaced=input is not None, **extra)], at)
     return run
+
+
+def _copy_steps(origin_id: int, run_id: int, before: int | None) -> None:
+    """Copy the origin's done steps (those started before checkpoint `before`; None: all)
+    into the fork, in the database: the fork never reads the origin's again, so purging
+    the origin leaves it whole. A copy costs nothing: its usage is zero."""
+    if before == 0:
+        return
+    table = connection.ops.quote_name(RunStep._meta.db_table)
+    columns = ("name, occurrence, status, result, error, attempt, checkpoint, started_at, "
+               "finished_at")
+    condition = "" if before is None else " AND checkpoint < %s"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} (run_id, replayed_from, input_tokens, output_tokens, cost, "
+            f"{columns}) SELECT %s, id, 0, 0, 0.0, {columns} FROM {table} "
+            f"WHERE run_id = %s AND status = %s{condition}",
+            [run_id, origin_id, RunStep.State.DONE, *([] if before is None else [before])])

@@ -33,6 +33,7 @@ INTERRUPTED = "run.interrupted"
 FORKED = "run.forked"
 SNOOZED = "run.snoozed"
 USAGE = "run.usage"
+MIGRATED = "run.migrated"
 
 
 def now() -> datetime:

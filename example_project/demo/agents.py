@@ -173,3 +173,20 @@ def llm_chain(ctx: RunContext) -> dict[str, Any]:
         ctx.record_usage(input_tokens=800, output_tokens=200, cost=0.002, model="demo-model")
         ctx.checkpoint({"step": step + 1})
     return {"steps": ctx.input["steps"]}
+
+
+@agent("demo.step_research", queue="default", max_requeues=3, timeout=60)
+def step_research(ctx: RunContext) -> dict[str, Any]:
+    """`demo.research` with durable steps instead of hand-written checkpoints: each model
+    and tool call is a step, so a retry (or a crash) gets the finished ones from their
+    records and pays only for the rest (docs/steps.md)."""
+    topic = str(ctx.input.get("topic", "durable execution"))
+    ctx.step("plan", _call_model, f"Plan research on {topic}")
+    queries = [f"{topic} leases", f"{topic} retries", f"{topic} dead letters"]
+    sources: list[dict[str, str]] = []
+    for query in queries:
+        hits = ctx.step("search", _search, query, retries=2)
+        sources.extend(hit for hit in hits if hit not in sources)
+    ctx.step("summarise", _call_model, f"Summarise {len(sources)} sources on {topic}")
+    summary = " ".join(source["snippet"] for source in sources)
+    return {"topic": topic, "summary": summary, "sources": [s["title"] for s in sources]}

@@ -148,7 +148,8 @@ def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
         plan.append(PlannedRun("ordered", CHAOS_ORDERED, spec, scope=f"scope-{i // scope_size}",
                                fired_seq=i % scope_size))
     kinds = (["flaky"] * 14 + ["fatal"] * 6 + ["doomed"] * 4 + ["slow"] * 5
-             + ["waits"] * 8 + ["plain"] * 27 + ["keyed"] * 12 + ["snoozy"] * 4)
+             + ["waits"] * 8 + ["plain"] * 21 + ["keyed"] * 12 + ["snoozy"] * 4
+             + ["durable"] * 6)
     for _ in range(runs - n_ordered):
         kind = rng.choice(kinds)
         spec = base()
@@ -168,6 +169,11 @@ def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
             spec |= {"key": rng.choice(sorted(CHAOS_LIMITS))}
             if rng.random() < 0.2:
                 spec |= {"snooze_at": rng.randrange(spec["steps"]), "snoozes": 1}
+        elif kind == "durable":  # durable steps, resumed from checkpoints; some flaky
+            spec |= {"durable": True}
+            if rng.random() < 0.3:
+                spec |= {"fail": "transient", "fail_at": rng.randrange(spec["steps"]),
+                         "fail_attempts": 1}
         elif kind == "snoozy":
             spec |= {"snooze_at": rng.randrange(spec["steps"]), "snoozes": rng.randint(1, 3)}
         elif kind == "slow":
@@ -176,7 +182,7 @@ def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
             spec |= {"steps": 3, "sleep": 0.02, "slow_at": rng.choice([1, 3]), "slow": 10,
                      "finish": 0.5}
             priority = 10  # taken over at once by whichever worker has a free slot
-        if kind not in ("slow", "waits") and rng.random() < 0.3:
+        if kind not in ("slow", "waits", "durable") and rng.random() < 0.3:
             agent = CHAOS_ASYNC  # the same run as a coroutine, writing through the store
         plan.append(PlannedRun(kind, agent, spec, priority=priority))
     return plan

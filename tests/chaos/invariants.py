@@ -27,9 +27,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django_agentruns import transitions as t
-from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status
 from tests.chaos.waits import check_waits
-from tests.testapp.chaos_agents import EFFECT_NOTE
+from tests.testapp.chaos_agents import CALL_NOTE, EFFECT_NOTE
 from tests.testapp.models import SideEffect
 
 # Timestamps of one machine's clock, written by different processes: allow for a lease
@@ -41,7 +41,7 @@ SETTLING = {t.SUCCEEDED, t.RETRYING, t.DEAD_LETTERED, t.CANCELLED, t.INTERRUPTED
 FREE = {t.INTERRUPTED, t.SNOOZED}
 TERMINAL_EVENTS = {t.SUCCEEDED: Status.SUCCEEDED, t.DEAD_LETTERED: Status.FAILED,
                    t.CANCELLED: Status.CANCELLED}
-ATTEMPT_WRITES = {"step", t.CHECKPOINT, t.CANCEL_REQUESTED}
+ATTEMPT_WRITES = {"step", t.CHECKPOINT, t.CANCEL_REQUESTED, t.STEP}
 # Waiting (tests/chaos/waits.py checks them): a delivery and a resume may come at any time,
 # a live attempt or none; run.waiting ends the live attempt without a settlement.
 WAIT_STORY = {t.waiting.DELIVERED, t.waiting.RESUMED, t.waiting.WAIT_TIMED_OUT}
@@ -55,6 +55,7 @@ class PlannedRun:
     """What the harness asked of one run, so the outcome can be judged."""
 
     kind: str  # plain | flaky | fatal | doomed | slow | ordered | waits | keyed | snoozy
+    #            | durable
     agent: str
     input: dict[str, Any]
     scope: str = ""
@@ -133,6 +134,8 @@ def check_all(
         check_outcome(checker, run, planned, cancels.get(run_id))
         check_effects(checker, run, planned, events[run_id], effects[run_id], attempts[run_id])
     check_firing_order(checker, plan, events)
+    check_durable_steps(checker, {pk: p for pk, p in plan.items() if p.kind == "durable"},
+                        runs)
     check_waits(checker, {pk: p for pk, p in plan.items() if p.kind == "waits"}, runs, events)
     for text in log_text:
         checker.check("IntegrityError" not in text,
@@ -357,6 +360,37 @@ def check_effects(
                                    f"{sorted(missing)}")
         checker.check(set(steps_emitted) == set(range(planned.steps)),
                       f"{rid} succeeded with step events {sorted(steps_emitted)}")
+
+
+def check_durable_steps(checker: Checker, plan: Mapping[int, PlannedRun],
+                        runs: Mapping[int, AgentRun]) -> None:
+    """No completed step is executed twice: once a step's end is recorded (done, by
+    attempt A), no attempt after A executes it, nor A itself after that moment. A
+    succeeded run has every step done, each occurrence the step's own (resumed attempts
+    count on from their checkpoint)."""
+    calls: dict[tuple[int, int], list[SideEffect]] = defaultdict(list)
+    for call in SideEffect.objects.filter(note=CALL_NOTE, run_id__in=list(plan)):
+        calls[(call.run_id, call.step)].append(call)
+    steps = defaultdict(list)
+    for step in RunStep.objects.filter(run_id__in=list(plan)).order_by("occurrence"):
+        steps[step.run_id].append(step)
+    for run_id, planned in plan.items():
+        rid = f"run {run_id} (durable)"
+        for step in steps[run_id]:
+            if step.status != RunStep.State.DONE:
+                continue
+            assert step.finished_at is not None
+            again = [c for c in calls[(run_id, step.occurrence - 1)]
+                     if c.attempt > step.attempt or c.created_at > step.finished_at]
+            checker.check(not again, f"{rid}: step call/{step.occurrence}, done by attempt "
+                                     f"{step.attempt}, executed again by attempts "
+                                     f"{[c.attempt for c in again]}")
+        run = runs.get(run_id)
+        if run is not None and run.status == Status.SUCCEEDED:
+            done = [(s.name, s.occurrence) for s in steps[run_id]
+                    if s.status == RunStep.State.DONE]
+            checker.check(done == [("call", n) for n in range(1, planned.steps + 1)],
+                          f"{rid} succeeded with done steps {done}")
 
 
 def check_firing_order(checker: Checker, plan: Mapping[int, PlannedRun],

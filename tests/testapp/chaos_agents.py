@@ -9,6 +9,9 @@ whose attempts are coroutines on the worker's loop writing through its attempt s
   (``ctx.receive``), which the chaos deliverer sends at a random time, before or after;
 - ``fail`` at step ``fail_at``: ``"transient"`` raises `Retryable` on the first
   ``fail_attempts`` attempts, ``"fatal"`` raises `NotRetryable`;
+- ``durable``: the "model call" is a durable step (``ctx.step("call", ...)``) whose
+  every real execution leaves a `SideEffect` (note ``"call"``), so the suite can prove
+  that a step that completed is never executed again;
 - ``slow_at`` (``tests.chaos_slow`` only): before that step (or, if it is ``steps``,
   before returning) attempt 1 makes a "call" that outlives its timeout and its lease: it
   makes no context call, so its worker stops renewing the lease and another worker takes
@@ -50,6 +53,7 @@ CHAOS_MAX_REQUEUES = 8
 SLOW_TIMEOUT = 1.5
 SLOW_LEASE_TTL = 1.0
 EFFECT_NOTE = "effect"
+CALL_NOTE = "call"
 
 
 def record_step(ctx: RunContext, step: int) -> None:
@@ -66,7 +70,10 @@ def run_steps(ctx: RunContext) -> dict[str, Any]:
     state = ctx.state or {"step": 0}
     for step in range(int(state["step"]), steps):
         ctx.emit("step", {"n": step})
-        time.sleep(float(spec.get("sleep", 0)))
+        if spec.get("durable"):
+            ctx.step("call", durable_call, ctx, step)
+        else:
+            time.sleep(float(spec.get("sleep", 0)))
         if step == spec.get("wait_at"):
             # Waits for the deliverer (tests/chaos/deliverer.py), which sends {"run": id}.
             payload = ctx.receive(WAIT_KEY)
@@ -84,6 +91,15 @@ def run_steps(ctx: RunContext) -> dict[str, Any]:
         record_step(ctx, step)
     slow_down(ctx, steps)
     return {"steps": steps}
+
+
+def durable_call(ctx: RunContext, step: int) -> dict[str, Any]:
+    """A step's real execution: counted (committed at once, whatever happens next), then
+    the "model call"."""
+    SideEffect.objects.create(run_id=ctx.run_id, step=step, attempt=ctx.attempt,
+                              worker=str(os.getpid()), note=CALL_NOTE)
+    time.sleep(float(ctx.input.get("sleep", 0)))
+    return {"step": step, "key": ctx.step_key}
 
 
 class ChaosRateLimit(Exception):

@@ -1,0 +1,1 @@
+"""Operating the app: metrics, diagnosis, tracing, retention and reports."""

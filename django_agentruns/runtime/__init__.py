@@ -1,0 +1,1 @@
+"""What runs attempts: the worker, its executor and the calls an agent makes."""

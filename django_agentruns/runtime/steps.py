@@ -1,0 +1,307 @@
+"""Durable steps: `ctx.step(name, fn, ...)` runs `fn` once per run and keeps its result.
+
+Each call of a name is its next occurrence (1, 2, 3... in call order), so a loop of model
+calls is a sequence of steps. Before executing, a fenced start write asks the run's
+record: a step done already (by an earlier attempt, or copied by a replaying fork)
+answers its stored result and `fn` is not called. Otherwise `fn` runs (outside any
+transaction: a model call may take minutes), and a fenced end write stores its JSON
+result, the usage recorded inside it, and one `run.step` event. A worker that lost the
+run records nothing, so the step's next execution is the new owner's, under the same
+idempotency key (`ctx.step_key`, e.g. "run-42/draft/1").
+
+An attempt resuming from a checkpoint does not call the steps before it again: the first
+call of each name counts the run's steps of that name started before the checkpoint
+(`transitions.steps`), so the occurrences go on where they were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .. import metrics, policy, tracing, transitions
+from ..conf import app_settings
+from ..db import close_all_connections
+from ..exceptions import AttemptStopped, InvalidInputError, StepTimeout
+from ..models import step_key
+from ..outcomes import StepStart
+from ..recording import classify_for
+from ..registry import NAME_PATTERN, find_agent
+from ..validation import capped_json
+
+if TYPE_CHECKING:
+    from ..context import RunContext
+    from ..control import AttemptControl
+
+
+@dataclass
+class ActiveStep:
+    """The step being executed in this context: its key, and the usage recorded in it."""
+
+    name: str
+    occurrence: int
+    key: str
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost: float = 0.0
+
+
+_active: contextvars.ContextVar[ActiveStep | None] = contextvars.ContextVar(
+    "agentruns_step", default=None)
+
+
+def current_key() -> str | None:
+    """`ctx.step_key`: the key of the step executing here, None outside a step."""
+    active = _active.get()
+    return None if active is None else active.key
+
+
+def attribute_usage(input_tokens: int, output_tokens: int, cost: float) -> None:
+    """Usage recorded (`ctx.record_usage`) inside a step is the step's too."""
+    active = _active.get()
+    if active is not None:
+        active.input_tokens += input_tokens
+        active.output_tokens += output_tokens
+        active.cost += cost
+
+
+def run_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any], retries: int, timeout: float | None) -> Any:
+    """`ctx.step`: the stored result, or `fn`'s, executed and stored."""
+    control = _checked(ctx, name, fn, retries, timeout)
+    start = _start_write(control, name)
+    started = _took(control, control.write(start), name)
+    if started.done:
+        return _replayed(ctx, started)
+    failures = 0
+    while True:
+        step = ActiveStep(name, started.occurrence, step_key(ctx.run_id, name, started.occurrence))
+        began = time.monotonic()
+        try:
+            with _executing(ctx, step):
+                result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
+        except (AttemptStopped, asyncio.CancelledError):
+            raise  # the attempt stops: the step stays started, the next attempt runs it
+        except BaseException as exc:
+            control.apply(control.write(_end_write(control, step, began, exc)))
+            metrics.observe_step(ctx.agent, "failed")
+            delay = _retry_delay(ctx, exc, failures, retries)
+            if delay is None:
+                raise
+            failures += 1
+            _sleep(control, delay)
+            started = _took(control, control.write(_restart(start, step)), name)
+            continue
+        control.apply(control.write(_end_write(control, step, began, None, result)))
+        metrics.observe_step(ctx.agent, "done")
+        return result
+
+
+async def arun_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any], retries: int, timeout: float | None) -> Any:
+    """`ctx.astep`: `run_step` for an async `fn` (or any `fn` returning an awaitable), its
+    writes awaited through the attempt store; a timeout cancels the execution."""
+    control = _checked(ctx, name, fn, retries, timeout)
+    start = _start_write(control, name)
+    started = _took(control, await control.awrite(start), name)
+    if started.done:
+        return _replayed(ctx, started)
+    failures = 0
+    while True:
+        step = ActiveStep(name, started.occurrence, step_key(ctx.run_id, name, started.occurrence))
+        began = time.monotonic()
+        try:
+            with _executing(ctx, step):
+                result = _stored_form(name, await _acall(fn, args, kwargs, timeout, step))
+        except (AttemptStopped, asyncio.CancelledError):
+            raise
+        except BaseException as exc:
+            control.apply(await control.awrite(_end_write(control, step, began, exc)))
+            metrics.observe_step(ctx.agent, "failed")
+            delay = _retry_delay(ctx, exc, failures, retries)
+            if delay is None:
+                raise
+            failures += 1
+            await _asleep(control, delay)
+            started = _took(control, await control.awrite(_restart(start, step)), name)
+            continue
+        control.apply(await control.awrite(_end_write(control, step, began, None, result)))
+        metrics.observe_step(ctx.agent, "done")
+        return result
+
+
+# ----------------------------------------------------------------------- the checks
+
+
+def _checked(ctx: RunContext, name: Any, fn: Any, retries: Any,
+             timeout: Any) -> AttemptControl:
+    control = ctx._control
+    if control.done.is_set():
+        raise InvalidInputError(f"ctx.step({name!r}) is a call of a running attempt; this "
+                                f"one has ended")
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise InvalidInputError(f"A step name must be 1-200 characters of letters, digits "
+                                f"and _ . : -, not {name!r:.120}")
+    if not callable(fn):
+        raise InvalidInputError(f"Step {name!r}: fn must be callable, not {fn!r:.80}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise InvalidInputError(f"Step {name!r}: retries must be a whole number >= 0, "
+                                f"not {retries!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or not math.isfinite(timeout) or timeout <= 0):
+        raise InvalidInputError(f"Step {name!r}: timeout must be seconds > 0, not {timeout!r}")
+    active = _active.get()
+    if active is not None:
+        raise InvalidInputError(f"Step {name!r} was called inside step {active.key!r}: steps "
+                                f"do not nest (make it one step, or two after each other)")
+    control.check()
+    return control
+
+
+def _stored_form(name: str, result: Any) -> Any:
+    """The result as it is stored and as a replay returns it (JSON: a tuple comes back a
+    list), so the first execution and every replay see the same value."""
+    return json.loads(capped_json(result, f"Result of step {name!r}", "MAX_OUTPUT_BYTES"))
+
+
+# ----------------------------------------------------------------------- the writes
+
+
+def _start_write(control: AttemptControl, name: str) -> transitions.StepStartWrite:
+    return transitions.StepStartWrite(
+        control.ref, name, control.step_counts.get(name, 0) + 1 if name in control.step_counts
+        else None, control.checkpoints, int(app_settings.MAX_STEPS_PER_RUN))
+
+
+def _restart(start: transitions.StepStartWrite,
+             step: ActiveStep) -> transitions.StepStartWrite:
+    """The start of a retry: the same occurrence, known by now."""
+    return transitions.StepStartWrite(start.ref, start.name, step.occurrence, start.checkpoint,
+                                      start.max_steps)
+
+
+def _took(control: AttemptControl, result: transitions.Result, name: str) -> StepStart:
+    assert isinstance(result, StepStart), result
+    control.apply(result.renewal)
+    control.step_counts[name] = result.occurrence
+    return result
+
+
+def _end_write(control: AttemptControl, step: ActiveStep, began: float,
+               error: BaseException | None, result: Any = None) -> transitions.StepEndWrite:
+    described = ""
+    if error is not None:
+        try:
+            described = f"{type(error).__name__}: {error}"[:2000]
+        except Exception:
+            described = type(error).__name__
+    return transitions.StepEndWrite(
+        control.ref, step.name, step.occurrence, done=error is None, result=result,
+        error=described.replace("\x00", ""), input_tokens=step.input_tokens,
+        output_tokens=step.output_tokens, cost=step.cost,
+        duration_ms=int((time.monotonic() - began) * 1000),
+        max_events=int(app_settings.MAX_EVENTS_PER_RUN))
+
+
+def _replayed(ctx: RunContext, started: StepStart) -> Any:
+    metrics.observe_step(ctx.agent, "replayed")
+    return started.result
+
+
+# ----------------------------------------------------------------------- executing
+
+
+@contextmanager
+def _executing(ctx: RunContext, step: ActiveStep) -> Iterator[None]:
+    token = _active.set(step)
+    try:
+        with tracing.step_span(ctx.agent, step.name, step.occurrence, step.key):
+            yield
+    finally:
+        _active.reset(token)
+
+
+def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+          timeout: float | None, step: ActiveStep) -> Any:
+    """`fn` here, or with a timeout in a thread of its own: past the timeout the step has
+    failed (`StepTimeout`) and the thread runs on until `fn` returns; what it returns
+    then is discarded (Python cannot stop a thread)."""
+    if timeout is None:
+        return fn(*args, **kwargs)
+    box: dict[str, Any] = {}
+    finished = threading.Event()
+    context = contextvars.copy_context()  # ctx.step_key and usage attribution carry over
+
+    def execute() -> None:
+        try:
+            box["result"] = context.run(fn, *args, **kwargs)
+        except BaseException as exc:
+            box["error"] = exc
+        finally:
+            close_all_connections()  # this thread is the step's alone
+            finished.set()
+
+    threading.Thread(target=execute, daemon=True, name=f"agentruns-step-{step.key}"[:60]).start()
+    if not finished.wait(timeout):
+        raise StepTimeout(f"step {step.key!r} took longer than its timeout of {timeout}s")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+async def _acall(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 timeout: float | None, step: ActiveStep) -> Any:
+    value = fn(*args, **kwargs)
+    if not inspect.isawaitable(value):
+        return value
+    if timeout is None:
+        return await value
+    try:
+        return await asyncio.wait_for(value, timeout)  # cancelled past the timeout
+    except TimeoutError:
+        raise StepTimeout(f"step {step.key!r} took longer than its timeout of {timeout}s") \
+            from None
+
+
+def _retry_delay(ctx: RunContext, exc: BaseException, failures: int,
+                 retries: int) -> float | None:
+    """Seconds before the step's next execution in this attempt, or None: the error goes
+    to the agent (and fails the attempt, unless the agent catches it). A rate limit with
+    Retry-After is not retried here: it snoozes the run (and closes its key), as an
+    attempt's error does."""
+    if failures >= retries or not isinstance(exc, Exception):
+        return None
+    failure = classify_for(find_agent(ctx.agent), exc)
+    if failure.snooze or not failure.retryable:
+        return None
+    if failure.delay is not None:
+        return failure.delay
+    return policy.backoff(failures, base=float(app_settings.BACKOFF_BASE),
+                          cap=float(app_settings.BACKOFF_CAP),
+                          jitter=float(app_settings.BACKOFF_JITTER))
+
+
+def _sleep(control: AttemptControl, delay: float) -> None:
+    """Wait out a step's backoff in slices, so a stop (cancel, shutdown) ends it early."""
+    until = time.monotonic() + delay
+    while (left := until - time.monotonic()) > 0:
+        control.check()
+        time.sleep(min(0.1, left))
+    control.check()
+
+
+async def _asleep(control: AttemptControl, delay: float) -> None:
+    until = time.monotonic() + delay
+    while (left := until - time.monotonic()) > 0:
+        control.check()
+        await asyncio.sleep(min(0.1, left))
+    control.check()
