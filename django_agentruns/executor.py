@@ -24,7 +24,7 @@ from asgiref.sync import async_to_sync, sync_to_async
 from django.db import DatabaseError, close_old_connections, connection
 
 from . import chunks, metrics, recording, tracing
-from .context import RunContext
+from .context import RunContext, entered
 from .control import AttemptControl, in_thread
 from .exceptions import (
     AttemptStopped,
@@ -244,7 +244,8 @@ def call_agent(spec: AgentSpec, ctx: RunContext, control: AttemptControl) -> Out
         if spec.is_async:
             result = async_to_sync(_with_timeout)(spec, ctx, control)
         else:
-            result = spec.func(ctx)
+            with entered(ctx):
+                result = spec.func(ctx)
     except BaseException as exc:
         return _raised(control, exc)
     return _returned(spec, control, result)
@@ -317,7 +318,8 @@ class _Escaped(Exception):
 
 async def _contained(spec: AgentSpec, ctx: RunContext) -> Any:
     try:
-        return await spec.func(ctx)
+        with entered(ctx):
+            return await spec.func(ctx)
     except (SystemExit, KeyboardInterrupt) as exc:
         raise _Escaped(exc) from None
 

@@ -1,0 +1,170 @@
+"""A Pydantic AI agent run durably (`DurableAgent`) by real workers against the fake provider:
+a two-turn conversation with a tool call, usage, streamed text, an approval, a crash after
+the first answer, a 429 and a bad key. Each behaviour for a sync agent (`run_sync`) and an
+async one (`await run`)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+
+pytest.importorskip("pydantic_ai")
+
+from django_agentruns import approve, enqueue, stream_chunks, transitions  # noqa: E402
+from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status  # noqa: E402
+from tests import helpers  # noqa: E402
+from tests.fakeprovider import FakeProvider, Fault, Reply, ToolCall  # noqa: E402
+from tests.testapp.models import SideEffect  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = {"BACKOFF_BASE": 0.0, "BACKOFF_CAP": 0.0, "POLL_INTERVAL": 0.05, "LEASE_TTL": 3,
+            "REAP_INTERVAL": 0.5}
+AGENTS = ["tests.pydantic_ai", "tests.pydantic_ai_async"]
+TWO_TURNS = [Reply(tool_calls=[ToolCall("weather", {"city": "Paris"})], usage=(11, 3)),
+             Reply("It is sunny in Paris.", usage=(20, 6), chunks=3)]
+
+
+@pytest.fixture
+def fake_provider() -> Iterator[FakeProvider]:
+    with FakeProvider() as provider:
+        yield provider
+
+
+def env_for(worker_env: dict[str, str], provider: FakeProvider) -> dict[str, str]:
+    return {**worker_env, **provider.env(), "AGENTRUNS_TEST_SETTINGS": json.dumps(SETTINGS)}
+
+
+def run(run_id: int) -> AgentRun:
+    return AgentRun.objects.get(pk=run_id)
+
+
+def finished(run_id: int) -> bool:
+    return run(run_id).status in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+
+
+def stored_text(run_id: int) -> str:
+    return "".join(p["text"] for p in RunEvent.objects.filter(
+        run_id=run_id, type="stream").order_by("seq").values_list("payload", flat=True))
+
+
+def tool_runs(run_id: int) -> list[str]:
+    return list(SideEffect.objects.filter(run_id=run_id).values_list("note", flat=True))
+
+
+def test_a_two_turn_agent_with_a_tool_call_completes_with_its_usage_and_a_429_snoozes(
+        worker_env: dict[str, str], fake_provider: FakeProvider) -> None:
+    runs: dict[str, int] = {}
+    for name in AGENTS:
+        fake_provider.script(TWO_TURNS, model=f"ok-{name}")
+        fake_provider.script([Fault(429, retry_after=1), *TWO_TURNS], model=f"limited-{name}")
+        fake_provider.script([Fault(401, message="Incorrect API key")], model=f"badkey-{name}")
+        for case in ("ok", "limited", "badkey"):
+            runs[f"{case}-{name}"] = enqueue(name, {"model": f"{case}-{name}"}).pk
+    with helpers.start_manage(["runworker", "--concurrency", "6"],
+                              env_for(worker_env, fake_provider)) as worker:
+        helpers.wait_until(lambda: all(finished(pk) for pk in runs.values()), timeout=90,
+                           message="every run to finish")
+        assert worker.returncode is None, worker.output()
+
+    for name in AGENTS:
+        ok = run(runs[f"ok-{name}"])
+        assert ok.status == Status.SUCCEEDED, ok.error_message
+        assert ok.output == {"output": "It is sunny in Paris.", "attempt": 1}
+        assert fake_provider.count(f"ok-{name}") == 2
+        assert tool_runs(ok.pk) == ["weather:Paris"]
+        # Usage is what the provider reported for each of the two responses.
+        assert (ok.input_tokens, ok.output_tokens) == (31, 9)
+        assert stored_text(ok.pk) == "It is sunny in Paris."
+        steps = RunStep.objects.filter(run_id=ok.pk).order_by("id")
+        assert [(s.name.rsplit(".", 1)[-1] if ".model" in s.name else "tool", s.status)
+                for s in steps] == [("model", "done"), ("tool", "done"), ("model", "done")]
+
+        # A 429 with Retry-After, wrapped by Pydantic AI in ModelHTTPError, snoozes the run.
+        limited = run(runs[f"limited-{name}"])
+        assert limited.status == Status.SUCCEEDED, limited.error_message
+        assert (limited.requeue_count, limited.snooze_count, limited.attempt) == (0, 1, 2)
+        snoozed = RunEvent.objects.filter(run_id=limited.pk, type=transitions.SNOOZED).get()
+        assert snoozed.payload["delay"] == 1.0
+        assert fake_provider.count(f"limited-{name}") == 3
+        assert (limited.input_tokens, limited.output_tokens) == (31, 9)
+
+        # A 401 dead-letters at once.
+        badkey = run(runs[f"badkey-{name}"])
+        assert (badkey.status, badkey.reason, badkey.attempt) == (
+            Status.FAILED, Reason.NOT_RETRYABLE, 1)
+        assert fake_provider.count(f"badkey-{name}") == 1
+
+
+@pytest.mark.parametrize("name", AGENTS)
+def test_a_tool_that_needs_approval_waits_streams_first_and_runs_once_approved(
+        worker_env: dict[str, str], fake_provider: FakeProvider, name: str) -> None:
+    fake_provider.script([
+        Reply("Let me refund that.", tool_calls=[ToolCall("refund", {"amount": 5})],
+              usage=(9, 4)),
+        Reply("Refunded 5.", usage=(15, 3)),
+    ])
+    pk = enqueue(name, {"model": "m", "prompt": "Refund me"}).pk
+    live: list[str] = []
+    reader = threading.Thread(target=lambda: (live.extend(c["text"] for c in stream_chunks(pk)),
+                                              connection.close()))
+    reader.start()
+    with helpers.start_manage(["runworker"], env_for(worker_env, fake_provider)) as worker:
+        helpers.wait_until(lambda: run(pk).status == Status.WAITING, timeout=60,
+                           message="the run to wait for the approval")
+        # The model's text was streamed live and stored, the tool not run.
+        helpers.wait_until(lambda: "".join(live) == "Let me refund that.", timeout=20,
+                           message="the streamed text through stream_chunks, before the end")
+        assert stored_text(pk) == "Let me refund that."
+        assert tool_runs(pk) == []
+        waiting = run(pk)
+        assert "refund" in waiting.wait_key
+        approve(pk, waiting.wait_key, by="tester")
+        helpers.wait_until(lambda: finished(pk), timeout=60, message="the run to finish")
+        assert worker.returncode is None, worker.output()
+    reader.join(20)
+    done = run(pk)
+    assert done.status == Status.SUCCEEDED, done.error_message
+    assert done.output["output"] == "Refunded 5."
+    assert tool_runs(pk) == ["refund:5"]  # once, after the approval
+    assert fake_provider.count() == 2  # the first answer was replayed, not asked again
+    assert (done.input_tokens, done.output_tokens) == (24, 7)
+
+
+@pytest.mark.parametrize("name", AGENTS)
+def test_a_worker_killed_after_the_first_answer_resumes_without_asking_again(
+        worker_env: dict[str, str], fake_provider: FakeProvider, name: str,
+        tmp_path: Path) -> None:
+    fake_provider.script(TWO_TURNS)
+    gate = tmp_path / "gate"
+    pk = enqueue(name, {"model": "m", "block_file": str(gate)}).pk
+    env = env_for(worker_env, fake_provider)
+    with helpers.start_manage(["runworker"], env) as first:
+        helpers.wait_until(lambda: tool_runs(pk) == ["weather:Paris"], timeout=60,
+                           message="the tool to start, after the first answer")
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert fake_provider.count() == 1
+    gate.touch()
+    with helpers.start_manage(["runworker"], env) as second:
+        helpers.wait_until(lambda: finished(pk), timeout=60, message="the resumed run")
+        assert second.returncode is None, second.output()
+    done = run(pk)
+    assert done.status == Status.SUCCEEDED, done.error_message
+    assert done.output == {"output": "It is sunny in Paris.", "attempt": 2}
+    # The first model request was answered from its record: two requests in all.
+    assert fake_provider.count() == 2
+    # The tool was running when the worker died: it ran again (a step not finished is run).
+    assert tool_runs(pk) == ["weather:Paris", "weather:Paris"]
+    assert (done.input_tokens, done.output_tokens) == (31, 9)
+
+
+def request_roles(provider: FakeProvider) -> list[list[Any]]:
+    return [[m.get("role") for m in seen.body.get("messages", [])] for seen in provider.requests]
