@@ -17,11 +17,11 @@ from django.db import connection
 
 pytest.importorskip("pydantic_ai")
 
-from django_agentruns import approve, enqueue, stream_chunks, transitions  # noqa: E402
-from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status  # noqa: E402
-from tests import helpers  # noqa: E402
-from tests.fakeprovider import FakeProvider, Fault, Reply, ToolCall  # noqa: E402
-from tests.testapp.models import SideEffect  # noqa: E402
+from django_agentruns import approve, enqueue, stream_chunks, transitions
+from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status
+from tests import helpers
+from tests.fakeprovider import FakeProvider, Fault, Reply, ToolCall
+from tests.testapp.models import SideEffect
 
 pytestmark = pytest.mark.slow
 

@@ -80,7 +80,9 @@ class DurableAgent(Generic[OutputT]):
 
     async def run(self, user_prompt: Any = None, **kwargs: Any) -> AgentRunResult[Any]:
         bridge = RunBridge.current(threaded=False, entry="DurableAgent.run")
-        return await self.agent.run(user_prompt, **self._durable(bridge, kwargs))
+        result: AgentRunResult[Any] = await self.agent.run(
+            user_prompt, **self._durable(bridge, kwargs))
+        return result
 
     def _durable(self, bridge: RunBridge, kwargs: dict[str, Any]) -> dict[str, Any]:
         if kwargs.get("event_stream_handler") is not None:
