@@ -5,25 +5,31 @@ async one (`await run`)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pytest
 from django.db import connection
 
 pytest.importorskip("pydantic_ai")
 
-from django_agentruns import approve, enqueue, stream_chunks, transitions
-from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status
+from django_agentruns import approve, chunk_transport, enqueue, stream_chunks, transitions
+from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status, StreamChunk
+from django_agentruns.worker import Worker
 from tests import helpers
-from tests.fakeprovider import FakeProvider, Fault, Reply, ToolCall
+from tests.fakeprovider import ENV_VAR, FakeProvider, Fault, Reply, ToolCall
+from tests.test_tracing import _exporter, spans  # noqa: F401 (fixtures)
 from tests.testapp.models import SideEffect
 
-pytestmark = pytest.mark.slow
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 SETTINGS = {"BACKOFF_BASE": 0.0, "BACKOFF_CAP": 0.0, "POLL_INTERVAL": 0.05, "LEASE_TTL": 3,
             "REAP_INTERVAL": 0.5}
@@ -59,6 +65,7 @@ def tool_runs(run_id: int) -> list[str]:
     return list(SideEffect.objects.filter(run_id=run_id).values_list("note", flat=True))
 
 
+@pytest.mark.slow
 def test_a_two_turn_agent_with_a_tool_call_completes_with_its_usage_and_a_429_snoozes(
         worker_env: dict[str, str], fake_provider: FakeProvider) -> None:
     runs: dict[str, int] = {}
@@ -103,6 +110,7 @@ def test_a_two_turn_agent_with_a_tool_call_completes_with_its_usage_and_a_429_sn
         assert fake_provider.count(f"badkey-{name}") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", AGENTS)
 def test_a_tool_that_needs_approval_waits_streams_first_and_runs_once_approved(
         worker_env: dict[str, str], fake_provider: FakeProvider, name: str) -> None:
@@ -138,6 +146,7 @@ def test_a_tool_that_needs_approval_waits_streams_first_and_runs_once_approved(
     assert (done.input_tokens, done.output_tokens) == (24, 7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", AGENTS)
 def test_a_worker_killed_after_the_first_answer_resumes_without_asking_again(
         worker_env: dict[str, str], fake_provider: FakeProvider, name: str,
@@ -166,5 +175,55 @@ def test_a_worker_killed_after_the_first_answer_resumes_without_asking_again(
     assert (done.input_tokens, done.output_tokens) == (31, 9)
 
 
-def request_roles(provider: FakeProvider) -> list[list[Any]]:
-    return [[m.get("role") for m in seen.body.get("messages", [])] for seen in provider.requests]
+@pytest.mark.parametrize("name", AGENTS)
+def test_each_model_and_tool_call_is_a_genai_span_under_its_step_and_the_attempt(
+        spans: InMemorySpanExporter, transactional_db: None,  # noqa: F811
+        fake_provider: FakeProvider, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    monkeypatch.setenv(ENV_VAR, fake_provider.url)
+    monkeypatch.setattr(chunk_transport, "PRUNE_DELAY", 0.0)
+    fake_provider.script(TWO_TURNS)
+    pk = enqueue(name, {"model": "m"}).pk
+    Worker(burst=True, reap_interval=0).run(install_signals=False)
+    # SQLite: the live chunks' rows go while the test's database is still there.
+    helpers.wait_until(lambda: not StreamChunk.objects.filter(run_id=pk).exists(),
+                       message="the chunk rows pruned")
+    assert run(pk).status == Status.SUCCEEDED, run(pk).error_message
+    finished_spans = spans.get_finished_spans()
+    by_id = {s.context.span_id: s for s in finished_spans if s.context is not None}
+
+    def parent(span: ReadableSpan) -> ReadableSpan:
+        assert span.parent is not None
+        return by_id[span.parent.span_id]
+
+    chats = [s for s in finished_spans if s.name == "chat m"]
+    assert [((s.attributes or {})["gen_ai.usage.input_tokens"],
+             (s.attributes or {})["gen_ai.usage.output_tokens"]) for s in chats] == \
+        [(11, 3), (20, 6)]
+    (tool,) = [s for s in finished_spans if s.name == "execute_tool weather"]
+    assert (tool.attributes or {})["gen_ai.tool.name"] == "weather"
+    for span in [*chats, tool]:
+        step = parent(span)
+        assert step.name.startswith("step pydantic-ai.support.1.")
+        attempt = parent(step)
+        assert (attempt.attributes or {})["messaging.message.id"] == str(pk)
+    assert (chats[0].attributes or {})["gen_ai.request.model"] == "m"
+    assert (chats[0].attributes or {})["gen_ai.operation.name"] == "chat"
+
+
+def test_without_the_extra_the_import_error_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pydantic_ai" else real(name, *a))
+    monkeypatch.delitem(sys.modules, "django_agentruns.integrations.pydantic_ai")
+    with pytest.raises(ImportError, match=r"pip install 'django-agentruns\[pydantic-ai\]'"):
+        importlib.import_module("django_agentruns.integrations.pydantic_ai")
+
+
+def test_outside_an_agent_run_it_says_where_it_runs() -> None:
+    from pydantic_ai import Agent
+
+    from django_agentruns.exceptions import InvalidInputError
+    from django_agentruns.integrations.pydantic_ai import DurableAgent
+
+    with pytest.raises(InvalidInputError, match="runs inside an agent run"):
+        DurableAgent(Agent("test")).run_sync("hi")
