@@ -98,13 +98,14 @@ class RunBridge:
                                  output_tokens=usage.output_tokens, cost=usage.cost,
                                  model=usage.model)
             return payload
-        return await asyncio.to_thread(_closing, ctx.step, name, execute_in_thread)
+        return await asyncio.to_thread(closing_connections, ctx.step, name, execute_in_thread)
 
     async def request_approval(self, key: str, proposal: Any) -> Approval:
         """The answer to `proposal`; until there is one, the run waits (the attempt ends)."""
         if not self.threaded:
             return await self.ctx.arequest_approval(key, proposal)
-        return await asyncio.to_thread(_closing, self.ctx.request_approval, key, proposal)
+        return await asyncio.to_thread(closing_connections, self.ctx.request_approval, key,
+                                       proposal)
 
     async def stream(self, text: str) -> None:
         if text:
@@ -137,7 +138,7 @@ def _on_loop(loop: asyncio.AbstractEventLoop, body: StepBody) -> tuple[Any, Usag
     return done.result()
 
 
-def _closing(func: Callable[..., Any], *args: Any) -> Any:
+def closing_connections(func: Callable[..., Any], *args: Any) -> Any:
     """A context call on a thread of the loop's executor, its connections closed after it
     (the thread is not the worker's)."""
     try:

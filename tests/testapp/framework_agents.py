@@ -68,3 +68,103 @@ if importlib.util.find_spec("pydantic_ai") is not None:
     async def pydantic_ai_async(ctx: RunContext) -> dict[str, Any]:
         result = await support_agent(ctx.input["model"]).run(ctx.input.get("prompt", "Hi"))
         return {"output": result.output, "attempt": ctx.attempt}
+
+
+if importlib.util.find_spec("langgraph") is not None:
+    import json
+    import operator
+    from typing import Annotated, TypedDict
+
+    import openai
+    from langgraph.config import get_stream_writer
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.types import interrupt
+
+    from django_agentruns.integrations.langgraph import AgentRunsSaver, arun_graph, run_graph
+
+    TOOLS = [{"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": {arg: {"type": kind}},
+                       "required": [arg]}}}
+        for name, description, arg, kind in (("weather", "The weather in a city.", "city",
+                                              "string"),
+                                             ("refund", "Refund an amount.", "amount",
+                                              "integer"))]
+
+    class Conversation(TypedDict):
+        messages: Annotated[list[dict[str, Any]], operator.add]
+
+    def call_model(state: Conversation) -> dict[str, Any]:
+        """The model, streamed: its text to the stream writer, its usage recorded."""
+        ctx = current_context()
+        assert ctx is not None
+        client = openai.OpenAI(base_url=os.environ["FAKE_PROVIDER_URL"], api_key="sk-test",
+                               max_retries=0)
+        stream = client.chat.completions.create(
+            model=ctx.input["model"], messages=state["messages"],  # type: ignore[arg-type]
+            tools=TOOLS, stream=True, stream_options={"include_usage": True})  # type: ignore[arg-type]
+        write = get_stream_writer()
+        text, calls, usage = "", {}, None
+        for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    text += choice.delta.content
+                    write(choice.delta.content)
+                for call in choice.delta.tool_calls or []:
+                    entry = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
+                    entry["id"] += call.id or ""
+                    entry["name"] += (call.function and call.function.name) or ""
+                    entry["arguments"] += (call.function and call.function.arguments) or ""
+        if usage is not None:
+            ctx.record_usage(input_tokens=usage.prompt_tokens,
+                             output_tokens=usage.completion_tokens, model=ctx.input["model"])
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if calls:
+            message["tool_calls"] = [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in calls.values()]
+        return {"messages": [message]}
+
+    def call_tools(state: Conversation) -> dict[str, Any]:
+        """The tools the model asked for; a refund is a person's decision (an interrupt)."""
+        results = []
+        for call in state["messages"][-1]["tool_calls"]:
+            name, args = call["function"]["name"], json.loads(call["function"]["arguments"])
+            if name == "refund":
+                answer = interrupt({"key": f"refund-{call['id']}", "tool": name, "args": args})
+                if answer.get("approved"):
+                    tool_ran(f"refund:{args['amount']}")
+                    result = f"refunded {args['amount']}"
+                else:
+                    result = "refused"
+            else:
+                tool_ran(f"weather:{args['city']}")
+                result = f"sunny in {args['city']}"
+            results.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        return {"messages": results}
+
+    def route(state: Conversation) -> str:
+        return "tools" if state["messages"][-1].get("tool_calls") else END
+
+    builder = StateGraph(Conversation)
+    builder.add_node("model", call_model)
+    builder.add_node("tools", call_tools)
+    builder.add_edge(START, "model")
+    builder.add_conditional_edges("model", route, ["tools", END])
+    builder.add_edge("tools", "model")
+    support_graph = builder.compile(checkpointer=AgentRunsSaver())
+
+    def graph_input(ctx: RunContext) -> dict[str, Any]:
+        return {"messages": [{"role": "user", "content": ctx.input.get("prompt", "Hi")}]}
+
+    @agent("tests.langgraph", max_requeues=2)
+    def langgraph_sync(ctx: RunContext) -> dict[str, Any]:
+        values = run_graph(support_graph, graph_input(ctx))
+        return {"output": values["messages"][-1]["content"], "attempt": ctx.attempt}
+
+    @agent("tests.langgraph_async", max_requeues=2)
+    async def langgraph_async(ctx: RunContext) -> dict[str, Any]:
+        values = await arun_graph(support_graph, graph_input(ctx))
+        return {"output": values["messages"][-1]["content"], "attempt": ctx.attempt}
