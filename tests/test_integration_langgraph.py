@@ -85,7 +85,8 @@ def test_a_two_turn_graph_with_a_tool_call_completes_with_its_usage_and_a_429_sn
         assert stored_text(ok.pk) == "It is sunny in Paris."
         # The graph checkpointed into the saver's table, on the run's own thread.
         rows = GraphCheckpoint.objects.filter(thread_id=f"agentrun-{ok.pk}")
-        assert rows.count() >= 4 and {r.run_id for r in rows} == {ok.pk}
+        assert rows.count() >= 4
+        assert {r.run_id for r in rows} == {ok.pk}
 
         limited = run(runs[f"limited-{name}"])
         assert limited.status == Status.SUCCEEDED, limited.error_message

@@ -113,7 +113,8 @@ class AgentRunsSaver(BaseCheckpointSaver[str]):
     # ------------------------------------------------------------------ async
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        return await self._off_loop(self.get_tuple, config)
+        found: CheckpointTuple | None = await self._off_loop(self.get_tuple, config)
+        return found
 
     async def alist(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
                     before: RunnableConfig | None = None,
@@ -125,7 +126,9 @@ class AgentRunsSaver(BaseCheckpointSaver[str]):
 
     async def aput(self, config: RunnableConfig, checkpoint: Checkpoint,
                    metadata: CheckpointMetadata, new_versions: ChannelVersions) -> RunnableConfig:
-        return await self._off_loop(self.put, config, checkpoint, metadata, new_versions)
+        saved: RunnableConfig = await self._off_loop(self.put, config, checkpoint, metadata,
+                                                     new_versions)
+        return saved
 
     async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
                           task_id: str, task_path: str = "") -> None:

@@ -113,14 +113,14 @@ def _next_command(ctx: RunContext, state: StateSnapshot, input: Any, receive: An
 
 
 def _configured(ctx: RunContext, config: RunnableConfig | None) -> RunnableConfig:
-    config = dict(config or {})  # type: ignore[assignment]
-    configurable = dict(config.get("configurable") or {})
+    """The caller's config with a default thread (one per run) and this run's id in the
+    metadata LangGraph copies into every checkpoint."""
+    given: RunnableConfig = config or {}
+    configurable = dict(given.get("configurable") or {})
     configurable.setdefault("thread_id", f"agentrun-{ctx.run_id}")
-    metadata = dict(config.get("metadata") or {})
+    metadata = dict(given.get("metadata") or {})
     metadata[RUN_KEY] = ctx.run_id
-    config["configurable"] = configurable
-    config["metadata"] = metadata
-    return config
+    return {**given, "configurable": configurable, "metadata": metadata}
 
 
 def _context(entry: str) -> RunContext:

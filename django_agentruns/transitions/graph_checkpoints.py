@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from django.db import transaction
 
@@ -72,7 +73,7 @@ def put_writes(put: GraphWritesPut) -> Renewal:
         renewal = _fence(put.ref)
         if renewal is Renewal.LOST:
             return renewal
-        where = {"thread_id": put.thread_id, "checkpoint_ns": put.checkpoint_ns,
+        where: dict[str, Any] = {"thread_id": put.thread_id, "checkpoint_ns": put.checkpoint_ns,
                  "checkpoint_id": put.checkpoint_id, "task_id": put.task_id}
         kept = []
         for idx, channel, type_, value in put.writes:
