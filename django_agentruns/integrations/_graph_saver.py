@@ -9,9 +9,12 @@ savers keep theirs, until `delete_thread`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+import functools
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
+from django.db import connection
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (
     WRITES_IDX_MAP,
@@ -31,6 +34,23 @@ from ..transitions import graph_checkpoints as writes_of
 from ..transitions.graph_checkpoints import GraphCheckpointPut, GraphWritesPut
 from ._bridge import closing_connections
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _releasing(method: F) -> F:
+    """LangGraph calls a saver from threads of its own, made per graph call: a connection
+    Django opens there would outlive its use (and hold a database session). Closed after
+    each call, outside a transaction, on any thread but the main one."""
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        finally:
+            if threading.current_thread() is not threading.main_thread() \
+                    and not connection.in_atomic_block:
+                connection.close()
+    return cast(F, call)
+
 
 class AgentRunsSaver(BaseCheckpointSaver[str]):
     """A LangGraph checkpointer whose checkpoints are rows of this project's database:
@@ -38,6 +58,7 @@ class AgentRunsSaver(BaseCheckpointSaver[str]):
 
     # ------------------------------------------------------------------ reads
 
+    @_releasing
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         rows = self._rows(config)
         if checkpoint_id := get_checkpoint_id(config):
@@ -58,8 +79,9 @@ class AgentRunsSaver(BaseCheckpointSaver[str]):
                 rows = rows.filter(checkpoint_id=checkpoint_id)
         if before is not None and (before_id := get_checkpoint_id(before)):
             rows = rows.filter(checkpoint_id__lt=before_id)
-        for row in rows.order_by("thread_id", "checkpoint_ns", "-checkpoint_id").iterator():
-            found = self._tuple(row)
+        for row in _released(list, rows.order_by("thread_id", "checkpoint_ns",
+                                                 "-checkpoint_id")):
+            found = _released(self._tuple, row)
             if filter and not all(found.metadata.get(k) == v for k, v in filter.items()):
                 continue
             if limit is not None:
@@ -70,6 +92,7 @@ class AgentRunsSaver(BaseCheckpointSaver[str]):
 
     # ------------------------------------------------------------------ writes
 
+    @_releasing
     def put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
             new_versions: ChannelVersions) -> RunnableConfig:
         configurable = config["configurable"]
@@ -89,6 +112,7 @@ class AgentRunsSaver(BaseCheckpointSaver[str]):
                                  "checkpoint_ns": put.checkpoint_ns,
                                  "checkpoint_id": put.checkpoint_id}}
 
+    @_releasing
     def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]],
                    task_id: str, task_path: str = "") -> None:
         configurable = config["configurable"]
@@ -104,6 +128,7 @@ class AgentRunsSaver(BaseCheckpointSaver[str]):
             checkpoint_id=configurable["checkpoint_id"], task_id=task_id,
             task_path=task_path, writes=encoded))
 
+    @_releasing
     def delete_thread(self, thread_id: str) -> None:
         """Forget a thread: its checkpoints and writes (the application's call, as with
         LangGraph's own savers; finished runs' purges keep them)."""
@@ -174,3 +199,8 @@ class AgentRunsSaver(BaseCheckpointSaver[str]):
     async def _off_loop(func: Any, *args: Any) -> Any:
         """The ORM off the event loop, in this context (the run's, for the fence)."""
         return await asyncio.to_thread(closing_connections, func, *args)
+
+
+@_releasing
+def _released(func: Callable[..., Any], *args: Any) -> Any:
+    return func(*args)
