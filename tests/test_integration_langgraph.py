@@ -12,18 +12,24 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from django.db import connection
 
 pytest.importorskip("langgraph")
 
-from django_agentruns import approve, enqueue, stream_chunks, transitions
+from django_agentruns import approve, chunk_transport, enqueue, stream_chunks, transitions
 from django_agentruns.graph_models import GraphCheckpoint
-from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.models import AgentRun, Reason, RunEvent, Status, StreamChunk
+from django_agentruns.worker import Worker
 from tests import helpers
 from tests.fakeprovider import FakeProvider, Fault, Reply, ToolCall
+from tests.test_tracing import _exporter, spans  # noqa: F401 (fixtures)
 from tests.testapp.models import SideEffect
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 SETTINGS = {"BACKOFF_BASE": 0.0, "BACKOFF_CAP": 0.0, "POLL_INTERVAL": 0.05, "LEASE_TTL": 3,
             "REAP_INTERVAL": 0.5}
@@ -195,3 +201,34 @@ def test_without_the_extra_the_import_error_names_it(monkeypatch: pytest.MonkeyP
     monkeypatch.delitem(sys.modules, "django_agentruns.integrations.langgraph", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'django-agentruns\[langgraph\]'"):
         importlib.import_module("django_agentruns.integrations.langgraph")
+
+
+def test_chat_model_and_tool_calls_are_genai_spans_and_the_usage_is_recorded(
+        spans: InMemorySpanExporter, transactional_db: None,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chunk_transport, "PRUNE_DELAY", 0.0)
+    pk = enqueue("tests.langgraph_traced").pk
+    Worker(burst=True, reap_interval=0).run(install_signals=False)
+    # The chat model's tokens reached the live output (`messages` stream mode) and were
+    # stored; SQLite: their rows go while the test's database is still there.
+    assert stored_text(pk) == "It is sunny."
+    helpers.wait_until(lambda: not StreamChunk.objects.filter(run_id=pk).exists(),
+                       message="the chunk rows pruned")
+    done = run(pk)
+    assert done.status == Status.SUCCEEDED, done.error_message
+    assert done.output == {"output": "It is sunny."}
+    assert (done.input_tokens, done.output_tokens) == (7, 2)
+    finished_spans = spans.get_finished_spans()
+    by_id = {s.context.span_id: s for s in finished_spans if s.context is not None}
+    (chat,) = [s for s in finished_spans if s.name.startswith("chat ")]
+    (tool,) = [s for s in finished_spans if s.name == "execute_tool forecast"]
+    assert ((chat.attributes or {})["gen_ai.usage.input_tokens"],
+            (chat.attributes or {})["gen_ai.usage.output_tokens"]) == (7, 2)
+    assert (chat.attributes or {})["gen_ai.operation.name"] == "chat"
+    assert "gen_ai.request.model" in (chat.attributes or {})
+    assert (tool.attributes or {})["gen_ai.tool.name"] == "forecast"
+    for span in (chat, tool):
+        ancestor = span
+        while ancestor.parent is not None and ancestor.parent.span_id in by_id:
+            ancestor = by_id[ancestor.parent.span_id]
+        assert (ancestor.attributes or {}).get("messaging.message.id") == str(pk)

@@ -156,6 +156,18 @@ def genai_span(operation: str, *, system: str, model: str = "", tool: str = "",
     if trace is None:
         yield None
         return
+    attributes, name, kind = _genai(operation, system, model, tool, call_id)
+    tracer = trace.get_tracer(TRACER_NAME)
+    with tracer.start_as_current_span(name, kind=kind, attributes=attributes) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            span.set_status(StatusCode.ERROR, f"{type(exc).__name__}")
+            raise
+
+
+def _genai(operation: str, system: str, model: str, tool: str,
+           call_id: str) -> tuple[dict[str, str], str, Any]:
     attributes: dict[str, str] = {"gen_ai.operation.name": operation,
                                   "gen_ai.provider.name": system, "gen_ai.system": system}
     if model:
@@ -164,15 +176,26 @@ def genai_span(operation: str, *, system: str, model: str = "", tool: str = "",
         attributes["gen_ai.tool.name"] = tool
     if call_id:
         attributes["gen_ai.tool.call.id"] = call_id
-    name = f"{operation} {model or tool}".strip()
     kind = SpanKind.CLIENT if operation == "chat" else SpanKind.INTERNAL
-    tracer = trace.get_tracer(TRACER_NAME)
-    with tracer.start_as_current_span(name, kind=kind, attributes=attributes) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            span.set_status(StatusCode.ERROR, f"{type(exc).__name__}")
-            raise
+    return attributes, f"{operation} {model or tool}".strip(), kind
+
+
+def start_genai_span(operation: str, *, system: str, model: str = "", tool: str = "",
+                     call_id: str = "") -> Any:
+    """`genai_span` for callbacks that see a call's start and end apart (LangChain's):
+    started under the current span, not made current; end it with `end_span`."""
+    if trace is None:
+        return None
+    attributes, name, kind = _genai(operation, system, model, tool, call_id)
+    return trace.get_tracer(TRACER_NAME).start_span(name, kind=kind, attributes=attributes)
+
+
+def end_span(span: Any, error: BaseException | None = None) -> None:
+    if span is None:
+        return
+    if error is not None:
+        span.set_status(StatusCode.ERROR, type(error).__name__)
+    span.end()
 
 
 def set_usage(span: Any, usage: Usage, response_model: str = "") -> None:

@@ -33,6 +33,7 @@ from langgraph.types import Command, Interrupt, StateSnapshot  # noqa: E402
 from ..context import RunContext, current_context  # noqa: E402
 from ..exceptions import InvalidInputError  # noqa: E402
 from ._graph_saver import AgentRunsSaver  # noqa: E402
+from ._graph_telemetry import GenAICallbacks  # noqa: E402
 
 __all__ = ["AgentRunsSaver", "arun_graph", "run_graph"]
 
@@ -120,7 +121,11 @@ def _configured(ctx: RunContext, config: RunnableConfig | None) -> RunnableConfi
     configurable.setdefault("thread_id", f"agentrun-{ctx.run_id}")
     metadata = dict(given.get("metadata") or {})
     metadata[RUN_KEY] = ctx.run_id
-    return {**given, "configurable": configurable, "metadata": metadata}
+    callbacks = given.get("callbacks")
+    if callbacks is None or isinstance(callbacks, list):  # a manager is the caller's own
+        callbacks = [*(callbacks or []), GenAICallbacks()]
+    return {**given, "configurable": configurable, "metadata": metadata,
+            "callbacks": callbacks}
 
 
 def _context(entry: str) -> RunContext:

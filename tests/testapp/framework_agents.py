@@ -168,3 +168,45 @@ if importlib.util.find_spec("langgraph") is not None:
     async def langgraph_async(ctx: RunContext) -> dict[str, Any]:
         values = await arun_graph(support_graph, graph_input(ctx))
         return {"output": values["messages"][-1]["content"], "attempt": ctx.attempt}
+
+    @agent("tests.langgraph_traced")
+    def langgraph_traced(ctx: RunContext) -> dict[str, Any]:
+        """A LangChain chat model and tool in a node: spans and usage come from callbacks."""
+        from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+        from langchain_core.messages import AIMessage, AIMessageChunk
+        from langchain_core.outputs import ChatGenerationChunk
+        from langchain_core.tools import tool
+
+        class StreamingUsageModel(GenericFakeChatModel):
+            """Streams its answer as one chunk with its usage, as ChatOpenAI does with
+            stream_usage (the generic fake drops the usage when streaming)."""
+
+            def _stream(self, messages: Any, stop: Any = None, run_manager: Any = None,
+                        **kwargs: Any) -> Any:
+                answer = self._generate(messages, stop=stop, **kwargs).generations[0].message
+                chunk = ChatGenerationChunk(message=AIMessageChunk(
+                    content=answer.content, usage_metadata=answer.usage_metadata))
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(str(answer.content), chunk=chunk)
+                yield chunk
+
+        model = StreamingUsageModel(messages=iter([AIMessage(
+            "It is sunny.", usage_metadata={"input_tokens": 7, "output_tokens": 2,
+                                            "total_tokens": 9})]))
+
+        @tool
+        def forecast(city: str) -> str:
+            """The weather in a city."""
+            return f"sunny in {city}"
+
+        def node(state: Conversation) -> dict[str, Any]:
+            found = forecast.invoke({"city": "Paris"})
+            reply = model.invoke(f"Say: {found}")
+            return {"messages": [{"role": "assistant", "content": reply.content}]}
+
+        traced = StateGraph(Conversation)
+        traced.add_node("node", node)
+        traced.add_edge(START, "node")
+        traced.add_edge("node", END)
+        values = run_graph(traced.compile(checkpointer=AgentRunsSaver()), graph_input(ctx))
+        return {"output": values["messages"][-1]["content"]}
