@@ -210,3 +210,49 @@ if importlib.util.find_spec("langgraph") is not None:
         traced.add_edge("node", END)
         values = run_graph(traced.compile(checkpointer=AgentRunsSaver()), graph_input(ctx))
         return {"output": values["messages"][-1]["content"]}
+
+
+if importlib.util.find_spec("agents") is not None:
+    from agents import Agent as SdkAgent
+    from agents import RunConfig, function_tool
+    from agents.models.openai_provider import OpenAIProvider as SdkProvider
+    from openai import AsyncOpenAI
+
+    from django_agentruns.integrations.openai_agents import DurableRunner
+
+    @function_tool
+    def sdk_weather(city: str) -> str:
+        """The weather in a city."""
+        tool_ran(f"weather:{city}")
+        return f"sunny in {city}"
+
+    @function_tool(needs_approval=True)
+    def sdk_refund(amount: int) -> str:
+        """Refund an amount; a person approves it first."""
+        tool_ran(f"refund:{amount}")
+        return f"refunded {amount}"
+
+    sdk_weather.name, sdk_refund.name = "weather", "refund"
+
+    def sdk_agent_and_config(model: str) -> tuple[SdkAgent[Any], RunConfig]:
+        client = AsyncOpenAI(base_url=os.environ["FAKE_PROVIDER_URL"], api_key="sk-test",
+                             max_retries=0)
+        support = SdkAgent(name="support", instructions="Answer with the tools.", model=model,
+                           tools=[sdk_weather, sdk_refund])
+        config = RunConfig(model_provider=SdkProvider(openai_client=client, use_responses=False),
+                           tracing_disabled=True)
+        return support, config
+
+    @agent("tests.openai_agents", max_requeues=2)
+    def openai_agents_sync(ctx: RunContext) -> dict[str, Any]:
+        support, config = sdk_agent_and_config(ctx.input["model"])
+        result = DurableRunner.run_sync(support, ctx.input.get("prompt", "Hi"),
+                                        run_config=config)
+        return {"output": result.final_output, "attempt": ctx.attempt}
+
+    @agent("tests.openai_agents_async", max_requeues=2)
+    async def openai_agents_async(ctx: RunContext) -> dict[str, Any]:
+        support, config = sdk_agent_and_config(ctx.input["model"])
+        result = await DurableRunner.run(support, ctx.input.get("prompt", "Hi"),
+                                         run_config=config)
+        return {"output": result.final_output, "attempt": ctx.attempt}
