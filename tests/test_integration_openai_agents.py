@@ -1,5 +1,5 @@
-"""A OpenAI Agents SDK agent run durably (`DurableRunner`) by real workers against the fake provider:
-a two-turn conversation with a tool call, usage, streamed text, an approval, a crash after
+"""An OpenAI Agents SDK agent run durably (`DurableRunner`) by real workers against the fake
+provider: a two-turn conversation with a tool call, usage, streamed text, an approval, a crash after
 the first answer, a 429 and a bad key. Each behaviour for a sync agent (`run_sync`) and an
 async one (`await run`)."""
 
