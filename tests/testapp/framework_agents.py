@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from django.db import connection
 
 from django_agentruns import RunContext, agent
 from django_agentruns.context import current_context
@@ -26,6 +29,8 @@ def tool_ran(note: str) -> None:
     assert ctx is not None
     SideEffect.objects.create(run_id=ctx.run_id, step=0, attempt=ctx.attempt,
                               worker=str(os.getpid()), note=note)
+    if threading.current_thread() is not threading.main_thread():
+        connection.close()  # a framework's tool thread (a pool's): no session left behind
     block = ctx.input.get("block_file")
     if block:
         deadline = time.monotonic() + 120
