@@ -6,6 +6,7 @@ async one (`await run`)."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import signal
 import sys
@@ -22,7 +23,7 @@ pytest.importorskip("agents")
 from django_agentruns import approve, chunk_transport, enqueue, stream_chunks, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status, StreamChunk
 from django_agentruns.worker import Worker
-from tests import helpers
+from tests import fakeprovider, helpers
 from tests.fakeprovider import ENV_VAR, FakeProvider, Fault, Reply, ToolCall
 from tests.test_tracing import _exporter, spans  # noqa: F401 (fixtures)
 from tests.testapp.models import SideEffect
@@ -173,6 +174,39 @@ def test_a_worker_killed_after_the_first_answer_resumes_without_asking_again(
     # The tool was running when the worker died: it ran again (a step not finished is run).
     assert tool_runs(pk) == ["weather:Paris", "weather:Paris"]
     assert (done.input_tokens, done.output_tokens) == (31, 9)
+
+
+@pytest.mark.slow
+def test_a_handoff_happens_in_the_same_run_and_a_crash_after_it_does_not_repeat_it(
+        worker_env: dict[str, str], fake_provider: FakeProvider, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The SDK refuses a call id used twice in a conversation (the fake numbers each
+    # reply's calls from call_0): number them across the test instead.
+    numbers = itertools.count()
+    each_reply = fakeprovider._tool_calls
+    monkeypatch.setattr(fakeprovider, "_tool_calls", lambda reply: [
+        {**call, "id": f"call_{next(numbers)}"} for call in each_reply(reply)])
+    fake_provider.script([Reply(tool_calls=[ToolCall("transfer_to_support", {})],
+                                usage=(5, 1))], model="triage")
+    fake_provider.script(TWO_TURNS, model="m")
+    gate = tmp_path / "gate"
+    pk = enqueue("tests.openai_agents_handoff", {"model": "m", "block_file": str(gate)}).pk
+    env = env_for(worker_env, fake_provider)
+    with helpers.start_manage(["runworker"], env) as first:
+        helpers.wait_until(lambda: tool_runs(pk) == ["weather:Paris"], timeout=60,
+                           message="the support agent's tool to start, after the handoff")
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    gate.touch()
+    with helpers.start_manage(["runworker"], env) as second:
+        helpers.wait_until(lambda: finished(pk), timeout=60, message="the resumed run")
+        assert second.returncode is None, second.output()
+    done = run(pk)
+    assert done.status == Status.SUCCEEDED, done.error_message
+    assert done.output == {"output": "It is sunny in Paris.", "agent": "support", "attempt": 2}
+    # The triage answer and the support agent's first answer came from their records.
+    assert (fake_provider.count("triage"), fake_provider.count("m")) == (1, 2)
+    assert (done.input_tokens, done.output_tokens) == (36, 10)
 
 
 @pytest.mark.parametrize("name", AGENTS)

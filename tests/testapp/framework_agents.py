@@ -261,3 +261,13 @@ if importlib.util.find_spec("agents") is not None:
         result = await DurableRunner.run(support, ctx.input.get("prompt", "Hi"),
                                          run_config=config)
         return {"output": result.final_output, "attempt": ctx.attempt}
+
+    @agent("tests.openai_agents_handoff", max_requeues=2)
+    def openai_agents_handoff(ctx: RunContext) -> dict[str, Any]:
+        """A triage agent (model "triage") that hands off to the support agent."""
+        support, config = sdk_agent_and_config(ctx.input["model"])
+        triage = SdkAgent(name="triage", instructions="Hand off.", model="triage",
+                          handoffs=[support])
+        result = DurableRunner.run_sync(triage, "Weather?", run_config=config)
+        return {"output": result.final_output, "agent": result.last_agent.name,
+                "attempt": ctx.attempt}
