@@ -12,8 +12,6 @@ from __future__ import annotations
 from django.db import models
 from django.utils import timezone
 
-from .models import AgentRun
-
 
 class GraphCheckpoint(models.Model):
     """One checkpoint of a graph's thread (in a namespace: "" for the graph, a subgraph's
@@ -24,7 +22,7 @@ class GraphCheckpoint(models.Model):
     checkpoint_ns = models.CharField(max_length=255, blank=True, default="")
     checkpoint_id = models.CharField(max_length=64)
     parent_checkpoint_id = models.CharField(max_length=64, blank=True, default="")
-    run = models.ForeignKey(AgentRun, null=True, blank=True, on_delete=models.SET_NULL,
+    run = models.ForeignKey("django_agentruns.AgentRun", null=True, blank=True, on_delete=models.SET_NULL,
                             related_name="+", db_constraint=False)
     type = models.CharField(max_length=32)
     checkpoint = models.BinaryField()
