@@ -10,9 +10,10 @@ EXTRAS ?= example,postgres,dev
 venv:
 	@scripts/venv.sh $(VENV) -e '.[$(EXTRAS)]'
 
+# Exits non-zero when a run is left unfinished.
 demo: venv
-	$(PY) manage.py migrate --verbosity 0
-	$(PY) manage.py demo
+	@$(PY) manage.py migrate --verbosity 0
+	@$(PY) manage.py demo
 
 # Extra pytest arguments: make test PYTEST_ARGS='-m "not slow"'
 test: venv

@@ -36,7 +36,8 @@ from bench.harness import PgTarget, client, log, run_trial, start_workers, stop_
 from bench.pg import SERVER_URL, Admin, db_url, django_env
 
 if TYPE_CHECKING:
-    from bench.run import Plan, Results
+    from bench.plan import Plan
+    from bench.run import Results
 
 RUN_SECONDS = 1.2
 """Three model calls of 0.4 s: the shortest a run can take."""

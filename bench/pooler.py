@@ -2,7 +2,7 @@
 
     python -m bench.pooler [--seconds 10] [--rate 20]    # these rows alone, printed
 
-A trial is `run.latency` (one idle worker, an open-loop producer) on a fresh database,
+A trial is `plan.latency` (one idle worker, an open-loop producer) on a fresh database,
 with a private PgBouncer (tests/pgbouncer.py: Debian's pgbouncer, transaction mode, its
 own port and config; never the system service) in front of the server: the worker and
 the producer connect through it, the worker's listener directly (`LISTEN_DATABASE`).
@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from bench.engines import OURS, Engine
 from bench.harness import RUN_DB, PgTarget, log, run_trial
 from bench.pg import SERVER_URL, TEMPLATE, Admin, db_url
-from bench.run import FULL, Plan, latency
+from bench.plan import FULL, Plan, latency
 from tests.pgbouncer import PgBouncer, binary
 
 POOLED = "BENCH_LISTEN_URL"
@@ -41,7 +41,7 @@ def available() -> bool:
 
 def pooled_latency(target: PgTarget, plan: Plan, logs: Path,
                    engine: Engine = OURS_PGBOUNCER) -> dict[str, float]:
-    """`run.latency` on `target` (a trial's fresh database) reached through a new PgBouncer."""
+    """`plan.latency` on `target` (a trial's fresh database) reached through a new PgBouncer."""
     server = urlsplit(SERVER_URL)
     with PgBouncer(server.hostname or "127.0.0.1", server.port or 5432) as bouncer:
         direct = target.url

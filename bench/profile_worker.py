@@ -151,7 +151,7 @@ def child(mode: str, concurrency: int, out: Path) -> int:
     setup_django()
     from django.db.backends.signals import connection_created
 
-    from django_agentruns.worker import Worker
+    from django_agentruns.runtime.worker import Worker
 
     log = StatementLog()
 
@@ -287,7 +287,7 @@ PHASES = [
     ("attempt writes (store: transitions.apply_writes)", "apply_writes (django_agentruns/"),
     ("start an attempt (Worker._start: log, submit)", "Worker._start (django_agentruns/"),
     ("burst check (Worker._work_pending)", "Worker._work_pending (django_agentruns/"),
-    ("reaper (reaper.reap)", "reap (django_agentruns/reaper.py"),
+    ("reaper (reaper.reap)", "reap (django_agentruns/runtime/reaper.py"),
     ("lease keeper (renew_many)", "LeaseKeeper._run (django_agentruns/"),
     ("LISTEN thread", "Listener._run (django_agentruns/"),
     ("log the settlement", "log_settlement (django_agentruns/"),

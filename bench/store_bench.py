@@ -133,7 +133,7 @@ def main() -> None:
     from django.db import close_old_connections, connection
 
     from django_agentruns import transitions
-    from django_agentruns.store import AttemptStore
+    from django_agentruns.runtime.attempt_store import AttemptStore
     from django_agentruns.transitions import CheckpointWrite, EmitWrite, SucceedWrite
 
     n, w = args.attempts, args.writes

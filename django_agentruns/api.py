@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import socket
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -13,14 +10,12 @@ from typing import Any
 
 from django.utils import timezone
 
-from . import signals, transitions, usage
+from . import signals, transitions
 from .exceptions import InvalidInputError, RunNotFoundError
-from .executor import AttemptControl, Executor, stopped_error
 from .limits import LimitKey, check_budget, check_key, check_max_running, resolve_limit_key
 from .models import AgentRun
-from .outcomes import OutcomeKind
-from .registry import QUEUE_RULE, AgentSpec, get_agent, is_queue_name
-from .transitions import AttemptRef, CancelResult, NewRun
+from .registry import QUEUE_RULE, get_agent, is_queue_name
+from .transitions import CancelResult, NewRun
 from .validation import capped_json, storable_text, unstorable_text
 
 SCOPE_MAX = 255
@@ -72,7 +67,7 @@ def enqueue(
     at = timezone.now()
     request = RunRequest(agent, input, scope, queue, priority, run_after, fired_seq, dedupe_key,
                          limit_key)
-    (run,) = transitions.insert_runs([_build(request, at, {})], at)
+    (run,) = transitions.insert_runs([build_new_run(request, at, {})], at)
     _announce([run])
     return run
 
@@ -81,7 +76,7 @@ def enqueue_many(requests: Iterable[RunRequest | Mapping[str, Any]]) -> list[Age
     """Queue many runs in one statement: all or none are written, in any transaction."""
     at = timezone.now()
     agents: dict[str, _AgentPolicy] = {}
-    new = [_build(r if isinstance(r, RunRequest) else _request(r), at, agents)
+    new = [build_new_run(r if isinstance(r, RunRequest) else _request(r), at, agents)
            for r in requests]
     if not new:
         return []
@@ -98,6 +93,12 @@ def _announce(runs: list[AgentRun]) -> None:
             continue  # announced when it was enqueued
         signals.send_after_commit(signals.run_enqueued, run_id=run.pk, agent=run.agent,
                                   attempt=run.attempt, queue=run.queue, scope=run.scope)
+
+
+def check_request(request: RunRequest) -> None:
+    """Check `request` as `enqueue` would, writing nothing: `add_schedule` refuses an
+    input its runs could never be enqueued with."""
+    build_new_run(request, timezone.now(), {})
 
 
 def _request(data: Mapping[str, Any]) -> RunRequest:
@@ -129,8 +130,11 @@ def _policy(name: Any, agents: dict[str, _AgentPolicy]) -> _AgentPolicy:
     return known
 
 
-def _build(request: RunRequest, at: datetime, agents: dict[str, _AgentPolicy]) -> NewRun:
-    """Check one request; `agents` keeps agent policies for the rest of the call."""
+def build_new_run(request: RunRequest, at: datetime,
+                  agents: dict[str, _AgentPolicy]) -> NewRun:
+    """Check one request; `agents` keeps agent policies for the rest of the call.
+
+    Public for the callers that insert runs their own way (`run_now`, `ctx.spawn`)."""
     agent = _policy(request.agent, agents)
     payload = {} if request.input is None else request.input
     text = capped_json(payload, f"Input of agent {request.agent!r}", "MAX_INPUT_BYTES")
@@ -200,7 +204,7 @@ def cancel(run_id: int, reason: str = "") -> CancelResult:
 
     A finished run gives `CancelResult.NOT_CANCELLABLE`, not an error.
     """
-    result = transitions.cancel(_run_id(run_id), storable_text(str(reason)[:2000]))
+    result = transitions.cancel(run_id_of(run_id), storable_text(str(reason)[:2000]))
     if result is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
     return result
@@ -212,7 +216,7 @@ def retry(run_id: int, by: str = "", *, budget: dict[str, Any] | None = None) ->
     `budget` ({"tokens": N, "cost": X}) replaces the agent's for this run from now on: a
     run dead-lettered `budget_exhausted` is retried with a raised one."""
     checked = check_budget(budget)
-    result = transitions.operator_retry(_run_id(run_id), by=storable_text(str(by)[:255]),
+    result = transitions.operator_retry(run_id_of(run_id), by=storable_text(str(by)[:255]),
                                         budget=None if checked is None else checked.as_dict())
     if result is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
@@ -236,7 +240,7 @@ def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
     is registered here, the checkpoint was reached, the input is JSON within
     MAX_INPUT_BYTES.
     """
-    pk = _run_id(run_id)
+    pk = run_id_of(run_id)
     if checkpoint is not None and (isinstance(checkpoint, bool)
                                    or not isinstance(checkpoint, int) or checkpoint < 1):
         raise InvalidInputError(f"checkpoint must be a whole number >= 1 (or None for the "
@@ -261,7 +265,8 @@ def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
     return run
 
 
-def _run_id(run_id: Any) -> int:
+def run_id_of(run_id: Any) -> int:
+    """A run id from what a caller hands in (an int, its text, an AgentRun), checked."""
     if isinstance(run_id, AgentRun):
         return int(run_id.pk)
     try:
@@ -273,33 +278,6 @@ def _run_id(run_id: Any) -> int:
         return value
     except (TypeError, ValueError):
         raise InvalidInputError(f"Run id must be an integer, not {run_id!r}") from None
-
-
-def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
-    """Run an agent here and now, without a lease; return its output or raise its error.
-
-    The run and its events are recorded like any other; a failure is not retried (the
-    caller has the exception) and the reaper never touches the run.
-    """
-    spec: AgentSpec = get_agent(agent)
-    at = timezone.now()
-    new = _build(RunRequest(agent, input, scope), at, {})
-    run = AgentRun(agent=new.agent, agent_version=new.agent_version, queue=new.queue,
-                   priority=new.priority, scope=new.scope,
-                   fired_seq=new.fired_seq, input=new.input, max_requeues=new.max_requeues,
-                   available_at=new.available_at, created_at=at)
-    worker_id = f"interactive:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    transitions.start_interactive(run, worker_id)
-    ref = AttemptRef(run.pk, 1, worker_id, lease_ttl=None, agent=run.agent)
-    control = AttemptControl(ref, spec.timeout, checkpoints=0)
-    usage.arm(control, run, spec)  # flow control: the run's budget
-    outcome = Executor(worker_id).interactive(spec, run, control)
-    if outcome.kind is OutcomeKind.FAILED:
-        assert outcome.error is not None
-        raise outcome.error
-    if outcome.kind is OutcomeKind.STOPPED:
-        raise stopped_error(spec, outcome)
-    return outcome.output
 
 
 def set_limit(key: str, max_running: int | None) -> None:

@@ -24,6 +24,7 @@ E006_BACKOFF_ORDER = "agentruns.E006"
 E007_BAD_METRICS_TOKEN = "agentruns.E007"
 E009_NOT_A_FLAG = "agentruns.E009"
 E011_BAD_LIMITS = "agentruns.E011"
+E015_BAD_STREAM_ACCESS = "agentruns.E015"
 W001_SQLITE_DEFERRED = "agentruns.W001"
 W002_SQLITE_NOT_WAL = "agentruns.W002"
 W003_SHORT_LEASE = "agentruns.W003"
@@ -49,11 +50,29 @@ LARGEST_SIZE = 64 * 1024 * 1024
 _POSITIVE = ("LEASE_TTL", "POLL_INTERVAL")
 _NON_NEGATIVE = ("BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL", "GRACE")
 _INTEGERS = ("MAX_REQUEUES", "CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS",
-             "WRITER_CONNECTIONS", "MAX_SNOOZES")
-_AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS")
+             "WRITER_CONNECTIONS", "MAX_SNOOZES", "WAITERS_PER_PROCESS")
+_AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS",
+                 "WAITERS_PER_PROCESS")
 _SIZES = ("MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES")
 _CAPS = (*_SIZES, "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP", "MAX_STEPS_PER_RUN")
 _FLAGS = ("UNKNOWN_ERRORS_RETRYABLE", "PREPARED_STATEMENTS")
+
+
+def _callable_problems(raw: dict[str, Any], key: str, check_id: str,
+                       hint: str) -> list[CheckMessage]:
+    """A setting that names a callable by its dotted path must import as one."""
+    path = raw.get(key)
+    if path is None:
+        return []
+    try:
+        if not isinstance(path, str):
+            raise TypeError("not a dotted path")
+        if not callable(import_string(path)):
+            raise TypeError("not callable")
+    except (ImportError, TypeError, ValueError) as exc:
+        return [Error(f"{SETTING_NAME}[{key!r}] = {path!r} cannot be imported as a "
+                      f"callable: {exc}.", hint=hint, id=check_id)]
+    return []
 
 
 @register()
@@ -94,6 +113,8 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                                 f"imported as a callable: {exc}.",
                                 hint="A dotted path to f(exc) -> True | False | None.",
                                 id=E004_BAD_CLASSIFIER))
+    errors += _callable_problems(raw, "STREAM_ACCESS", E015_BAD_STREAM_ACCESS,
+                                 "A dotted path to f(request, run) -> bool, or None.")
     queue = raw.get("DEFAULT_QUEUE", Defaults.DEFAULT_QUEUE)
     if not is_queue_name(queue):
         errors.append(Error(f"{SETTING_NAME}['DEFAULT_QUEUE'] must be {QUEUE_RULE}, not "

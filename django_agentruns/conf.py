@@ -14,6 +14,9 @@ from django.utils.module_loading import import_string
 
 SETTING_NAME = "AGENTRUNS"
 
+VERSION = "0.1.0"
+"""pyproject.toml's version: `django_agentruns.__version__`, and each worker's record."""
+
 
 @dataclass(frozen=True)
 class Defaults:
@@ -54,6 +57,13 @@ class Defaults:
     STREAMS_PER_PROCESS: int = 50
     """Event streams one web process serves at once (each holds a server thread under WSGI:
     keep it below the process's threads); past it, 429 with Retry-After."""
+    STREAM_ACCESS: str | None = None
+    """Dotted path of `f(request, run) -> bool`: True lets the request watch that run's
+    event stream and live output without `view_agentrun` (the app's own rule, e.g. the
+    run belongs to the user). None: permissions and signed links (`stream_url`) only."""
+    WAITERS_PER_PROCESS: int = 1000
+    """Callers of `wait_for_run` / `await_run` waiting at once in one process (they share
+    one LISTEN connection on PostgreSQL); past it the call raises `TooManyWaitersError`."""
     WRITER_CONNECTIONS: int = 2
     """Connections (and threads) of a worker's attempt store, which commits every write its
     attempts make (events, checkpoints, renewals, successes) in group commits."""

@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
-from django.db import DatabaseError, OperationalError, connection, connections
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    OperationalError,
+    connection,
+    connections,
+)
 from django.db.models import BigIntegerField, BooleanField, Expression, Func, Lookup
+
+from .conf import app_settings
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -206,3 +216,60 @@ class NotListedIn(Expression):
             return (f"(ARRAY(SELECT {name}::text FROM {table}) @> ARRAY[{column}::text]) "
                     f"IS NOT TRUE"), tuple(params)
         return f"NOT EXISTS (SELECT 1 FROM {table} WHERE {name} = {column})", tuple(params)
+
+
+# ------------------------------------------------- LISTEN/NOTIFY, shared by its users
+# The worker's wake-ups, the live output transport, waits for runs and the pooling check
+# all LISTEN on connections of their own.
+
+CHANNEL = "agentruns"
+"""The channel the triggers NOTIFY and workers LISTEN on; the payload is the queue's name."""
+
+PROBE_TIMEOUT = 2.0
+"""Seconds the self-check waits for its own notification: a direct connection gets it in
+milliseconds; one behind a transaction pooler never does."""
+
+PROBE_RETRY = 60.0
+"""Seconds between self-checks while wake-ups are degraded (a fixed topology recovers)."""
+
+DEGRADED_HINT = (
+    "the LISTEN connection does not receive notifications: usually PgBouncer (or another "
+    "pooler) in transaction or statement mode between this worker and PostgreSQL, which "
+    "hands the LISTENing server connection to other clients. Fix: set "
+    "AGENTRUNS['LISTEN_DATABASE'] to the alias of a DATABASES entry that connects directly "
+    "to the server (claims and settles keep using the pooled one)")
+
+
+def listen_alias() -> str:
+    """The DATABASES alias the listener connects through (the worker's own by default)."""
+    return str(app_settings.LISTEN_DATABASE or DEFAULT_DB_ALIAS)
+
+
+def probe_channel(worker_id: str) -> str:
+    """A channel private to one worker, so no other worker's self-check answers it."""
+    return f"agentruns_probe_{hashlib.sha256(worker_id.encode()).hexdigest()[:20]}"
+
+
+def connect_params(alias: str) -> dict[str, Any]:
+    """psycopg.connect() arguments of a DATABASES alias (its own connection, no pool)."""
+    params = dict(connections[alias].get_connection_params())
+    for key in ("cursor_factory", "context", "pool"):
+        params.pop(key, None)
+    return params
+
+
+def self_check(listening: Any, channel: str, send_alias: str = DEFAULT_DB_ALIAS,
+               timeout: float = PROBE_TIMEOUT) -> bool:
+    """Whether `listening` (a psycopg connection LISTENing on `channel`) receives a NOTIFY
+    sent through `send_alias`, as an enqueue's is, within `timeout` seconds.
+
+    Sent on a connection of its own: a session always hears its own NOTIFY, even behind
+    a pooler, so sending it on the listening connection would prove nothing.
+    """
+    import psycopg
+
+    nonce = uuid.uuid4().hex
+    with psycopg.connect(**connect_params(send_alias), autocommit=True) as sender:
+        sender.execute("SELECT pg_notify(%s, %s)", [channel, nonce])
+    return any(note.channel == channel and note.payload == nonce
+               for note in listening.notifies(timeout=timeout, stop_after=1))

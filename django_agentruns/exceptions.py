@@ -36,6 +36,16 @@ class RunNotFoundError(AgentRunsError, LookupError):
     """No run has that id."""
 
 
+class TooManyWaitersError(AgentRunsError):
+    """`wait_for_run` / `await_run`: this process has WAITERS_PER_PROCESS callers waiting
+    already (the message names the setting)."""
+
+
+class RunNotFinishedError(InvalidInputError):
+    """The call needs a finished (or cancelled) run, and this one is still queued, running
+    or waiting: `erase` refuses it, since its worker would go on writing for it."""
+
+
 class Retryable(Exception):
     """Raise from an agent for a transient failure: the run is retried within its budget.
 

@@ -22,8 +22,8 @@ class GraphCheckpoint(models.Model):
     checkpoint_ns = models.CharField(max_length=255, blank=True, default="")
     checkpoint_id = models.CharField(max_length=64)
     parent_checkpoint_id = models.CharField(max_length=64, blank=True, default="")
-    run = models.ForeignKey("django_agentruns.AgentRun", null=True, blank=True, on_delete=models.SET_NULL,
-                            related_name="+", db_constraint=False)
+    run = models.ForeignKey("django_agentruns.AgentRun", null=True, blank=True,
+                            on_delete=models.SET_NULL, related_name="+", db_constraint=False)
     type = models.CharField(max_length=32)
     checkpoint = models.BinaryField()
     metadata_type = models.CharField(max_length=32)

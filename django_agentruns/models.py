@@ -93,6 +93,7 @@ class AgentRun(models.Model):
             ("retry_agentrun", "Can retry failed or cancelled runs"),
             ("cancel_agentrun", "Can cancel queued or running runs"),
             ("approve_agentrun", "Can approve or reject what a waiting run proposes"),
+            ("deliver_agentrun", "Can deliver input a waiting run asks for"),
         )
         indexes = (
             # The due query: queued runs of a queue in claim order. Partial, so it holds
@@ -193,7 +194,7 @@ class RunEvent(models.Model):
 
 
 class WorkerRecord(models.Model):
-    """A `runworker` process, as it last said it was: written by `django_agentruns.workers`.
+    """A `runworker` process, as it last said it was: written by `django_agentruns.ops.workers`.
 
     Not a lease and never consulted by a claim: it only tells an operator (and `why`) which
     workers are alive and what they serve. A record whose `last_seen_at` is older than the
@@ -308,6 +309,15 @@ class Schedule(models.Model):
     origin = models.CharField(max_length=16, choices=Origin.choices, default=Origin.DATABASE)
     last_tick = models.DateTimeField(null=True, blank=True,
                                      help_text="The latest tick a run was enqueued for.")
+    # A tick whose run cannot be enqueued (its input, its agent's limit_key) backs off:
+    # written by the worker that failed it, cleared by the next tick that succeeds or by
+    # an edit.
+    failures = models.PositiveIntegerField(
+        default=0, help_text="Ticks in a row whose run could not be enqueued.")
+    retry_at = models.DateTimeField(
+        null=True, blank=True, help_text="After a failed tick: no tick is tried before then.")
+    last_error = models.TextField(blank=True, default="",
+                                  help_text="Why the last failed tick's run was refused.")
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
 

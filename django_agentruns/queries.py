@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Self
 
+from django.apps import apps as django_apps
 from django.db import models
 from django.db.models import Exists, F, OuterRef, Q
 
@@ -45,6 +46,11 @@ def _scope_groups(scopes: ScopePolicy) -> tuple[tuple[frozenset[str], bool], ...
             (scopes.ordered & scopes.dead_letters_block, True))
 
 
+def _paused_queue() -> type[models.Model]:
+    """The PausedQueue model, from the app registry: `models` imports this module."""
+    return django_apps.get_model("django_agentruns", "PausedQueue")
+
+
 class RunQuerySet(models.QuerySet["AgentRun"]):
     """`AgentRun.objects`: the run table's named reads."""
 
@@ -68,15 +74,12 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
     def unpaused(self) -> Self:
         """Runs whose queue is not paused. The claim's statement carries it, so a worker
         whose list of paused queues is a moment old still takes nothing from one."""
-        from .models import PausedQueue  # models imports this module
-
-        return self.filter(NotListedIn(F("queue"), PausedQueue._meta.db_table))
+        return self.filter(NotListedIn(F("queue"), _paused_queue()._meta.db_table))
 
     def in_paused_queues(self) -> Self:
         """Runs of a paused queue (`why` and the admin say so)."""
-        from .models import PausedQueue
-
-        return self.filter(Exists(PausedQueue.objects.filter(name=OuterRef("queue"))))
+        return self.filter(Exists(_paused_queue()._default_manager.filter(
+            name=OuterRef("queue"))))
 
     def dead_letters(self) -> Self:
         """Failed for good (retries exhausted, not retryable): what an operator looks at."""

@@ -8,6 +8,12 @@ compare-and-set UPDATE (guarded by the value it read), and the runs are enqueued
 same transaction. One worker's UPDATE matches; the others' find `last_tick` moved and
 enqueue nothing. No leader, no lock held between ticks: a unique step per schedule and tick.
 
+A tick whose run cannot be enqueued (its input over a cap, its agent's `limit_key` raising
+on it) backs off on the row (`failures`, `retry_at`, `last_error`), 10 s doubling up to an
+hour, logged once per backoff by the worker whose UPDATE recorded it. A tick that comes
+while the agent's queue is paused is skipped (`last_tick` moves on, no run): resuming the
+queue releases no burst, and the next tick after it runs as usual.
+
 Ticks are in UTC in the run's input (`input["tick"]`, ISO 8601). Cron expressions are
 read by cronsim in the schedule's time zone (default `TIME_ZONE`), so "0 7 * * *" is 7:00
 local time across DST changes; intervals are aligned to the Unix epoch.
@@ -16,20 +22,14 @@ local time across DST changes; intervals are aligned to the Unix epoch.
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
-from zoneinfo import ZoneInfoNotFoundError
 
-from cronsim import CronSimError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from .conf import app_settings
-from .db import retry_on_lock
-from .exceptions import AgentRunsError, InvalidInputError
+from .exceptions import InvalidInputError
 from .models import Schedule
 from .registry import NAME_PATTERN, AgentSpec, get_agent
 from .ticks import Timing, check_timing
@@ -37,7 +37,9 @@ from .validation import capped_json
 
 logger = logging.getLogger("django_agentruns.schedules")
 
-REFRESH_INTERVAL = 1.0  # seconds between a worker's reads of the schedule rows
+# The tick a run gets, as long as any: checking a schedule's input with it checks the
+# input its runs will have.
+SAMPLE_TICK = "2000-01-01T00:00:00+00:00"
 
 
 def timing_of(schedule: Schedule) -> Timing:
@@ -67,7 +69,7 @@ def add_schedule(name: str, agent: str, *, cron: str | None = None, every: int |
                                 "letters, digits and _ . : -")
     spec = get_agent(agent)
     timing = check_timing(cron, every, tz, f"Schedule {name!r}")
-    payload = _check_input(input, f"Input of schedule {name!r}")
+    payload = check_schedule_input(spec.name, input, f"Input of schedule {name!r}")
     at = timezone.now()
     with transaction.atomic():
         existing = Schedule.objects.select_for_update().filter(name=name).first()
@@ -79,6 +81,7 @@ def add_schedule(name: str, agent: str, *, cron: str | None = None, every: int |
             row.last_tick = timing.latest(at)
         row.agent, row.cron, row.every, row.tz = spec.name, timing.cron, timing.every, timing.tz
         row.input = payload
+        row.failures, row.retry_at, row.last_error = 0, None, ""  # edited: try it again
         row.save()
     return row
 
@@ -94,13 +97,18 @@ def remove_schedule(name: str) -> bool:
     return bool(deleted)
 
 
-def _check_input(value: Any, what: str) -> dict[str, Any]:
+def check_schedule_input(agent: str, value: Any, what: str) -> dict[str, Any]:
+    """Refuse an input whose runs `enqueue` would refuse (size with the tick, a NUL
+    character, the agent's `limit_key` raising on it): such a schedule could never tick."""
+    from .api import RunRequest, check_request  # api imports the models' users
+
     if value is None:
-        return {}
+        value = {}
     if not isinstance(value, dict):
         raise InvalidInputError(f"{what} must be a JSON object (its runs get the tick in it), "
                                 f"not {type(value).__name__}")
     capped_json(value, what, "MAX_INPUT_BYTES")
+    check_request(RunRequest(agent, {**value, "tick": SAMPLE_TICK}))
     return value
 
 
@@ -136,106 +144,3 @@ def sync_declared(agents: Iterable[AgentSpec]) -> None:
         except IntegrityError:
             pass  # another worker wrote it first
 
-
-# --------------------------------------------------------------------------- ticking
-
-
-class Ticker:
-    """A worker's part in ticking the schedules of its agents on its queues."""
-
-    def __init__(self, agents: dict[str, AgentSpec], queues: Iterable[str]) -> None:
-        served = set(queues)
-        self._agents = sorted(n for n, s in agents.items() if s.effective_queue() in served)
-        self._declared = [agents[n] for n in self._agents]
-        self._rows: list[Schedule] = []
-        self._read_at = -math.inf
-        self._synced = False
-        # The first tick after each row's last_tick, by (id, last_tick, updated_at): most
-        # passes of the worker's loop then compute no tick at all.
-        self._due: dict[tuple[Any, ...], datetime] = {}
-
-    def tick(self, at: datetime | None = None) -> int:
-        """Enqueue the runs of every tick that has come; return how many this worker did."""
-        if not self._agents:
-            return 0
-        if not self._synced:
-            sync_declared(self._declared)
-            self._synced = True
-        if time.monotonic() - self._read_at >= REFRESH_INTERVAL:
-            self._rows = list(Schedule.objects.filter(enabled=True, agent__in=self._agents))
-            self._read_at = time.monotonic()
-            self._due = {k: v for k, v in self._due.items()
-                         if k in {self._key(r) for r in self._rows}}
-        at = at or timezone.now()
-        return sum(self._tick_one(row, at) for row in self._rows
-                   if (due := self._due_at(row)) is None or due <= at)
-
-    def seconds_to_next(self, at: datetime | None = None) -> float | None:
-        """Seconds until the next tick of a schedule this worker ticks (None: none)."""
-        at = at or timezone.now()
-        ticks = [due for row in self._rows if (due := self._due_at(row)) is not None]
-        return max(0.0, (min(ticks) - at).total_seconds()) if ticks else None
-
-    @staticmethod
-    def _key(row: Schedule) -> tuple[Any, ...]:
-        return (row.pk, row.last_tick, row.updated_at)
-
-    def _due_at(self, row: Schedule) -> datetime | None:
-        """When `row` ticks next after its last tick (None: now, or it cannot tell)."""
-        if row.last_tick is None:
-            return None
-        key = self._key(row)
-        if key not in self._due:
-            try:
-                self._due[key] = timing_of(row).after(row.last_tick)
-            except (CronSimError, ValueError, ZoneInfoNotFoundError):
-                return None  # _tick_one logs it
-        return self._due[key]
-
-    def _tick_one(self, row: Schedule, at: datetime) -> int:
-        timing = timing_of(row)
-        try:
-            if row.last_tick is None:  # added in the admin: its first tick is the next one
-                ticks: list[datetime] = []
-                new_last = timing.latest(at)
-            else:
-                limit = int(app_settings.SCHEDULE_MAX_CATCH_UP) if row.catch_up else 1
-                ticks = timing.between(row.last_tick, at, limit)
-                if not ticks:
-                    return 0
-                new_last = ticks[-1]
-        except (CronSimError, ValueError, ZoneInfoNotFoundError) as exc:
-            logger.error("schedule %s cannot tick (%s): fix it in the admin", row.name, exc)
-            return 0
-        try:
-            done = _advance(row, new_last, ticks)
-        except AgentRunsError as exc:  # its input no longer passes (a setting changed)
-            logger.error("schedule %s: could not enqueue its run (%s)", row.name, exc)
-            return 0
-        if done is None:  # another worker moved it first: read where it stands
-            fresh = Schedule.objects.filter(pk=row.pk).first()
-            if fresh is not None:
-                row.last_tick, row.updated_at = fresh.last_tick, fresh.updated_at
-            return 0
-        row.last_tick = new_last
-        return done
-
-
-@retry_on_lock()
-def _advance(row: Schedule, new_last: datetime, ticks: list[datetime]) -> int | None:
-    """Move `row.last_tick` to `new_last` if no one did since it was read (nor edited the
-    schedule), and enqueue a run per tick in the same transaction. None: someone did."""
-    from .api import RunRequest, enqueue_many  # api imports the models' users
-
-    with transaction.atomic():
-        moved = Schedule.objects.filter(
-            pk=row.pk, enabled=True, last_tick=row.last_tick, updated_at=row.updated_at,
-        ).update(last_tick=new_last)
-        if not moved:
-            return None
-        enqueue_many([RunRequest(row.agent, {**row.input, "tick": tick.isoformat()})
-                      for tick in ticks])
-    if ticks:
-        logger.info("schedule %s: enqueued %s run(s) for %s", row.name, len(ticks),
-                    ticks[-1].isoformat())
-    return len(ticks)

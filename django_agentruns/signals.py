@@ -34,11 +34,32 @@ usage_recorded = Signal()
 """An attempt recorded usage (`input_tokens`, `output_tokens`, `cost`, `model`)."""
 run_lease_lost = Signal()
 """An attempt found its lease gone and stopped without recording anything (`worker_id`)."""
+run_waiting = Signal()
+"""The run started waiting (`run`: the AgentRun as committed, `kind`: input, approval or
+runs, `key`, `prompt`: what it asks, e.g. `{"proposal": ...}` for an approval)."""
 
 
 def send_after_commit(signal: Signal, **kwargs: Any) -> None:
     """Send once the current transaction commits (at once outside a transaction)."""
     transaction.on_commit(lambda: _send(signal, kwargs))
+
+
+def send_waiting_after_commit(*, run_id: int, agent: str, attempt: int, kind: str,
+                              key: str, prompt: Any) -> None:
+    """`run_waiting`, with the run read after the commit: only when a receiver listens, so a
+    wait costs no read in a project that does not use it."""
+    if not run_waiting.has_listeners():
+        return
+
+    def send() -> None:
+        from .models import AgentRun
+
+        run = AgentRun.objects.filter(pk=run_id).first()
+        if run is not None:
+            _send(run_waiting, {"run_id": run_id, "agent": agent, "attempt": attempt,
+                                "run": run, "kind": kind, "key": key, "prompt": prompt})
+
+    transaction.on_commit(send)
 
 
 def _send(signal: Signal, kwargs: dict[str, Any]) -> None:

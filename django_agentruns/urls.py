@@ -6,7 +6,8 @@
 
 from django.urls import path
 
-from . import metrics, stream
+from .ops import metrics
+from .streaming import sse as stream
 
 app_name = "agentruns"
 

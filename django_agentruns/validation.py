@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime, timedelta
 from typing import Any
+
+from django.utils import timezone
 
 from .conf import SETTING_NAME, app_settings
 from .exceptions import InvalidInputError, LimitExceeded
+from .wait_results import KEY_MAX, RESERVED_PREFIX
 
 # Deeper JSON is refused: SQLite's JSON functions stop at 1000 levels, PostgreSQL does not.
 MAX_JSON_DEPTH = 500
@@ -113,3 +117,32 @@ def _unstorable(value: Any) -> str | None:
             else:
                 stack.extend((child, depth + 1) for child in item)
     return None
+
+
+# --------------------------------------------------------- keys and deadlines of waits
+
+# The longest wait accepted: a deadline far enough out is no deadline (and would overflow).
+MAX_TIMEOUT = 10 * 365 * 86400.0
+
+
+def check_key(key: Any, what: str = "key") -> str:
+    """A key callers may use: 1-KEY_MAX characters, storable, not the engine's own."""
+    if not isinstance(key, str) or not key or len(key) > KEY_MAX or unstorable_text(key) \
+            or key.startswith(RESERVED_PREFIX):
+        raise InvalidInputError(
+            f"{what} must be a string of 1-{KEY_MAX} characters with no NUL or surrogate, "
+            f"not starting with {RESERVED_PREFIX!r}; not {key!r:.120}")
+    return key
+
+
+def deadline_after(timeout: Any) -> datetime | None:
+    """`timeout` (seconds or a timedelta, None for none) as a deadline from now."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
+            or not 0 < timeout <= MAX_TIMEOUT:
+        raise InvalidInputError(f"timeout must be seconds in (0, {MAX_TIMEOUT:.0f}] or a "
+                                f"timedelta, not {timeout!r:.80}")
+    return timezone.now() + timedelta(seconds=float(timeout))

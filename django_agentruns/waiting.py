@@ -1,4 +1,5 @@
-"""The public calls of waiting runs: deliver, approve, reject, wait_for_run, await_run.
+"""The public calls of waiting runs: deliver, approve, reject (`wait_for_run` and
+`await_run` share a listener: streaming/waiters.py).
 
 `deliver` writes in the caller's transaction, like `enqueue`: a webhook view that stores
 its own record and delivers the payload commits both or neither. The writes themselves
@@ -7,53 +8,53 @@ are `transitions.waiting`'s.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from asgiref.sync import sync_to_async
-
 from . import transitions
-from .exceptions import InvalidInputError, RunNotFoundError
-from .models import TERMINAL, AgentRun
-from .receiving import check_key
-from .validation import capped_json, storable_text
+from .exceptions import InvalidInputError
+from .validation import capped_json, check_key, storable_text
 from .wait_results import DeliverResult
-
-FINISHED_CHANNEL = "agentruns_finished"
-"""PostgreSQL channel a trigger (migration 0005) NOTIFYs with the id of a run that finished."""
-
-# Polling between looks at the run where there is no NOTIFY (SQLite), and the longest a
-# PostgreSQL waiter trusts its LISTEN without looking again.
-POLL_START, POLL_MAX = 0.02, 0.5
-LISTEN_RECHECK = 5.0
 
 
 def deliver(run_id: int, key: str, payload: Any = None, *, by: str = "") -> DeliverResult:
     """Deliver `payload` (JSON) for `key` to run `run_id`; a run that waits for it is
-    queued again. The first payload stands: delivering again is ALREADY_DELIVERED.
+    queued again. The first payload stands: delivering again is ALREADY_DELIVERED; a
+    payload that comes before the wait is STORED, and `receive` finds it.
 
     Raises `InvalidInputError` (bad id, key or payload) before anything is written.
     """
-    from .api import _run_id
-
-    rid = _run_id(run_id)
-    key = check_key(key)
-    capped_json(payload, f"Payload delivered for {key!r}", "MAX_INPUT_BYTES")
-    if not isinstance(by, str):
-        raise InvalidInputError(f"by must be a string, not {type(by).__name__}")
-    return transitions.waiting.deliver(rid, key, payload, storable_text(by[:255]))
+    return _deliver(run_id, key, payload, by, answers_approval=False)
 
 
 def approve(run_id: int, key: str, *, by: str, note: str = "",
             proposal: Any = None) -> DeliverResult:
     """Approve what the run proposed for `key`; `proposal`, if given, replaces it (an edit
-    by the approver)."""
-    return deliver(run_id, key, _answer(True, by, note, proposal), by=by)
+    by the approver).
+
+    Raises `InvalidInputError`, writing nothing, when the run never asked for approval of
+    `key` (the message names the keys it does wait for); answering twice is
+    ALREADY_DELIVERED.
+    """
+    return _deliver(run_id, key, _answer(True, by, note, proposal), by,
+                    answers_approval=True)
 
 
 def reject(run_id: int, key: str, *, by: str, note: str = "") -> DeliverResult:
-    """Reject what the run proposed for `key`."""
-    return deliver(run_id, key, _answer(False, by, note, None), by=by)
+    """Reject what the run proposed for `key` (the same checks as `approve`)."""
+    return _deliver(run_id, key, _answer(False, by, note, None), by, answers_approval=True)
+
+
+def _deliver(run_id: int, key: str, payload: Any, by: Any, *,
+             answers_approval: bool) -> DeliverResult:
+    from .api import run_id_of
+
+    rid = run_id_of(run_id)
+    key = check_key(key)
+    capped_json(payload, f"Payload delivered for {key!r}", "MAX_INPUT_BYTES")
+    if not isinstance(by, str):
+        raise InvalidInputError(f"by must be a string, not {type(by).__name__}")
+    return transitions.waiting.deliver(rid, key, payload, storable_text(by[:255]),
+                                       answers_approval=answers_approval)
 
 
 def _answer(approved: bool, by: Any, note: Any, proposal: Any) -> dict[str, Any]:
@@ -62,69 +63,3 @@ def _answer(approved: bool, by: Any, note: Any, proposal: Any) -> dict[str, Any]
     if not isinstance(note, str):
         raise InvalidInputError(f"note must be a string, not {type(note).__name__}")
     return {"approved": approved, "by": by[:255], "note": note[:2000], "proposal": proposal}
-
-
-def wait_for_run(run_id: int, *, timeout: float | None = None) -> AgentRun:
-    """Block until the run is finished and return it; `TimeoutError` past `timeout` seconds.
-
-    PostgreSQL: LISTEN on a connection of its own (through `LISTEN_DATABASE` when set), so
-    the answer comes as the run finishes; elsewhere, polling with backoff.
-    """
-    from .api import _run_id
-    from .db import is_postgres
-
-    rid = _run_id(run_id)
-    if timeout is not None and (isinstance(timeout, bool)
-                                or not isinstance(timeout, int | float) or timeout < 0):
-        raise InvalidInputError(f"timeout must be seconds >= 0 or None, not {timeout!r}")
-    deadline = None if timeout is None else time.monotonic() + float(timeout)
-    if is_postgres():
-        _listen_until_finished(rid, deadline)
-    else:
-        _poll_until_finished(rid, deadline)
-    return AgentRun.objects.get(pk=rid)
-
-
-async def await_run(run_id: int, *, timeout: float | None = None) -> AgentRun:
-    """`wait_for_run` for async callers: it blocks a thread of its own, not the loop."""
-    return await sync_to_async(wait_for_run, thread_sensitive=False)(run_id, timeout=timeout)
-
-
-def _finished(rid: int) -> bool:
-    status = AgentRun.objects.filter(pk=rid).values_list("status", flat=True).first()
-    if status is None:
-        raise RunNotFoundError(f"No run with id {rid!r}")
-    return status in TERMINAL
-
-
-def _left(deadline: float | None) -> float | None:
-    if deadline is None:
-        return None
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the run did not finish in time")
-    return left
-
-
-def _poll_until_finished(rid: int, deadline: float | None) -> None:
-    wait = POLL_START
-    while not _finished(rid):
-        left = _left(deadline)
-        time.sleep(wait if left is None else min(wait, left))
-        wait = min(POLL_MAX, wait * 2)
-
-
-def _listen_until_finished(rid: int, deadline: float | None) -> None:
-    import psycopg
-
-    from .notify import connect_params, listen_alias
-
-    with psycopg.connect(**connect_params(listen_alias()), autocommit=True) as conn:
-        conn.execute(f"LISTEN {FINISHED_CHANNEL}")
-        # Looked at after LISTEN: a run that finishes in between is seen either way.
-        while not _finished(rid):
-            left = _left(deadline)
-            slice_ = LISTEN_RECHECK if left is None else min(LISTEN_RECHECK, left)
-            for note in conn.notifies(timeout=slice_):
-                if note.payload == str(rid):
-                    break

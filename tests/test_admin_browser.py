@@ -165,6 +165,29 @@ def test_bulk_cancel_asks_for_confirmation_and_reports_the_skipped(
     assert AgentRun.objects.get(pk=history["ok1"].pk).status == Status.SUCCEEDED
 
 
+def test_erase_a_finished_run_with_the_delete_permission_and_keep_the_unfinished(
+        page: Page, live_server: Any, history: dict[str, AgentRun]) -> None:
+    make_user("dpo", "view_agentrun", "delete_agentrun")
+    ok, later = history["ok1"], history["later"]
+    assert ok.events.exists()
+    log_in(page, live_server, "dpo")
+    for run in (ok, later):
+        page.locator(f"input.action-select[value='{run.pk}']").check()
+    page.select_option("select[name=action]", "erase_runs")
+    page.click("button[name=index]")
+    expect(page.locator("#content-main")).to_contain_text(
+        "Erase 1 finished or cancelled run?")
+    expect(page.locator(".agentruns-skipped")).to_contain_text("1 run not finished")
+    assert AgentRun.objects.filter(pk=ok.pk).exists()
+
+    page.click("#agentruns-confirm")
+    expect(page.locator(".messagelist")).to_contain_text(
+        "Erase: 1 run erased, stored rows and all; 1 skipped (not finished).")
+    assert not AgentRun.objects.filter(pk=ok.pk).exists()
+    assert AgentRun.objects.get(pk=later.pk).status == Status.QUEUED
+    expect(page.locator(f"input.action-select[value='{ok.pk}']")).to_have_count(0)
+
+
 def test_staff_without_the_permissions_see_runs_but_no_actions(
         page: Page, live_server: Any, transactional_db: None) -> None:
     make_user("viewer", "view_agentrun")

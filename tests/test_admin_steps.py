@@ -6,7 +6,7 @@ import pytest
 
 from django_agentruns import run_now
 from django_agentruns.models import AgentRun, RunStep
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests.test_admin import login, messages_of, staff
 from tests.test_admin_issue18 import url
 

@@ -11,7 +11,7 @@ from django.contrib.auth.models import User
 
 from django_agentruns import run_now
 from django_agentruns.models import AgentRun
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests.browser import BROWSER_MARKS, launched_browser, new_page
 from tests.test_admin_browser import log_in, make_user
 

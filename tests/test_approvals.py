@@ -13,7 +13,7 @@ from django.test import Client
 
 from django_agentruns import DeliverResult, InvalidInputError, approve, enqueue, reject
 from django_agentruns.models import AgentRun, RunEvent, RunWait, Status
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests.test_admin import changelist, login, run_url, staff
 from tests.test_waiting import until_status, worker
 

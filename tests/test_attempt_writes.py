@@ -17,9 +17,10 @@ import pytest
 from django.db import connection
 from django.db.models import F
 
-from django_agentruns import enqueue_many, reaper, transitions
+from django_agentruns import enqueue_many, transitions
 from django_agentruns.api import RunRequest
 from django_agentruns.models import AgentRun, RunEvent, Status
+from django_agentruns.runtime import reaper
 from tests import helpers
 
 pytestmark = pytest.mark.slow

@@ -26,10 +26,10 @@ from django_agentruns import checks as agentruns_checks
 from django_agentruns.api import LATEST_RUN_AFTER
 from django_agentruns.management.arguments import queue_list
 from django_agentruns.models import AgentRun, RunEvent, Status
+from django_agentruns.ops.retention import purge
 from django_agentruns.registry import unregister
-from django_agentruns.retention import purge
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions import enqueue as enqueue_sql
-from django_agentruns.worker import Worker
 from tests.test_admin import run_url
 from tests.test_commands import no_worker  # noqa: F401 (a fixture)
 

@@ -11,8 +11,8 @@ from django_agentruns.limits import Budget, check_budget
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.outcomes import AttemptRef, Renewal, UsageTotals
 from django_agentruns.registry import unregister
-from django_agentruns.store import AttemptStore
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.attempt_store import AttemptStore
+from django_agentruns.runtime.worker import Worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -24,8 +24,8 @@ from django_agentruns.conf import app_settings
 from django_agentruns.exceptions import InvalidInputError, RunNotFoundError
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.policy import Failure
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions import AttemptRef, ErrorInfo, ScopePolicy, Settlement
-from django_agentruns.worker import Worker
 from tests import helpers
 from tests.testapp.models import SideEffect
 

@@ -14,11 +14,12 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from django_agentruns import cancel, enqueue, reaper, transitions
+from django_agentruns import cancel, enqueue, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.outcomes import AttemptRef, Renewal
 from django_agentruns.registry import scope_policy
-from django_agentruns.worker import Worker
+from django_agentruns.runtime import reaper
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 from tests.testapp.models import SideEffect
 

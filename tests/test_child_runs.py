@@ -17,7 +17,7 @@ from django_agentruns import (
     transitions,
 )
 from django_agentruns.models import AgentRun, Reason, RunEvent, RunWait, Status
-from django_agentruns.reaper import reap
+from django_agentruns.runtime.reaper import reap
 from tests import helpers
 from tests.test_waiting import status, until_status, worker
 
@@ -121,10 +121,10 @@ def test_the_reaper_resumes_a_parent_whose_children_all_finished() -> None:
 @pytest.mark.django_db(transaction=True)
 def test_bad_waits_and_spawns_get_a_clear_error_and_write_nothing() -> None:
     from django_agentruns import InvalidInputError, LimitExceeded
-    from django_agentruns.context import RunContext
-    from django_agentruns.control import AttemptControl
     from django_agentruns.exceptions import AttemptStopped, UnknownAgentError
     from django_agentruns.models import RunWait
+    from django_agentruns.runtime.context import RunContext
+    from django_agentruns.runtime.control import AttemptControl
     from django_agentruns.transitions import AttemptRef, ScopePolicy
 
     queued = enqueue("tests.parent")

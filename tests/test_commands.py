@@ -13,7 +13,7 @@ from django.utils import timezone
 from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.registry import scope_policy
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 
 BAD_RUNWORKER_ARGS: list[tuple[str, list[str], str]] = [

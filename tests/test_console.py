@@ -10,8 +10,8 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from django_agentruns import workers
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.ops import workers
 from tests.test_admin import (
     OVERVIEW,
     RETRY_CLASS,

@@ -140,7 +140,7 @@ def test_the_overview_triages_and_retries_a_group(
 
 
 def helpers_live_workers() -> int:
-    from django_agentruns import workers
+    from django_agentruns.ops import workers
 
     return workers.live().count()
 

@@ -24,7 +24,7 @@ from django.utils import timezone
 from django_agentruns import RunRequest, enqueue, enqueue_many, transitions
 from django_agentruns.models import AgentRun, Status
 from django_agentruns.registry import scope_policy
-from django_agentruns.worker import ContentionTimeout, Worker
+from django_agentruns.runtime.worker import ContentionTimeout, Worker
 from tests import helpers
 from tests.testapp.models import SideEffect
 

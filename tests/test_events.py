@@ -15,7 +15,7 @@ from django_agentruns import enqueue, policy, transitions
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.outcomes import AttemptRef, Renewal
 from django_agentruns.registry import scope_policy
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests.testapp.models import SideEffect
 
 LIFECYCLE = {transitions.STARTED, transitions.SUCCEEDED, transitions.RETRYING,

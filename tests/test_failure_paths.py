@@ -13,6 +13,7 @@ from django.db import OperationalError
 
 from django_agentruns import cancel, enqueue, retry, run_now, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions import (
     AttemptRef,
     CheckpointWrite,
@@ -23,7 +24,6 @@ from django_agentruns.transitions import (
     batched,
 )
 from django_agentruns.transitions.settling import FREE_INTERRUPTIONS
-from django_agentruns.worker import Worker
 from tests import helpers
 from tests.testapp.failure_agents import UnprintableError
 

@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from django_agentruns import enqueue, policy, reaper, transitions
+from django_agentruns import enqueue, policy, transitions
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.registry import agent, unregister
+from django_agentruns.runtime import reaper
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions import (
     AttemptRef,
     ErrorInfo,
@@ -21,7 +23,6 @@ from django_agentruns.transitions import (
     ScopePolicy,
     Settlement,
 )
-from django_agentruns.worker import Worker
 
 T0 = datetime(2030, 1, 1, 12, 0, tzinfo=transitions.now().tzinfo)
 TTL = 2.0  # tests/settings.py LEASE_TTL

@@ -13,10 +13,11 @@ from django.core.management import call_command
 from django.test import Client
 from django.urls import reverse
 
-from django_agentruns import enqueue, metrics, set_limit, transitions
+from django_agentruns import enqueue, set_limit, transitions
 from django_agentruns.models import AgentLimit, AgentRun, Status
-from django_agentruns.visibility import KEY_CLOSED, KEY_FULL, why_not_started
-from django_agentruns.worker import Worker
+from django_agentruns.ops import metrics
+from django_agentruns.ops.visibility import KEY_CLOSED, KEY_FULL, why_not_started
+from django_agentruns.runtime.worker import Worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

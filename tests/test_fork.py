@@ -17,9 +17,9 @@ from django_agentruns.exceptions import (
     UnknownAgentError,
 )
 from django_agentruns.models import AgentRun, RunCheckpoint, RunEvent, Status
+from django_agentruns.ops.retention import purge
 from django_agentruns.outcomes import AttemptRef, Renewal
 from django_agentruns.registry import scope_policy
-from django_agentruns.retention import purge
 from tests import helpers
 from tests.testapp.models import SideEffect
 

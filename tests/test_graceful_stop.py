@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 from django.db import connection, transaction
 
-from django_agentruns import enqueue, reaper, transitions
+from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.runtime import reaper
 from tests import helpers
 from tests.testapp.models import SideEffect
 

@@ -23,13 +23,13 @@ from django_agentruns import (
     RunContext,
     agent,
     cancel,
-    reaper,
     run_now,
     transitions,
 )
 from django_agentruns.exceptions import AttemptTimeout
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.registry import unregister
+from django_agentruns.runtime import reaper
 from django_agentruns.transitions import ScopePolicy
 from tests.testapp.agents import record
 from tests.testapp.models import SideEffect

@@ -17,7 +17,7 @@ from django.db.models import Max
 
 from django_agentruns import InvalidInputError, enqueue, enqueue_many, set_limit, transitions
 from django_agentruns.models import AgentLimit, AgentRun, RunEvent, Status
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 
 SETTINGS = {"LEASE_TTL": 2.0, "POLL_INTERVAL": 0.05, "REAP_INTERVAL": 0.5,

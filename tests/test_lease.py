@@ -13,16 +13,17 @@ from django.conf import settings
 from django.db import connection
 from django.test import override_settings
 
-from django_agentruns import CancelResult, cancel, enqueue, reaper, recording, transitions
-from django_agentruns.context import RunContext
-from django_agentruns.control import AttemptControl
+from django_agentruns import CancelResult, cancel, enqueue, transitions
 from django_agentruns.exceptions import AttemptStopped
-from django_agentruns.executor import make_context
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.outcomes import Outcome, OutcomeKind, StopReason
 from django_agentruns.registry import get_agent
+from django_agentruns.runtime import reaper, recording
+from django_agentruns.runtime.context import RunContext
+from django_agentruns.runtime.control import AttemptControl
+from django_agentruns.runtime.executor import make_context
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions import AttemptRef, Renewal, ScopePolicy
-from django_agentruns.worker import Worker
 from tests import helpers
 from tests.testapp.models import SideEffect
 

@@ -16,7 +16,7 @@ from django_agentruns import LimitExceeded, RunRequest, enqueue, enqueue_many, r
 from django_agentruns import checks as agentruns_checks
 from django_agentruns.conf import Defaults
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 from tests.settings import AGENTRUNS as TEST_SETTINGS
 from tests.test_settle_many import drop_refusal, refuse_output

@@ -28,9 +28,10 @@ from django.db.models import F
 from django.test import Client
 from django.utils import timezone
 
-from django_agentruns import enqueue, metrics
+from django_agentruns import enqueue
 from django_agentruns.models import AgentRun, Reason, Status
-from django_agentruns.worker import Worker
+from django_agentruns.ops import metrics
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 
 try:
@@ -472,7 +473,10 @@ sys.modules["opentelemetry"] = None
 import django
 django.setup()
 from django.test import RequestFactory, override_settings
-from django_agentruns import metrics, stream, tracing, urls, worker
+from django_agentruns import urls
+from django_agentruns.ops import metrics, tracing
+from django_agentruns.runtime import worker
+from django_agentruns.streaming import sse as stream
 from django_agentruns.models import AgentRun
 assert not metrics.AVAILABLE and not tracing.AVAILABLE
 metrics.observe_settlement("tests.noop", "succeeded", 0.5, 1.5)

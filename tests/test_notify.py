@@ -15,9 +15,11 @@ from django.core.management import call_command
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
-from django_agentruns import RunRequest, cancel, enqueue, enqueue_many, notify, retry, run_now
+from django_agentruns import RunRequest, cancel, enqueue, enqueue_many, retry, run_now
+from django_agentruns.db import CHANNEL, probe_channel
 from django_agentruns.models import AgentRun, Status
-from django_agentruns.notify import CHANNEL, Listener, probe_channel
+from django_agentruns.runtime import wakeups as notify
+from django_agentruns.runtime.wakeups import Listener
 from tests import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -210,7 +212,7 @@ def test_without_the_trigger_nothing_notifies(listener: Any) -> None:
 
 @pytest.mark.postgres_only
 def test_a_listener_checks_itself_on_a_channel_of_its_own() -> None:
-    from django_agentruns import metrics
+    from django_agentruns.ops import metrics
 
     assert probe_channel("host:1:aa") != probe_channel("host:1:ab")
     wake, stopping = threading.Event(), threading.Event()
@@ -257,7 +259,7 @@ def test_a_listener_checks_itself_again_whenever_it_reconnects(
 @pytest.mark.postgres_only
 def test_a_failed_self_check_warns_once_polls_and_recovers(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from django_agentruns import metrics
+    from django_agentruns.ops import metrics
 
     answers = iter([False, False, True])
     monkeypatch.setattr(notify, "self_check", lambda *a, **k: next(answers, True))

@@ -19,8 +19,8 @@ from django.utils import timezone
 from django_agentruns import RunRequest, enqueue, enqueue_many, policy, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.registry import scope_policy
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions import AttemptRef, claiming, due, due_queued
-from django_agentruns.worker import Worker
 from tests import helpers
 from tests.testapp.models import SideEffect
 

@@ -13,9 +13,9 @@ from django.core.management import CommandError, call_command
 from django_agentruns import enqueue, pause_queue, resume_queue, transitions
 from django_agentruns.exceptions import InvalidInputError
 from django_agentruns.models import AgentRun, PausedQueue, Status
+from django_agentruns.ops.visibility import PAUSED, why_not_started
 from django_agentruns.queues import PausedSet
 from django_agentruns.registry import scope_policy
-from django_agentruns.visibility import PAUSED, why_not_started
 from tests import helpers
 
 

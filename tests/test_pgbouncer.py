@@ -119,7 +119,7 @@ def test_the_self_check_fails_through_pgbouncer_even_though_a_session_hears_itse
     own NOTIFY through the pooler and pass a check that enqueues then fail."""
     import psycopg
 
-    from django_agentruns.notify import connect_params, probe_channel, self_check
+    from django_agentruns.db import connect_params, probe_channel, self_check
 
     direct = connect_params("default")
     pooled = {**direct, "port": pgbouncer.port}

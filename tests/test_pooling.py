@@ -10,7 +10,7 @@ import pytest
 from django.db import connection
 from django.test import override_settings
 
-from django_agentruns import pooling
+from django_agentruns.ops import pooling
 
 PG = {"ENGINE": "django.db.backends.postgresql", "NAME": "app", "HOST": "pgbouncer"}
 DIRECT = {**PG, "HOST": "postgres"}

@@ -9,8 +9,8 @@ from django.test import override_settings
 
 from django_agentruns import RunRequest, enqueue, enqueue_many, transitions
 from django_agentruns.models import AgentRun, RunEvent, Status
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions import AttemptRef, ScopePolicy, Settlement
-from django_agentruns.worker import Worker
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 

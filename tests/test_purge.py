@@ -20,7 +20,7 @@ from django.utils import timezone
 from django_agentruns import retry
 from django_agentruns.exceptions import InvalidInputError
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
-from django_agentruns.retention import parse_duration, purge
+from django_agentruns.ops.retention import parse_duration, purge
 from tests import helpers
 
 pytestmark = pytest.mark.django_db

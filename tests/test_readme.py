@@ -37,8 +37,8 @@ from django.test import override_settings
 from django_agentruns import approve
 from django_agentruns.models import AgentRun, StreamChunk
 from django_agentruns.registry import all_agents, unregister
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.tasks import TASKS_AVAILABLE, UNAVAILABLE_REASON, compat
-from django_agentruns.worker import Worker
 from tests import helpers
 
 DOCUMENTS = [helpers.REPO_ROOT / "README.md",

@@ -17,8 +17,9 @@ from django.core.management import call_command
 from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from django_agentruns import CancelResult, cancel, enqueue, enqueue_many, reaper, transitions
+from django_agentruns import CancelResult, cancel, enqueue, enqueue_many, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.runtime import reaper
 from django_agentruns.transitions import AttemptRef, ScopePolicy, Settlement
 from tests import helpers
 from tests.testapp.models import SideEffect

@@ -14,8 +14,8 @@ from django.test import override_settings
 from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.registry import agent, unregister
+from django_agentruns.runtime.worker import Worker, WorkerStats
 from django_agentruns.transitions import ScopePolicy
-from django_agentruns.worker import Worker, WorkerStats
 from tests.testapp.models import SideEffect
 
 pytestmark = pytest.mark.django_db(transaction=True)

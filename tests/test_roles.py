@@ -14,14 +14,14 @@ import pytest
 from django.db import connection
 
 from django_agentruns import cancel, transitions
-from django_agentruns.control import AttemptControl
-from django_agentruns.executor import Executor
-from django_agentruns.lease_keeper import LeaseKeeper
-from django_agentruns.live import Live, LiveAttempts
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.outcomes import AttemptRef, OutcomeKind, Settlement, StopReason
 from django_agentruns.registry import get_agent
-from django_agentruns.store import AttemptStore
+from django_agentruns.runtime.attempt_store import AttemptStore
+from django_agentruns.runtime.control import AttemptControl
+from django_agentruns.runtime.executor import Executor
+from django_agentruns.runtime.lease_keeper import LeaseKeeper
+from django_agentruns.runtime.running import Live, LiveAttempts
 from tests.test_lease import claim_one, lease, steal
 
 
@@ -231,7 +231,7 @@ def test_a_worker_closes_the_connection_an_agent_opened_when_its_attempt_ends(
     from django.db import connections
 
     from django_agentruns import enqueue
-    from django_agentruns.worker import Worker
+    from django_agentruns.runtime.worker import Worker
     from tests.testapp.writer_agents import QUERIED_ON
 
     monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", None)
@@ -253,7 +253,7 @@ def test_an_async_agents_off_loop_calls_keep_no_connection(
     from django.db import connections
 
     from django_agentruns import enqueue
-    from django_agentruns.worker import Worker
+    from django_agentruns.runtime.worker import Worker
     from tests.testapp.writer_agents import QUERIED_ON
 
     monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", None)

@@ -13,7 +13,7 @@ from django.db import DatabaseError, close_old_connections, connection
 
 from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, RunEvent, Status
-from django_agentruns.store import AttemptStore
+from django_agentruns.runtime.attempt_store import AttemptStore
 from django_agentruns.transitions import (
     AttemptRef,
     Result,

@@ -14,9 +14,9 @@ from django.db import close_old_connections, connection
 
 from django_agentruns import CancelResult, cancel, enqueue, policy, retry, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.states import TERMINAL
 from django_agentruns.transitions import AttemptRef, ErrorInfo, ScopePolicy, Settlement
-from django_agentruns.worker import Worker
 
 TERMINAL_EVENTS = {
     Status.SUCCEEDED: transitions.SUCCEEDED,

@@ -12,9 +12,9 @@ from django.dispatch import Signal
 
 from django_agentruns import cancel, enqueue, signals, transitions
 from django_agentruns.models import AgentRun, Status
-from django_agentruns.reaper import reap
 from django_agentruns.registry import scope_policy
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.reaper import reap
+from django_agentruns.runtime.worker import Worker
 
 ALL = {
     "enqueued": signals.run_enqueued, "started": signals.run_started,
@@ -111,8 +111,8 @@ def test_a_lost_lease_is_announced_and_nothing_is_recorded(received: list[Any]) 
     # Another worker takes the lapsed run; the first one's settle is fenced off.
     transitions.claim("w2", ["default"], 1, scope_policy(), {}, 1.0,
                       at=at + timedelta(seconds=5))
-    from django_agentruns import recording
     from django_agentruns.outcomes import Outcome, OutcomeKind
+    from django_agentruns.runtime import recording
 
     settlement = recording.record(None, ref, Outcome(OutcomeKind.SUCCEEDED, output={}))
     assert settlement is transitions.Settlement.LOST

@@ -18,7 +18,7 @@ from django_agentruns import InvalidInputError, Snooze, cancel, enqueue, transit
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.outcomes import AttemptRef, ErrorInfo, Settlement
 from django_agentruns.policy import Failure
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 
 SETTINGS = {"LEASE_TTL": 2.0, "POLL_INTERVAL": 0.05, "REAP_INTERVAL": 0.5,

@@ -20,10 +20,10 @@ from django.core.management import call_command
 from django_agentruns import agent, deliver, enqueue, fork, transitions
 from django_agentruns.checks import check_pinned_versions
 from django_agentruns.models import AgentRun, RunEvent, RunStep, Status
+from django_agentruns.ops.visibility import VERSION, why_not_started
 from django_agentruns.registry import unregister
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions.due import compiled_due
-from django_agentruns.visibility import VERSION, why_not_started
-from django_agentruns.worker import Worker
 from tests.testapp.step_agents import executions
 
 
@@ -157,7 +157,7 @@ def test_a_run_of_a_newer_version_is_not_claimed_by_an_older_worker(
 def test_a_runs_steps_are_purged_with_it(transactional_db: None) -> None:
     from datetime import timedelta
 
-    from django_agentruns.retention import purge
+    from django_agentruns.ops.retention import purge
 
     origin = recorded_run(2)
     replay = fork(origin.pk, replay=True)

@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 from django.db.models import F
 
-from django_agentruns import deliver, enqueue, reaper, transitions
+from django_agentruns import deliver, enqueue, transitions
 from django_agentruns.exceptions import LimitExceeded
 from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status
 from django_agentruns.outcomes import AttemptRef, Renewal
 from django_agentruns.registry import scope_policy
-from django_agentruns.worker import Worker
+from django_agentruns.runtime import reaper
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 from tests.testapp.step_agents import executions
 
@@ -62,12 +63,17 @@ def test_a_retried_run_gets_completed_steps_from_their_records(transactional_db:
     assert run.input_tokens == 30  # nor recorded their usage again
 
 
-def test_steps_across_a_wait_and_its_resume(transactional_db: None) -> None:
+def worker_burst(env: dict[str, str]) -> None:
+    result = helpers.run_manage(["runworker", "--burst"], env)
+    assert result.returncode == 0, result.stderr
+
+
+def test_steps_across_a_wait_and_its_resume(worker_env: dict[str, str]) -> None:
     run = enqueue("tests.step_wait")
-    burst()
+    worker_burst(worker_env)
     assert AgentRun.objects.get(pk=run.pk).status == Status.WAITING
     deliver(run.pk, "go", 7)
-    burst()
+    worker_burst(worker_env)
     run.refresh_from_db()
     assert run.status == Status.SUCCEEDED, run.error_message
     assert run.output == {"before": "b", "after": "a:7"}
@@ -121,9 +127,9 @@ def test_a_sync_step_past_its_timeout_is_failed_and_its_late_result_discarded(
     assert (step.status, step.result) == ("failed", None)
 
 
-def test_an_async_agents_asteps(transactional_db: None) -> None:
+def test_an_async_agents_asteps(worker_env: dict[str, str]) -> None:
     run = enqueue("tests.async_step_chain", {"n": 3})
-    burst()
+    worker_burst(worker_env)
     run.refresh_from_db()
     assert run.status == Status.SUCCEEDED, run.error_message
     keys = [f"run-{run.pk}/call/{n}" for n in (1, 2, 3)]
@@ -201,9 +207,9 @@ def test_a_started_step_cap_is_checked_by_its_write(db: None) -> None:
 
 
 def test_a_step_outside_a_running_attempt_is_a_clear_error(db: None) -> None:
-    from django_agentruns.context import RunContext
-    from django_agentruns.control import AttemptControl
     from django_agentruns.exceptions import InvalidInputError
+    from django_agentruns.runtime.context import RunContext
+    from django_agentruns.runtime.control import AttemptControl
 
     control = AttemptControl(AttemptRef(1, 1, "w", 2.0), None, 0)
     control.done.set()
@@ -270,7 +276,7 @@ def test_the_guides_examples_run_as_printed(transactional_db: None) -> None:
         compile(block, "docs/steps.md", "exec")
     try:
         exec(blocks[0], {})
-        exec(blocks[2], {})
+        exec(blocks[-1], {})
         assert run_now("support.triage", {"message": "hi"}) == {
             "verdict": "answer to 'Classify: hi'", "ticket": 1234}
         run = AgentRun.objects.get(agent="support.triage")
@@ -280,3 +286,54 @@ def test_the_guides_examples_run_as_printed(transactional_db: None) -> None:
     finally:
         unregister("support.triage")
         unregister("support.summarise")
+
+
+def test_step_writes_of_many_runs_in_one_batch_keep_their_own_fences(db: None) -> None:
+    from django.db import transaction
+
+    from django_agentruns.outcomes import StepStart
+    from django_agentruns.transitions import batched
+
+    first, second = enqueue("tests.noop"), enqueue("tests.noop")
+    [a, b] = [AttemptRef(r.pk, r.attempt, "w-steps", 2.0) for r in transitions.claim(
+        "w-steps", ["default"], 2, scope_policy(), {}, 2.0)]
+    AgentRun.objects.filter(pk=b.run_id).update(claimed_by="w-other")  # b lost its run
+    with transaction.atomic():
+        started = batched.apply_writes([transitions.StepStartWrite(a, "s", None, 0, 10),
+                                        transitions.StepStartWrite(b, "s", None, 0, 10)])
+    assert started == [StepStart(Renewal.OK, 1), StepStart(Renewal.LOST)]
+    with transaction.atomic():
+        ended = batched.apply_writes([transitions.StepEndWrite(a, "s", 1, True, [1]),
+                                      transitions.StepEndWrite(b, "s", 1, True, [2])])
+    assert ended == [Renewal.OK, Renewal.LOST]
+    assert list(RunStep.objects.values_list("run_id", "status", "result")) == [
+        (first.pk if a.run_id == first.pk else second.pk, "done", [1])]
+    assert RunEvent.objects.filter(type=transitions.STEP).count() == 1
+    with transaction.atomic():  # a later attempt reaching it gets the stored result
+        [again] = batched.apply_writes([transitions.StepStartWrite(a, "s", 1, 0, 10)])
+    assert again == StepStart(Renewal.OK, 1, done=True, result=[1])
+
+
+def test_steps_are_counted_by_outcome_and_traced(transactional_db: None) -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    def count(outcome: str) -> float:
+        return prometheus_client.REGISTRY.get_sample_value(
+            "agentruns_steps_total", {"agent": "tests.step_loop", "outcome": outcome}) or 0.0
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    before = {o: count(o) for o in ("done", "replayed", "failed")}
+    from unittest import mock
+
+    with mock.patch("opentelemetry.trace.get_tracer", provider.get_tracer):
+        run = enqueue("tests.step_loop", {"n": 3, "fail": True})
+        burst()
+    assert {o: count(o) - before[o] for o in before} == {"done": 3, "replayed": 3, "failed": 0}
+    steps = [s for s in exporter.get_finished_spans() if s.name == "step draft"]
+    assert [s.attributes["agentruns.step.key"] for s in steps] == [
+        f"run-{run.pk}/draft/{n}" for n in (1, 2, 3)]  # executions only, not replays

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, RunEvent, Status
-from django_agentruns.store import AttemptStore
+from django_agentruns.runtime.attempt_store import AttemptStore
 from django_agentruns.transitions import (
     AttemptRef,
     CheckpointWrite,

@@ -1,6 +1,6 @@
 """The live event stream: a run's events as server-sent events, in order, each once, then `end`.
 
-`GET /agentruns/runs/<id>/events/` (django_agentruns.stream). Live runs are made by a real
+`GET /agentruns/runs/<id>/events/` (django_agentruns.streaming.sse). Live runs are made by a real
 `runworker` subprocess; the stream is read through Django's test client, under WSGI and
 under ASGI.
 """
@@ -19,8 +19,9 @@ from asgiref.sync import async_to_sync
 from django.contrib.auth.models import Permission, User
 from django.test import AsyncClient, Client
 
-from django_agentruns import enqueue, run_now, stream
+from django_agentruns import enqueue, run_now
 from django_agentruns.models import AgentRun, RunEvent, Status
+from django_agentruns.streaming import sse as stream
 from tests import helpers
 from tests.testapp.models import SideEffect
 

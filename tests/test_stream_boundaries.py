@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from django_agentruns import chunk_transport, deliver, enqueue
-from django_agentruns.chunks import afinish
-from django_agentruns.context import RunContext
-from django_agentruns.control import AttemptControl
+from django_agentruns import deliver, enqueue
 from django_agentruns.models import AgentRun, RunEvent, Status
-from django_agentruns.store import AttemptStore
+from django_agentruns.runtime.attempt_store import AttemptStore
+from django_agentruns.runtime.context import RunContext
+from django_agentruns.runtime.control import AttemptControl
+from django_agentruns.streaming import transport as chunk_transport
+from django_agentruns.streaming.chunks import afinish
 from django_agentruns.transitions import Write
 from tests import helpers
 from tests.test_store import claimed
@@ -38,9 +39,9 @@ def test_a_wait_stores_the_text_streamed_before_it(worker_env: dict[str, str],
         deliver(run.pk, "answer", "yes")
         helpers.wait_until(lambda: AgentRun.objects.get(pk=run.pk).status == Status.SUCCEEDED,
                            message="the run to succeed")
-    # Attempt 2 replays the step before the wait (same ids, as emits are), then stores
-    # what it streamed after it.
-    assert stored(run.pk) == [("asked1 ", 1), ("got yes", 2)]
+    # Attempt 2 runs the step before the wait again: what it streams there is its own
+    # text (a model answers anew), stored beside attempt 1's, then what came after it.
+    assert stored(run.pk) == [("asked1 ", 1), ("asked2 ", 2), ("got yes", 2)]
 
 
 @pytest.mark.django_db(transaction=True)

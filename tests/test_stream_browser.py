@@ -17,8 +17,8 @@ import pytest
 from django.contrib.auth.models import Permission, User
 from django.http import HttpRequest
 
-from django_agentruns import stream
 from django_agentruns.models import AgentRun, RunEvent, Status
+from django_agentruns.streaming import sse as stream
 from tests import helpers
 from tests.browser import BROWSER_MARKS, SCREENSHOTS, launched_browser, new_page
 from tests.testapp.models import SideEffect

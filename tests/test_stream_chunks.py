@@ -17,14 +17,16 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.db import connection
 
-from django_agentruns import chunk_transport, enqueue, run_now, stream, stream_chunks
-from django_agentruns.chunks import MAX_CHANNEL, stream_event_id
+from django_agentruns import enqueue, run_now, stream_chunks
 from django_agentruns.exceptions import InvalidInputError
-from django_agentruns.fanout import Hub
 from django_agentruns.models import AgentRun, RunEvent, Status, StreamChunk
 from django_agentruns.outcomes import AttemptRef
 from django_agentruns.registry import agent, unregister
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
+from django_agentruns.streaming import sse as stream
+from django_agentruns.streaming import transport as chunk_transport
+from django_agentruns.streaming.chunks import MAX_CHANNEL, stream_event_id
+from django_agentruns.streaming.hub import Hub
 from tests import helpers
 from tests.test_stream import parse
 from tests.test_stream_resources import Stream, server, session_of
@@ -101,7 +103,7 @@ def test_two_thousand_chunks_store_a_handful_of_rows(worker_env: dict[str, str])
     assert stored_text(run.pk) == words(2000) + words(2000, "a")
 
 
-def test_a_retry_stores_its_own_text_and_replays_the_rest_as_emits_do(
+def test_a_retry_stores_its_own_different_text_and_replays_its_emits(
         worker_env: dict[str, str]) -> None:
     run = enqueue("tests.stream_retry")
     with helpers.start_manage(["runworker"], worker_env):
@@ -109,11 +111,12 @@ def test_a_retry_stores_its_own_text_and_replays_the_rest_as_emits_do(
     stored = [(t, p.get("text"), p.get("attempt")) for t, p in RunEvent.objects.filter(
         run_id=run.pk).order_by("seq").values_list("type", "payload")
         if t in ("stream", "step")]
-    # Attempt 2 resumes from the same (no) checkpoint: the text before its emit, like the
-    # emit itself, is a replay and adds nothing; the text attempt 1 left when it failed
-    # does not stand in for attempt 2's.
+    # Attempt 2 resumes from the same (no) checkpoint: its emit is a replay and adds
+    # nothing, but the text it streams is its own (a model answers differently), stored
+    # beside attempt 1's, not taken for it.
     assert stored == [("stream", "first1 ", 1), ("step", None, None),
-                      ("stream", "then1 ", 1), ("stream", "then2 ", 2)]
+                      ("stream", "then1 ", 1), ("stream", "first2 ", 2),
+                      ("stream", "then2 ", 2)]
 
 
 def test_stream_chunks_gives_python_code_the_live_chunks(worker_env: dict[str, str]) -> None:
@@ -217,7 +220,7 @@ def test_the_sender_sends_nothing_for_an_attempt_that_lost_its_run() -> None:
     if connection.vendor == "postgresql":
         import psycopg
 
-        from django_agentruns.notify import connect_params
+        from django_agentruns.db import connect_params
 
         listening = psycopg.connect(**connect_params("default"), autocommit=True)
         listening.execute(f"LISTEN {chunk_transport.run_channel(run.pk)}")
@@ -309,6 +312,7 @@ def test_notify_payloads_stay_under_postgres_limit() -> None:
 
 
 def test_stream_event_ids_are_deterministic_and_apart_from_emits() -> None:
-    assert stream_event_id(1, 0, "output", 0) == stream_event_id(1, 0, "output", 0)
-    assert stream_event_id(1, 0, "output", 0) != stream_event_id(1, 0, "other", 0)
-    assert stream_event_id(1, 1, "output", 0) != stream_event_id(1, 0, "output", 0)
+    assert stream_event_id(1, 1, 0, "output", 0) == stream_event_id(1, 1, 0, "output", 0)
+    assert stream_event_id(1, 1, 0, "output", 0) != stream_event_id(1, 1, 0, "other", 0)
+    assert stream_event_id(1, 1, 1, "output", 0) != stream_event_id(1, 1, 0, "output", 0)
+    assert stream_event_id(1, 2, 0, "output", 0) != stream_event_id(1, 1, 0, "output", 0)

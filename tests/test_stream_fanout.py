@@ -1,4 +1,4 @@
-"""The fan-out behind the event streams (django_agentruns.fanout), and the stream caps.
+"""The fan-out behind the event streams (django_agentruns.streaming.hub), and the stream caps.
 
 The hub's reads are driven by hand here (`background=False`, `poll_once()`), so each step
 is deterministic; the view's caps and the release of a closed stream go through Django's
@@ -8,6 +8,7 @@ test clients. tests/test_stream_resources.py shows the same against a real serve
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,9 +20,11 @@ from django.db import close_old_connections, connection
 from django.test import AsyncClient, Client
 from django.test.utils import CaptureQueriesContext
 
-from django_agentruns import cancel, enqueue, stream
-from django_agentruns.fanout import Found, Hub, Subscription
-from django_agentruns.models import AgentRun
+from django_agentruns import cancel, enqueue
+from django_agentruns.models import AgentRun, RunEvent
+from django_agentruns.streaming import hub as fanout
+from django_agentruns.streaming import sse as stream
+from django_agentruns.streaming.hub import Found, Hub, Subscription
 from tests.test_stream import (
     finished_run,
     make_user,
@@ -128,6 +131,55 @@ def test_each_run_gets_a_batch_per_read_so_a_long_backlog_starves_no_other(
             if sub is long_sub and found:
                 received += seqs(found)
     assert received == [seq for seq, _, _ in trail(long)]
+
+
+def held(sub: Subscription) -> int:
+    pending = sub._pending
+    return 0 if pending is None else len(pending.rows) + len(pending.chunks)
+
+
+def test_a_subscriber_that_does_not_read_is_bounded_then_resyncs_from_the_stored_events(
+        db: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream, "BATCH", 2)
+    monkeypatch.setattr(fanout, "PENDING_ITEMS", 5)
+    monkeypatch.setattr(fanout, "PENDING_CHARS", 1000)
+    run = enqueue("tests.noop", run_after=3600)
+    RunEvent.objects.bulk_create(RunEvent(run=run, seq=n, event_id=uuid.uuid4(), type="step",
+                                          payload={"n": n}) for n in range(1, 13))
+    hub = hand_driven()
+    slow, slow_woken = subscribe(hub, run.pk)
+    prompt, _ = subscribe(hub, run.pk)
+    received: list[int] = []
+    for _ in range(20):  # the hub reads on; `slow` never takes
+        hub.poll_once()
+        hub.deliver_chunks(run.pk, [{"channel": "output", "text": "x" * 10, "attempt": 0}])
+        received += seqs(prompt.take() or Found(None))
+        assert held(slow) <= fanout.PENDING_ITEMS
+    assert received == list(range(1, 13))  # the reader that keeps up lost nothing
+    assert slow.parked
+    assert slow_woken.is_set()
+    assert held(slow) == 0  # what it held was dropped, and nothing more was handed to it
+
+    # Its next take says so, and the stored events come again from where it was.
+    found = slow.take()
+    assert found is not None
+    assert found.resync
+    again: list[int] = []
+    while len(again) < 12:
+        hub.poll_once()
+        again += seqs(slow.take() or Found(None))
+    assert again == list(range(1, 13))
+
+    # A chunk flood parks it too (PENDING_CHARS), whatever the count.
+    hub.deliver_chunks(run.pk, [{"channel": "output", "text": "y" * 2000, "attempt": 0}])
+    assert slow.parked
+    assert held(slow) == 0
+    # The event stream tells its client to resync (live chunks were lost).
+    events = stream.EventStream(run.pk, 12, fanout=hub)
+    text, _ = events.compose(slow.take())
+    assert [m.event for m in parse(text) if m.event == "resync"] == ["resync"]
+    hub.unsubscribe(slow)
+    hub.unsubscribe(prompt)
 
 
 def test_a_stream_that_joins_behind_a_read_is_served_by_the_next_one(db: None) -> None:

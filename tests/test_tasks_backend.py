@@ -30,6 +30,7 @@ import tests as tests_package
 from django_agentruns import NotRetryable, Retryable, RunCancelledError, cancel, enqueue
 from django_agentruns.apps import uses_tasks_backend
 from django_agentruns.models import AgentRun, Reason, Status
+from django_agentruns.runtime.worker import Worker, WorkerStats
 from django_agentruns.tasks import (
     ASYNC_AGENT,
     SYNC_AGENT,
@@ -39,7 +40,6 @@ from django_agentruns.tasks import (
     compat,
 )
 from django_agentruns.tasks.results import task_input
-from django_agentruns.worker import Worker, WorkerStats
 from tests import helpers
 from tests.testapp.models import SideEffect
 

@@ -19,12 +19,13 @@ import time
 import pytest
 from django.db import connections
 
-from django_agentruns import enqueue, reaper, transitions
+from django_agentruns import enqueue, transitions
 from django_agentruns.exceptions import AttemptTimeout
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.policy import classify
 from django_agentruns.registry import get_agent
-from django_agentruns.worker import Worker
+from django_agentruns.runtime import reaper
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 from tests.testapp.models import SideEffect
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from django_agentruns import Retryable, enqueue, tracing
+from django_agentruns import Retryable, enqueue
 from django_agentruns.models import AgentRun
-from django_agentruns.worker import Worker
+from django_agentruns.ops import tracing
+from django_agentruns.runtime.worker import Worker
 
 try:
     from opentelemetry import trace

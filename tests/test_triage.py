@@ -1,4 +1,4 @@
-"""The overview's reads (django_agentruns.triage) and the metrics' split of blocked from due."""
+"""The overview's reads (django_agentruns.ops.triage) and the metrics' split of blocked from due."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from django_agentruns import metrics, triage, workers
 from django_agentruns.admin.chart import svg
 from django_agentruns.models import AgentRun, Reason, Status
+from django_agentruns.ops import metrics, triage, workers
 
 pytestmark = pytest.mark.django_db
 

@@ -20,8 +20,8 @@ from django.utils import timezone
 from django_agentruns import RunRequest, enqueue, enqueue_many, transitions
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.registry import all_agents
+from django_agentruns.runtime.worker import Worker, scope_policy
 from django_agentruns.transitions import due
-from django_agentruns.worker import Worker, scope_policy
 from tests import helpers
 from tests.testapp.models import SideEffect
 

@@ -15,9 +15,7 @@ from django.utils import timezone
 
 from django_agentruns import enqueue, policy, transitions
 from django_agentruns.models import AgentRun, Status, WorkerRecord
-from django_agentruns.outcomes import AttemptRef
-from django_agentruns.registry import scope_policy
-from django_agentruns.visibility import (
+from django_agentruns.ops.visibility import (
     BLOCKED,
     CANCEL_REQUESTED,
     NOT_QUEUED,
@@ -26,6 +24,8 @@ from django_agentruns.visibility import (
     Hold,
     why_not_started,
 )
+from django_agentruns.outcomes import AttemptRef
+from django_agentruns.registry import scope_policy
 
 pytestmark = pytest.mark.django_db
 

@@ -7,24 +7,32 @@ polling on SQLite; `TimeoutError` past the timeout. Also: the waiting runs' gaug
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
+from django.db import connection
+from django.test import override_settings
 
 from django_agentruns import (
     DeliverResult,
     InvalidInputError,
     RunNotFoundError,
+    TooManyWaitersError,
     await_run,
     deliver,
     enqueue,
-    metrics,
     wait_for_run,
 )
-from django_agentruns.models import Status
+from django_agentruns.models import AgentRun, Status
+from django_agentruns.ops import metrics
+from django_agentruns.streaming import waiters
 from tests import helpers
 from tests.test_waiting import until_status, worker
 
@@ -88,7 +96,7 @@ def test_a_finished_run_is_returned_at_once() -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_waiting_runs_are_counted_per_queue() -> None:
-    from django_agentruns.worker import Worker
+    from django_agentruns.runtime.worker import Worker
 
     enqueue("tests.waits")
     enqueue("tests.waits", {"key": "other"})
@@ -104,8 +112,8 @@ def test_a_delivery_wakes_the_queue_and_a_finished_run_notifies_its_id(
     import psycopg
     from django.db import connection
 
-    from django_agentruns.notify import CHANNEL
-    from django_agentruns.waiting import FINISHED_CHANNEL
+    from django_agentruns.db import CHANNEL
+    from django_agentruns.streaming.waiters import FINISHED_CHANNEL
     from tests.test_notify import sent_before_sentinel
 
     run = enqueue("tests.waits")
@@ -122,3 +130,95 @@ def test_a_delivery_wakes_the_queue_and_a_finished_run_notifies_its_id(
 
         cancel(run.pk)
         assert sent_before_sentinel(listener) == [str(run.pk)]
+
+
+# --------------------------------------------------------------------------- shared listener
+
+def parked_runs(n: int) -> list[int]:
+    """Runs no worker takes (due in an hour): the test finishes them itself."""
+    return [enqueue("tests.noop", {"n": i}, run_after=3600).pk for i in range(n)]
+
+
+def finish(run_ids: list[int], *, close: bool = False) -> None:
+    for rid in run_ids:  # one by one: each with its own output
+        AgentRun.objects.filter(pk=rid).update(status=Status.SUCCEEDED, output={"id": rid})
+    if close:  # another thread's: give its connection back
+        connection.close()
+
+
+def connections_to_this_database() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                       "current_database()")
+        return int(cursor.fetchone()[0])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_waiters_share_one_listener_and_hold_no_connection_each() -> None:
+    sync_ids, async_ids = parked_runs(15), parked_runs(5)
+    got: dict[int, tuple[str, Any]] = {}
+
+    def wait(rid: int) -> None:
+        run = wait_for_run(rid, timeout=60)
+        got[rid] = (run.status, run.output)
+        connection.close()  # SQLite's polling used this thread's connection
+
+    async def await_all() -> None:
+        for run in await asyncio.gather(*(await_run(rid, timeout=60) for rid in async_ids)):
+            got[run.pk] = (run.status, run.output)
+
+    baseline = connections_to_this_database() if connection.vendor == "postgresql" else 0
+    threads = [threading.Thread(target=wait, args=(rid,)) for rid in sync_ids]
+    threads.append(threading.Thread(target=lambda: asyncio.run(await_all())))
+    for thread in threads:
+        thread.start()
+    helpers.wait_until(lambda: waiters.slots.taken == 20, message="20 callers waiting")
+    if connection.vendor == "postgresql":
+        helpers.wait_until(lambda: len(waiters.listener) == 20 and waiters.listener.connected,
+                           message="every waiter registered with the listener")
+        # 20 callers: the listener's LISTEN connection and its reads', not 2 per caller.
+        assert connections_to_this_database() - baseline <= 2
+    assert got == {}  # nothing finished yet: all still wait
+    finish(sync_ids + async_ids)
+    for thread in threads:
+        thread.join(60)
+    assert got == {rid: ("succeeded", {"id": rid}) for rid in sync_ids + async_ids}
+    assert waiters.slots.taken == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_past_waiters_per_process_a_caller_is_refused_naming_the_setting() -> None:
+    first, second = parked_runs(2)
+    with override_settings(AGENTRUNS={"WAITERS_PER_PROCESS": 2}):
+        threads = [threading.Thread(target=wait_for_run, args=(rid,), kwargs={"timeout": 60})
+                   for rid in (first, second)]
+        for thread in threads:
+            thread.start()
+        helpers.wait_until(lambda: waiters.slots.taken == 2, message="two callers waiting")
+        with pytest.raises(TooManyWaitersError, match=r"WAITERS_PER_PROCESS"):
+            wait_for_run(first, timeout=1)
+        with pytest.raises(TooManyWaitersError, match=r"WAITERS_PER_PROCESS"):
+            asyncio.run(await_run(first, timeout=1))
+        finish([first, second])
+        for thread in threads:
+            thread.join(60)
+        assert waiters.slots.taken == 0
+        assert wait_for_run(first, timeout=5).status == Status.SUCCEEDED  # a slot again
+
+
+@pytest.mark.django_db(transaction=True)
+def test_await_run_holds_no_thread_of_the_loops_executor() -> None:
+    run_ids = parked_runs(4)
+
+    async def scenario() -> list[str]:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+        waits = [asyncio.ensure_future(await_run(rid, timeout=60)) for rid in run_ids]
+        while waiters.slots.taken < len(run_ids):
+            await asyncio.sleep(0.01)
+        # Four waiters blocking the executor's one thread would starve this call.
+        assert await asyncio.wait_for(loop.run_in_executor(None, lambda: "free"), 10) == "free"
+        await loop.run_in_executor(None, functools.partial(finish, run_ids, close=True))
+        return [run.status for run in await asyncio.gather(*waits)]
+
+    assert asyncio.run(scenario()) == ["succeeded"] * 4

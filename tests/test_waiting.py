@@ -26,12 +26,12 @@ from django_agentruns import (
     enqueue_many,
     run_now,
 )
-from django_agentruns.context import RunContext
-from django_agentruns.control import AttemptControl
 from django_agentruns.models import AgentRun, Reason, RunEvent, RunWait, Status
 from django_agentruns.outcomes import AttemptRef
 from django_agentruns.queries import holding_statuses
-from django_agentruns.reaper import reap
+from django_agentruns.runtime.context import RunContext
+from django_agentruns.runtime.control import AttemptControl
+from django_agentruns.runtime.reaper import reap
 from tests import helpers
 from tests.testapp.models import SideEffect
 
@@ -178,14 +178,17 @@ def test_manage_py_reap_enforces_wait_deadlines(worker_env: dict[str, str]) -> N
     # No worker now: only `reap` can enforce the deadline. Before it, reap changes nothing.
     deadline = AgentRun.objects.get(pk=run.pk).wait_until
     assert deadline is not None
-    done = helpers.run_manage(["reap"], worker_env)
-    assert done.returncode == 0, done.stderr
-    if timezone.now() < deadline:
+    first = helpers.run_manage(["reap"], worker_env)
+    assert first.returncode == 0, first.stderr
+    if timezone.now() < deadline:  # it surely ran before the deadline: it changed nothing
         assert status(run.pk) == Status.WAITING
+        assert "waits timed out" not in first.stdout
     helpers.wait_until(lambda: timezone.now() > deadline, timeout=10)
-    done = helpers.run_manage(["reap"], worker_env)
-    assert done.returncode == 0, done.stderr
-    assert "waits timed out 1" in done.stdout
+    second = helpers.run_manage(["reap"], worker_env)
+    assert second.returncode == 0, second.stderr
+    # On a loaded machine the first reap may already run past the deadline: exactly one of
+    # the two enforces it.
+    assert ["waits timed out 1" in done.stdout for done in (first, second)].count(True) == 1
     assert status(run.pk) == Status.QUEUED
     assert events(run.pk)[-2:] == ["run.wait_timed_out", "run.resumed"]
 

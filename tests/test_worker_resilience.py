@@ -12,8 +12,8 @@ from django.db import OperationalError, connection
 
 from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, Status
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions import Result, SucceedWrite, Write, batched
-from django_agentruns.worker import Worker
 from tests import helpers
 
 

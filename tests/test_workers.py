@@ -12,8 +12,10 @@ from django.core.management import call_command
 from django.db import DatabaseError
 from django.utils import timezone
 
-from django_agentruns import enqueue, workers
+from django_agentruns import enqueue
 from django_agentruns.models import AgentRun, WorkerRecord
+from django_agentruns.ops import workers
+from django_agentruns.runtime.presence import Presence
 from tests import helpers
 
 
@@ -72,7 +74,7 @@ def test_register_prunes_records_dead_for_a_day() -> None:
 @pytest.mark.django_db
 def test_presence_beats_at_most_every_interval_and_re_registers_when_pruned(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    presence = workers.Presence(FakeWorker())
+    presence = Presence(FakeWorker())
     presence.start()
     first = WorkerRecord.objects.get().last_seen_at
     presence.tick()  # too soon: no write
@@ -90,7 +92,7 @@ def test_presence_survives_a_database_error(monkeypatch: pytest.MonkeyPatch,
         raise DatabaseError("the database went away")
 
     monkeypatch.setattr(workers, "register", broken)
-    workers.Presence(FakeWorker()).start()  # logs, does not raise
+    Presence(FakeWorker()).start()  # logs, does not raise
     assert "could not write worker record" in caplog.text
 
 

@@ -1,8 +1,9 @@
-"""The operator's two operations, retry and cancel: tallied, and offered as bulk actions.
+"""The operator's operations, retry, cancel and erase: tallied, and offered as bulk actions.
 
 Every status change goes through `api.retry` / `api.cancel`, whose guarded UPDATEs decide
 what is eligible *now*: a run that changed state since the operator looked is skipped and
-counted, never forced. Nothing here writes a run.
+counted, never forced; erasing goes through `retention.erase`, which refuses an unfinished
+run. Nothing here writes a run.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
-from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.models import CHANGE, DELETION, LogEntry
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.utils.text import capfirst
 
 from .. import api
-from ..exceptions import InvalidInputError, RunNotFoundError
-from ..models import AgentRun, Reason, Status
+from ..ops import retention
+from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
+from ..models import TERMINAL, AgentRun, Reason, Status
 
 CONFIRM_SAMPLE = 50
 LOG_BATCH = 500
@@ -40,19 +42,34 @@ def _cancel(run_id: int, user: str) -> str:
     return api.cancel(run_id, reason=f"cancelled by {user} in the admin").value
 
 
+def _erase(run_id: int, user: str) -> str:
+    try:
+        retention.erase(run_id, by=user)
+    except RunNotFinishedError:  # it was retried since the operator looked
+        return "skipped"
+    return "erased"
+
+
 @dataclass(frozen=True)
 class Operation:
-    name: str  # also the permission: django_agentruns.<name>_agentrun
+    name: str  # also the permission (django_agentruns.<name>_agentrun) unless `permission`
     eligible: tuple[str, ...]
     eligible_text: str
     call: Callable[[int, str], str]
     outcomes: dict[str, str]  # outcome -> how a bulk message counts it, in message order
     single: dict[str, str]  # outcome -> the message about one run
     changed: tuple[str, ...]  # the outcomes that changed a run
+    permission: str = ""  # the permission's action, when it is not `name`
+    removes: bool = False  # the run is gone afterwards: its history entry is a deletion
 
     @property
     def past(self) -> str:
-        return {"retry": "Retried", "cancel": "Cancelled"}.get(self.name, self.title)
+        return {"retry": "Retried", "cancel": "Cancelled", "erase": "Erased"}.get(
+            self.name, self.title)
+
+    @property
+    def codename(self) -> str:
+        return f"{self.permission or self.name}_agentrun"
 
     @property
     def title(self) -> str:
@@ -73,9 +90,15 @@ class Operation:
         tally: Counter[str] = Counter()
         changed: list[int] = []
         for run_id in run_ids:
+            # What the history entry names, read before the run may be gone.
+            before = AgentRun.objects.only("id", "agent", "status").filter(pk=run_id).first() \
+                if self.removes else None
             outcome = self.apply_one(run_id, username(request))
             tally[outcome] += 1
-            if outcome in self.changed:
+            if before is not None and outcome in self.changed:
+                LogEntry.objects.log_actions(int(request.user.pk or 0), [before], DELETION,
+                                             f"{self.past} from the admin")
+            elif outcome in self.changed:
                 changed.append(run_id)
             if len(changed) >= LOG_BATCH:
                 log_changes(request, changed, self)
@@ -136,7 +159,26 @@ CANCEL = Operation(
     },
     changed=("cancelled", "requested"),
 )
-OPERATIONS = {op.name: op for op in (RETRY, CANCEL)}
+ERASE = Operation(
+    name="erase",
+    eligible=TERMINAL,
+    eligible_text="finished or cancelled",
+    call=_erase,
+    outcomes={
+        "erased": "run{s} erased, stored rows and all",
+        "skipped": "skipped (not finished)",
+        MISSING: "skipped (no such run)",
+    },
+    single={
+        "erased": "{run} is erased, with everything it stored.",
+        "skipped": "{run} was not erased: it is not finished.",
+        MISSING: "{run} does not exist: nothing was changed.",
+    },
+    changed=("erased",),
+    permission="delete",
+    removes=True,
+)
+OPERATIONS = {op.name: op for op in (RETRY, CANCEL, ERASE)}
 
 
 def log_changes(request: HttpRequest, run_ids: list[int], op: Operation) -> None:
@@ -155,7 +197,7 @@ def username(request: HttpRequest) -> str:
 def has_permission(model_admin: Any, request: HttpRequest, op: Operation) -> bool:
     """The operation's own permission, and view: its confirmations and messages show runs."""
     return bool(model_admin.has_view_permission(request) and
-                request.user.has_perm(f"{AgentRun._meta.app_label}.{op.name}_agentrun"))
+                request.user.has_perm(f"{AgentRun._meta.app_label}.{op.codename}"))
 
 
 def selected_ids(request: HttpRequest) -> list[int] | None:
@@ -224,3 +266,10 @@ def retry_runs(model_admin: Any, request: HttpRequest,
 def cancel_runs(model_admin: Any, request: HttpRequest,
                 queryset: QuerySet[AgentRun]) -> TemplateResponse | None:
     return bulk(model_admin, request, queryset, CANCEL, "cancel_runs")
+
+
+@admin.action(permissions=["erase"],
+              description="Erase selected runs and everything they stored (finished only)")
+def erase_runs(model_admin: Any, request: HttpRequest,
+               queryset: QuerySet[AgentRun]) -> TemplateResponse | None:
+    return bulk(model_admin, request, queryset, ERASE, "erase_runs")

@@ -11,7 +11,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
-from ..triage import Series
+from ..ops.triage import Series
 
 WIDTH, HEIGHT, PAD = 720, 160, 28
 COLOURS = {"finished": "#1f6fb2", "dead": "#c62828"}

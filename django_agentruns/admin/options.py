@@ -6,7 +6,6 @@ deletes a run or an event here; status changes only through `api` (see `actions`
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
@@ -20,13 +19,23 @@ from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
-from ..diagnosis import short_error
 from ..models import AgentRun, RunEvent, Status
+from ..ops.diagnosis import short_error
+from ..ops.visibility import why_not_started
 from ..registry import all_agents
 from . import approvals, views
 from . import display as show
 from . import limits as flow
-from .actions import CANCEL, RETRY, cancel_runs, has_permission, retry_runs, selected_ids
+from .actions import (
+    CANCEL,
+    ERASE,
+    RETRY,
+    cancel_runs,
+    erase_runs,
+    has_permission,
+    retry_runs,
+    selected_ids,
+)
 from .filters import AgentFilter, AttentionFilter, QueueFilter
 from .summary import summary
 
@@ -50,15 +59,7 @@ class RunChangeList(ChangeList):
         # The list shows the error's first words: a prefix, never the whole message.
         runs: QuerySet[AgentRun] = super().get_queryset(request, *args, **kwargs)
         return runs.defer(*HEAVY_FIELDS).annotate(
-            error_head=Substr("error_message", 1, ERROR_HEAD))
-
-
-def visibility() -> Any:
-    """`visibility.why_not_started`, if that module is installed; else None (shown: nothing)."""
-    try:
-        return import_module("django_agentruns.visibility").why_not_started
-    except (ImportError, AttributeError):
-        return None
+            error_head=Substr("error_message", 1, ERROR_HEAD), **approvals.wait_columns())
 
 
 class AgentRunAdmin(ModelAdminBase):
@@ -74,7 +75,7 @@ class AgentRunAdmin(ModelAdminBase):
     show_full_result_count = False  # no second COUNT(*) over the whole table
     show_facets = admin.ShowFacets.NEVER  # facets count every filter choice: a scan each
     list_per_page = 100
-    actions = (retry_runs, cancel_runs)
+    actions = (retry_runs, cancel_runs, erase_runs)
     change_list_template = "django_agentruns/admin/change_list.html"
     change_form_template = "django_agentruns/admin/change_form.html"
     fieldsets = (
@@ -113,6 +114,11 @@ class AgentRunAdmin(ModelAdminBase):
 
     def has_cancel_permission(self, request: HttpRequest) -> bool:
         return has_permission(self, request, CANCEL)
+
+    def has_erase_permission(self, request: HttpRequest) -> bool:
+        """The delete permission: erasing is the one deletion the admin offers (Django's
+        own delete stays off: it would load every payload and miss the rows a run owns)."""
+        return has_permission(self, request, ERASE)
 
     # ------------------------------------------------------------------ list
 
@@ -182,8 +188,10 @@ class AgentRunAdmin(ModelAdminBase):
                             head, short_error(head, ERROR_SHOWN)) \
             if head and run.status == Status.FAILED else mark_safe("")
         reason = show.reason(run)
-        return format_html("{}{}{}", show.status_badge(run),
-                           format_html("<br>{}", reason) if reason else "", error)
+        waiting = approvals.waiting_label(run)
+        return format_html("{}{}{}{}", show.status_badge(run),
+                           format_html("<br>{}", reason) if reason else "", error,
+                           format_html("<br>{}", waiting) if waiting else "")
 
     @admin.display(description="created / duration", ordering="created_at")
     def when(self, run: AgentRun) -> SafeString:
@@ -238,15 +246,14 @@ class AgentRunAdmin(ModelAdminBase):
 
     @admin.display(description="why it has not started")
     def waiting_for(self, run: AgentRun) -> SafeString:
-        explain = visibility()
-        return show.explanation(None if explain is None else explain(run), self._run_url)
+        return show.explanation(why_not_started(run), self._run_url)
 
     def _run_url(self, run_id: int) -> str:
         return reverse(f"{self.admin_site.name}:django_agentruns_agentrun_change", args=[run_id])
 
     def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
         fieldsets = list(super().get_fieldsets(request, obj))
-        if obj is not None and obj.status == Status.QUEUED and visibility() is not None:
+        if obj is not None and obj.status == Status.QUEUED:
             fieldsets.insert(1, ("Waiting", {"fields": ("waiting_for",)}))
         return fieldsets
 
@@ -295,6 +302,8 @@ class AgentRunAdmin(ModelAdminBase):
                  name=f"{name}_cancel"),
             path("<int:run_id>/approval/", wrap(approvals.answer(self)),
                  name=f"{name}_approval"),
+            path("<int:run_id>/deliver/", wrap(approvals.deliver_input(self)),
+                 name=f"{name}_deliver"),
             path("<int:run_id>/fork/", wrap(views.fork_run(self)), name=f"{name}_fork"),
             path("queues/pause/", wrap(views.pause_or_resume(self, True)),
                  name=f"{name}_pause_queue"),

@@ -17,7 +17,7 @@ from django.utils import timezone
 from ..exceptions import AgentRunsError
 from ..models import Schedule
 from ..registry import get_agent
-from ..schedules import next_tick, timing_of
+from ..schedules import check_schedule_input, next_tick, timing_of
 from ..ticks import check_timing
 
 if TYPE_CHECKING:
@@ -29,7 +29,8 @@ CODE_FIELDS = ("name", "agent", "cron", "every", "tz", "catch_up", "input")
 
 
 class ScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
-    """Checks what `add_schedule` checks: a known agent, one valid timing."""
+    """Checks what `add_schedule` checks: a known agent, one valid timing, an input its
+    runs can be enqueued with."""
 
     class Meta:
         model = Schedule
@@ -39,19 +40,19 @@ class ScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
         data = super().clean() or {}
         if self.instance.pk and self.instance.origin == Schedule.Origin.CODE:
             return data
+        if not isinstance(data.get("input"), dict):
+            raise forms.ValidationError("Input must be a JSON object.")
         try:
             if "agent" in data:
-                get_agent(data["agent"])
+                check_schedule_input(get_agent(data["agent"]).name, data["input"], "Input")
             check_timing(data.get("cron") or None, data.get("every"), data.get("tz") or None,
                          "This schedule")
         except AgentRunsError as exc:
             raise forms.ValidationError(str(exc)) from None
-        if not isinstance(data.get("input"), dict):
-            raise forms.ValidationError("Input must be a JSON object.")
         return data
 
 
-@admin.action(description="Pause the selected schedules")
+@admin.action(permissions=["change"], description="Pause the selected schedules")
 def pause_schedules(modeladmin: Any, request: HttpRequest, queryset: QuerySet[Schedule]) -> None:
     for row in queryset.filter(enabled=True):
         row.enabled = False
@@ -59,13 +60,14 @@ def pause_schedules(modeladmin: Any, request: HttpRequest, queryset: QuerySet[Sc
     modeladmin.message_user(request, "Paused.", messages.SUCCESS)
 
 
-@admin.action(description="Resume the selected schedules")
+@admin.action(permissions=["change"], description="Resume the selected schedules")
 def resume_schedules(modeladmin: Any, request: HttpRequest,
                      queryset: QuerySet[Schedule]) -> None:
     for row in queryset.filter(enabled=False):
         row.enabled = True
         row.last_tick = timing_of(row).latest(timezone.now())  # the pause's ticks are skipped
-        row.save(update_fields=["enabled", "last_tick", "updated_at"])
+        row.failures, row.retry_at = 0, None
+        row.save(update_fields=["enabled", "last_tick", "failures", "retry_at", "updated_at"])
     modeladmin.message_user(request, "Resumed: each runs from its next tick.", messages.SUCCESS)
 
 
@@ -87,6 +89,9 @@ class ScheduleAdmin(ScheduleAdminBase):
     def upcoming(self, row: Schedule) -> str:
         if not row.enabled:
             return "paused"
+        if row.failures and row.retry_at:
+            return (f"retrying at {timezone.localtime(row.retry_at):%Y-%m-%d %H:%M:%S %Z} "
+                    f"({row.failures} failed: {row.last_error[:200]})")
         try:
             return timezone.localtime(next_tick(row)).strftime("%Y-%m-%d %H:%M:%S %Z")
         except Exception as exc:  # a row edited into nonsense: say so, show the others
@@ -109,4 +114,5 @@ class ScheduleAdmin(ScheduleAdminBase):
         if before is None or timing_of(before) != timing_of(obj) or \
                 (obj.enabled and not before.enabled):
             obj.last_tick = timing_of(obj).latest(timezone.now())
+        obj.failures, obj.retry_at, obj.last_error = 0, None, ""  # edited: try it again
         super().save_model(request, obj, form, change)

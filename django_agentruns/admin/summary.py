@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from django.utils.safestring import SafeString
 
-from ..diagnosis import advice, short_error
 from ..models import AgentRun, RunEvent, Status
-from ..workers import Coverage
+from ..ops.diagnosis import advice, short_error
+from ..ops.workers import Coverage
 from . import display as show
 
 PROGRESS_CHARS = 200

@@ -20,12 +20,14 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from .. import api, queues, triage
+from .. import api, queues
 from ..exceptions import AgentRunsError, InvalidInputError, RunNotFoundError
 from ..models import AgentRun, Reason, Status
-from ..workers import Coverage
+from ..ops import triage
+from ..ops.workers import Coverage
 from . import display as show
 from .actions import MISSING, RETRY, Operation, confirmation, has_permission, username
+from .approvals import awaiting_approval
 from .chart import svg
 from .limits import usage_totals
 
@@ -81,9 +83,12 @@ def overview(model_admin: Any) -> Any:
         agents, sampled = triage.agent_stats(since)
         stuck, stuck_total = triage.stuck(at)
         groups = triage.dead_letter_groups()
+        awaiting, awaiting_total = awaiting_approval()
         context = {
             **model_admin.admin_site.each_context(request),
             "title": "Agent runs overview",
+            "awaiting": awaiting,
+            "awaiting_total": awaiting_total,
             "opts": AgentRun._meta,
             "statuses": [(s.value, s.label, counts.get(s.value, 0)) for s in Status],
             "total": sum(counts.values()),

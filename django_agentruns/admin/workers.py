@@ -14,8 +14,8 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from .. import workers
 from ..models import AgentRun, WorkerRecord
+from ..ops import workers
 from . import display as show
 
 if TYPE_CHECKING:

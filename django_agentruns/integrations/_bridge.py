@@ -21,8 +21,8 @@ from typing import Any
 
 from django.db import connections
 
-from ..context import RunContext, current_context
 from ..exceptions import InvalidInputError
+from ..runtime.context import RunContext, current_context
 from ..wait_results import Approval
 
 try:

@@ -28,8 +28,8 @@ from langgraph.checkpoint.base import (
     writes_sort_key,
 )
 
-from ..context import current_context
 from ..graph_models import GraphCheckpoint, GraphWrite
+from ..runtime.context import current_context
 from ..transitions import graph_checkpoints as writes_of
 from ..transitions.graph_checkpoints import GraphCheckpointPut, GraphWritesPut
 from ._bridge import closing_connections

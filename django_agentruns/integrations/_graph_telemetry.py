@@ -9,7 +9,7 @@ from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
 
-from ..context import current_context
+from ..runtime.context import current_context
 from ._bridge import Usage, end_span, set_usage, start_genai_span
 
 SYSTEM = "langchain"

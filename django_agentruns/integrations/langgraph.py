@@ -30,8 +30,8 @@ from typing import Any  # noqa: E402 (after the check: a missing extra is named)
 from langchain_core.runnables import RunnableConfig  # noqa: E402
 from langgraph.types import Command, Interrupt, StateSnapshot  # noqa: E402
 
-from ..context import RunContext, current_context  # noqa: E402
 from ..exceptions import InvalidInputError  # noqa: E402
+from ..runtime.context import RunContext, current_context  # noqa: E402
 from ._graph_saver import AgentRunsSaver  # noqa: E402
 from ._graph_telemetry import GenAICallbacks  # noqa: E402
 

@@ -45,7 +45,7 @@ from agents.usage import Usage as AgentsUsage  # noqa: E402
 from openai.types.responses import ResponseOutputItem  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 
-from ..context import RunContext as AgentRunContext  # noqa: E402
+from ..runtime.context import RunContext as AgentRunContext  # noqa: E402
 from ._bridge import RunBridge, Usage, genai_span, set_usage, step_name  # noqa: E402
 
 __all__ = ["DurableRunner"]

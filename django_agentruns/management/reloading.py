@@ -16,7 +16,7 @@ from typing import Any
 
 from django.utils import autoreload
 
-from django_agentruns.worker import Worker, WorkerStats
+from django_agentruns.runtime.worker import Worker, WorkerStats
 
 logger = logging.getLogger("django_agentruns.worker")
 STOP_MARGIN = 5.0  # seconds beyond the grace period a reload waits for the worker

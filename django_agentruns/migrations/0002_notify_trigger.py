@@ -19,7 +19,8 @@ due yet. SQLite has no NOTIFY; its workers poll, and this migration does nothing
 
 from django.db import migrations
 
-from django_agentruns.notify import CHANNEL
+CHANNEL = "agentruns"  # the workers' wake-up channel, as it was when written; a migration
+# never imports live code, which may move or change
 
 
 class NotifyTriggers(migrations.operations.base.Operation):

@@ -9,7 +9,8 @@ a WHEN clause, so UPDATEs that leave status alone (renewals) skip them.
 import django.db.models.deletion
 from django.db import migrations, models
 
-from django_agentruns.notify import CHANNEL
+CHANNEL = "agentruns"  # the workers' wake-up channel, as it was when written; a migration
+# never imports live code, which may move or change
 
 FINISHED_CHANNEL = "agentruns_finished"  # django_agentruns.waiting.FINISHED_CHANNEL
 

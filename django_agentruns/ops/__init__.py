@@ -1,1 +1,1 @@
-"""Operating the app: metrics, diagnosis, tracing, retention and reports."""
+"""What operators read and deployments check: metrics, triage, diagnosis, upkeep."""

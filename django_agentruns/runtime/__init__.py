@@ -1,1 +1,1 @@
-"""What runs attempts: the worker, its executor and the calls an agent makes."""
+"""The worker process and one attempt: claiming, running, recording, leases, wake-ups."""

@@ -28,19 +28,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import metrics, policy, tracing, transitions
+from .. import policy, transitions
 from ..conf import app_settings
 from ..db import close_all_connections
 from ..exceptions import AttemptStopped, InvalidInputError, StepTimeout
 from ..models import step_key
+from ..ops import metrics, tracing
 from ..outcomes import StepStart
-from ..recording import classify_for
 from ..registry import NAME_PATTERN, find_agent
 from ..validation import capped_json
+from .recording import classify_for
 
 if TYPE_CHECKING:
-    from ..context import RunContext
-    from ..control import AttemptControl
+    from .context import RunContext
+    from .control import AttemptControl
 
 
 @dataclass

@@ -17,7 +17,7 @@ from ..registry import AgentSpec
 from ..validation import capped_json
 
 if TYPE_CHECKING:
-    from ..control import AttemptControl
+    from .control import AttemptControl
 
 
 def needs_upgrade(run: AgentRun, spec: AgentSpec | None) -> bool:

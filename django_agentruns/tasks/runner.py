@@ -8,8 +8,10 @@ timeouts and 5xx are retried within the budget and the rest dead-letter.
 `task_finished` is sent from what the worker wrote, not from a guess at it: the attempt
 keeps how it ended (`Attempt.finish`), and the settle signal for that run and attempt
 (`run_succeeded`, `run_requeued`, `run_dead_lettered`, `run_cancelled`) sends it with the
-matching status, once the outcome has committed. An attempt that was stopped (cancel,
-shutdown, lost lease) never reaches `finish`, and a lost lease writes nothing: neither sends
+matching status, once the outcome has committed. A task's `SystemExit` or
+`KeyboardInterrupt` is its failure too (the worker records it as one), so it sends
+`task_finished` as any exception does. An attempt that was stopped (cancel, shutdown, lost
+lease) never reaches `finish`, and a lost lease writes nothing: neither sends
 `task_finished`.
 """
 
@@ -21,13 +23,17 @@ from typing import TYPE_CHECKING, Any
 from django.utils import timezone
 
 from .. import signals
-from ..context import storage_call
 from ..registry import agent
+from ..runtime.context import storage_call
 from . import compat
 from .results import ASYNC_AGENT, SYNC_AGENT, TASK_AGENTS, as_enqueued, load_task, read_result
 
 if TYPE_CHECKING:
-    from ..context import RunContext
+    from ..runtime.context import RunContext
+
+# What a task may raise that ends its attempt as a failure. Not AttemptStopped nor
+# asyncio's CancelledError: the worker stopped the attempt, the task did not fail.
+TASK_FAILURES = (Exception, SystemExit, KeyboardInterrupt)
 
 
 @agent(SYNC_AGENT)
@@ -35,7 +41,7 @@ def run_task(ctx: RunContext) -> Any:
     attempt = Attempt.begin(ctx)
     try:
         value = attempt.returned(attempt.call())
-    except Exception as exc:
+    except TASK_FAILURES as exc:
         attempt.finish(exc)
         raise
     attempt.finish(None, value)
@@ -49,7 +55,7 @@ async def run_async_task(ctx: RunContext) -> Any:
     attempt = await storage_call(ctx, Attempt.begin, ctx)
     try:
         value = attempt.returned(await attempt.acall())
-    except Exception as exc:
+    except TASK_FAILURES as exc:
         attempt.finish(exc)
         raise
     attempt.finish(None, value)
@@ -65,6 +71,7 @@ class Attempt:
         self.attempt = attempt
         self.task = task
         self.result = result
+        self.error: BaseException | None = None
 
     @classmethod
     def begin(cls, ctx: RunContext) -> Attempt:
@@ -93,22 +100,26 @@ class Attempt:
         return await self.task.acall(*args, **kwargs)
 
     def returned(self, value: Any) -> Any:
-        """The return value as JSON (tuples become lists, as Django does), or a clear error."""
-        from ..exceptions import InvalidInputError
+        """The return value as JSON (tuples become lists, as Django does), or the error
+        Django's contract names: a TypeError (ValueError for undecodable bytes). Caused by
+        a NotRetryable, so the policy does not retry it: it would fail the same way."""
+        from ..exceptions import NotRetryable
         from ..validation import ensure_json
 
+        what = f"Return value of task {self.task.module_path!r}"
         try:
             normal = compat.normalize_json(value)
         except (TypeError, ValueError) as exc:
-            raise InvalidInputError(f"Return value of task {self.task.module_path!r} must be "
-                                    f"JSON-serialisable: {exc}") from exc
-        return ensure_json(normal, f"Return value of task {self.task.module_path!r}")
+            raise type(exc)(f"{what} must be JSON-serialisable: {exc}") from NotRetryable(
+                "a return value that is not JSON fails every attempt alike")
+        return ensure_json(normal, what)
 
-    def finish(self, error: Exception | None, value: Any = None) -> None:
+    def finish(self, error: BaseException | None, value: Any = None) -> None:
         """Keep how the task ended; `task_finished` goes once the worker has written it."""
-        from ..recording import describe
+        from ..runtime.recording import describe
 
         result = self.result
+        self.error = error
         if error is None:
             object.__setattr__(result, "_return_value", value)
         else:
@@ -125,7 +136,17 @@ class Attempt:
         object.__setattr__(self.result, "status", status)
         if status != compat.TaskResultStatus.READY:
             object.__setattr__(self.result, "finished_at", timezone.now())
-        compat.task_finished.send(sender=AgentRunsBackend, task_result=self.result)
+        error, self.error = self.error, None
+        if error is None:
+            compat.task_finished.send(sender=AgentRunsBackend, task_result=self.result)
+            return
+        # Django's receivers read the task's exception from sys.exc_info(), as its own
+        # backends send the signal inside their except block (its ERROR line carries the
+        # traceback): send it from inside one, with the exception the task raised.
+        try:
+            raise error
+        except BaseException:
+            compat.task_finished.send(sender=AgentRunsBackend, task_result=self.result)
 
 
 # Attempts that returned or raised, by (run id, attempt), until their settle signal. An

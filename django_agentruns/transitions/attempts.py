@@ -30,7 +30,13 @@ def renew(ref: AttemptRef, at: datetime | None = None) -> Renewal:
         return _renew_locked(ref, at)
 
 
-def _renew_locked(ref: AttemptRef, at: datetime) -> Renewal:
+def _renew_locked(ref: AttemptRef, at: datetime, *, despite_cancel: bool = False) -> Renewal:
+    """Extend the lease; with `despite_cancel` also while a cancel request stands (the
+    answer is CANCEL_REQUESTED all the same)."""
+    if despite_cancel and AgentRun.objects.filter(ref.guard()).update(
+            lease_expires=ref.lease_until(at)):
+        cancel = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=False)
+        return Renewal.CANCEL_REQUESTED if cancel.exists() else Renewal.OK
     updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True).update(
         lease_expires=ref.lease_until(at))
     if updated:
@@ -80,8 +86,11 @@ def renew_many(
 def emit(
     ref: AttemptRef, event_id: uuid.UUID, type_: str, payload: dict[str, Any],
     at: datetime | None = None, *, max_events: int | None = None,
+    despite_cancel: bool = False,
 ) -> Renewal:
     """Renew, then append one event unless its id exists already (a retry re-emitting).
+    With `despite_cancel` it is appended while a cancel request stands (answering
+    CANCEL_REQUESTED): the live output an attempt streamed before it stopped.
 
     The renewal comes first (ADR-104): a worker that lost the run appends nothing, so
     its events can never collide with the new owner's sequence. A stream already holding
@@ -90,8 +99,8 @@ def emit(
     """
     at = at or now()
     with transaction.atomic():
-        renewal = _renew_locked(ref, at)
-        if renewal is not Renewal.OK:
+        renewal = _renew_locked(ref, at, despite_cancel=despite_cancel)
+        if renewal is Renewal.LOST or (renewal is not Renewal.OK and not despite_cancel):
             return renewal
         added = append_one((ref.run_id, type_, payload, ref.attempt, event_id), at,
                            unless_exists=True, below=max_events)
@@ -99,7 +108,7 @@ def emit(
             raise LimitExceeded(f"run {ref.run_id} holds {max_events} events, the most "
                                 f"{SETTING_NAME}['MAX_EVENTS_PER_RUN'] allows; the event "
                                 f"{type_!r} was not recorded")
-    return Renewal.OK
+    return renewal
 
 
 @retry_on_lock()

@@ -1,6 +1,6 @@
 """An attempt's writes as values, applied many at a time inside the caller's transaction.
 
-The worker's attempt store (`django_agentruns.store`) commits the writes of many attempts
+The worker's attempt store (`runtime.attempt_store`) commits the writes of many attempts
 together. Here they are applied without a savepoint each (nested `atomic()` blocks would
 cost a SAVEPOINT and a RELEASE round trip per write) and by kind, not one by one: every
 renewal and emit of a batch share one fenced UPDATE, every checkpoint one, every success
@@ -35,7 +35,7 @@ from .attempts import checkpoint, emit, renew
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded, settle_succeeded, settle_succeeded_many
 from .snoozing import record_usage, record_usage_in
-from .steps import StepEndWrite, StepStartWrite, end_step, end_step_in, start_step, start_step_in
+from .steps import StepEndWrite, StepStartWrite, close_steps, end_step, open_steps, start_step
 from .waiting import parents_settled
 
 
@@ -55,6 +55,9 @@ class EmitWrite:
     type: str
     payload: dict[str, Any]
     max_events: int | None = None
+    despite_cancel: bool = False
+    """Appended while a cancel request stands (still fenced by the lease), answering
+    CANCEL_REQUESTED all the same: live output the attempt streamed before it stopped."""
 
 
 @dataclass(frozen=True)
@@ -153,9 +156,15 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
     events: list[Event] = []
     caps: list[int | None] = []
     emits: dict[int, EmitWrite] = {}
-    renewing = [i for i in positions if isinstance(writes[i], RenewWrite | EmitWrite)]
+    # Durable steps' starts and ends renew in the same UPDATE (see `_steps`).
+    renewing = [i for i in positions if isinstance(writes[i], RenewWrite | EmitWrite
+                                                    | StepStartWrite | StepEndWrite)
+                and not _despite_cancel(writes[i])]
+    storing = [i for i in positions if _despite_cancel(writes[i])]
     for i in _fenced(writes, renewing, results, [(LEASE, TIMESTAMP)],
-                     lambda w: (w.ref.lease_until(at),)):
+                     lambda w: (w.ref.lease_until(at),)) + \
+            _fenced(writes, storing, results, [(LEASE, TIMESTAMP)],
+                    lambda w: (w.ref.lease_until(at),), despite_cancel=True):
         write = writes[i]
         if isinstance(write, EmitWrite):
             events.append((write.ref.run_id, write.type, write.payload, write.ref.attempt,
@@ -180,6 +189,7 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
     # A checkpoint not saved may be a replay (its number stored already): it only renews.
     replays = [i for i in pointing if i not in saved and results[i] is Renewal.OK]
     _fenced(writes, replays, results, [(LEASE, TIMESTAMP)], lambda w: (w.ref.lease_until(at),))
+    _steps(writes, positions, results, at, events, caps)
     succeeding = [i for i in positions if isinstance(writes[i], SucceedWrite)]
     ended = _succeed(writes, succeeding, results, at)
     if events or ended:
@@ -195,10 +205,32 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
             results[i] = write.settle()
         elif isinstance(write, UsageWrite):
             results[i] = _usage(write, at)
-        elif isinstance(write, StepStartWrite):  # a durable step's start and end: each its own
-            results[i] = start_step_in(write, at)
-        elif isinstance(write, StepEndWrite):
-            results[i] = end_step_in(write, at)
+
+
+def _steps(writes: Sequence[Write], positions: list[int], results: list[Result | None],
+           at: datetime, events: list[Event], caps: list[int | None]) -> None:
+    """Durable steps' starts and ends, renewed with the round's emits: the starts whose
+    fence held opened in one INSERT (`open_steps`), the ends stored in one UPDATE
+    (`close_steps`), their `run.step` events joining the round's INSERT. An end is
+    recorded under a cancel request too (the fence holds); nothing of a write whose
+    attempt lost the run."""
+    starting = [i for i in positions if isinstance(writes[i], StepStartWrite)]
+    opened = [i for i in starting if results[i] is Renewal.OK]
+    for i in starting:
+        if results[i] is not Renewal.OK:
+            renewal = results[i]
+            assert isinstance(renewal, Renewal)
+            results[i] = StepStart(renewal)
+    if opened:
+        starts = [w for w in (writes[i] for i in opened) if isinstance(w, StepStartWrite)]
+        for i, answer in zip(opened, open_steps(starts, at), strict=True):
+            results[i] = answer
+    ends = [w for w in (writes[i] for i in positions if results[i] is not Renewal.LOST)
+            if isinstance(w, StepEndWrite)]
+    if ends:
+        for event in close_steps(ends, at):
+            events.append(event)
+            caps.append(next(w.max_events for w in ends if w.ref.run_id == event[0]))
 
 
 def _refuse_over_cap(missing: list[EmitWrite]) -> None:
@@ -216,6 +248,10 @@ def _refuse_over_cap(missing: list[EmitWrite]) -> None:
                 f"was not recorded")
 
 
+def _despite_cancel(write: Write) -> bool:
+    return isinstance(write, EmitWrite) and write.despite_cancel
+
+
 def _state(write: Write) -> tuple[Any, int]:
     assert isinstance(write, CheckpointWrite)
     return write.state, write.count
@@ -228,20 +264,23 @@ CHECKPOINT_FIELDS = [(LEASE, TIMESTAMP), ("checkpoint_state", "jsonb"),
 
 def _fenced(writes: Sequence[Write], positions: list[int], results: list[Result | None],
             fields: list[tuple[str, str]], values: Callable[[Write], tuple[Any, ...]],
-            below: str | None = None) -> list[int]:
+            below: str | None = None, despite_cancel: bool = False) -> list[int]:
     """One fenced UPDATE for the writes at `positions`, setting `fields` to `values(write)`
     (with `below`, only where that field's stored value is less); records each one's
     Renewal (OK for a fence that holds with `below` unmet) and returns the positions
-    it updated."""
+    it updated. With `despite_cancel` a run with a cancel request is updated too, its
+    Renewal CANCEL_REQUESTED."""
     if not positions:
         return []
     refs = {i: writes[i].ref for i in positions}
     sql, params = rawsql.fenced_update(
         [(r.run_id, r.attempt, r.worker_id, *values(writes[i])) for i, r in refs.items()],
-        Status.RUNNING, fields, below=below)
+        Status.RUNNING, fields, below=below, despite_cancel=despite_cancel)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        done = {row[0] for row in cursor.fetchall()}
+        returned = cursor.fetchall()
+    done = {row[0] for row in returned}
+    cancelled = {row[0] for row in returned if despite_cancel and row[1] is not None}
     missed = [r for r in refs.values() if r.run_id not in done]
     # Rare: a cancel request (the fence holds) or a lost lease (it does not); with
     # `below`, a value not below the stored one (the fence holds, no cancel request).
@@ -249,7 +288,9 @@ def _fenced(writes: Sequence[Write], positions: list[int], results: list[Result 
         functools.reduce(operator.or_, [r.guard() for r in missed])).values_list(
             "pk", "cancel_requested_at")} if missed else {}
     for i, ref in refs.items():
-        if ref.run_id in done:
+        if ref.run_id in cancelled:
+            results[i] = Renewal.CANCEL_REQUESTED
+        elif ref.run_id in done:
             results[i] = Renewal.OK
         elif ref.run_id not in fenced:
             results[i] = Renewal.LOST
@@ -302,7 +343,7 @@ def apply_alone(write: Write) -> Result:
         return renew(write.ref)
     if isinstance(write, EmitWrite):
         return emit(write.ref, write.event_id, write.type, write.payload,
-                    max_events=write.max_events)
+                    max_events=write.max_events, despite_cancel=write.despite_cancel)
     if isinstance(write, CheckpointWrite):
         return checkpoint(write.ref, write.state, write.count, max_events=write.max_events)
     if isinstance(write, SucceedWrite):

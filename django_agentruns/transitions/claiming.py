@@ -106,7 +106,8 @@ def _claim_due_returning(
 ) -> list[AgentRun]:
     """PostgreSQL: lock the due runs (SKIP LOCKED), start them and append their start
     events, in one statement."""
-    due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=True, agents=agents)
+    due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=True, agents=agents,
+                       naive=rawsql.naive_times())
     special = {agent: at + timedelta(seconds=ttl) for agent, ttl in lease_ttls.items()
                if ttl != default_ttl}
     sql, params = rawsql.claim_returning(due, at, worker_id, Status.RUNNING, Status.QUEUED,
@@ -124,7 +125,8 @@ def _claim_due_checked(
     agents: frozenset[str] | None,
 ) -> list[AgentRun]:
     """Lock the due rows, re-check firing order under the lock, then start them."""
-    due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=False, agents=agents)
+    due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=False, agents=agents,
+                       naive=rawsql.naive_times())
     locked = list(AgentRun.objects.raw(due.sql, due.bind(at)))
     candidates = recheck_order([claim_row(run) for run in locked], scopes)
     ids = [c["id"] for c in candidates]

@@ -78,7 +78,7 @@ CLAIM_FIELDS = ("id", "agent", "status", "attempt", "requeue_count", "max_requeu
 @functools.lru_cache(maxsize=512)
 def compiled_due(
     vendor: str, queues: tuple[str, ...], scopes: ScopePolicy, limit: int, *, ids_only: bool,
-    agents: frozenset[str] | None = None,
+    agents: frozenset[str] | None = None, naive: bool = False,
 ) -> rawsql.Compiled:
     """The due query's SQL for this shape, compiled once (`vendor` keys the cache).
 
@@ -86,14 +86,14 @@ def compiled_due(
     """
     # Runs whose limit key has a row are the limited claim's (transitions.limited). A run
     # with no key (the common case) passes on the OR's first term: no subquery for it.
-    qs = due_queued(queues, rawsql.SENTINEL_TIME, scopes, agents).filter(unlimited_keys())
+    qs = due_queued(queues, rawsql.sentinel_time(naive), scopes, agents).filter(unlimited_keys())
     if vendor == "postgresql":
         qs = qs.select_for_update(skip_locked=True, of=("self",))
     with transaction.atomic():  # Django compiles FOR UPDATE only inside one (no statement runs)
         # ids_only: the one-statement claim, which needs only the id, and the start time
         # of the previous attempt to put back a run it must release.
         return rawsql.Compiled(qs.values("id", "started_at")[:limit] if ids_only
-                               else qs[:limit])
+                               else qs[:limit], naive=naive)
 
 
 def claim_row(run: AgentRun) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, NamedTuple
 
 from django.db import OperationalError, connection, transaction
@@ -149,7 +149,7 @@ def _chunks(rows: list[list[Any]]) -> list[str]:
 
 def _json_time(value: datetime) -> str:
     """A datetime as the JSON rows carry it: text the database reads as that instant."""
-    return str(connection.ops.adapt_datetimefield_value(value.astimezone(UTC)))
+    return rawsql.db_time(value)
 
 
 @functools.cache

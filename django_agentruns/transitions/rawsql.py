@@ -14,15 +14,26 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from django.conf import settings
 from django.db import connection
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import Field, QuerySet
 from django.db.models.sql import Query
+from django.utils import timezone
 
 from ..models import AgentRun, RunCheckpoint, RunEvent
 
 # Stands for "now" while a queryset is compiled; swapped for the real time per call.
 SENTINEL_TIME = datetime(1999, 12, 31, 23, 59, 58, 424242, tzinfo=UTC)
+
+
+def naive_times() -> bool:
+    """SQLite with USE_TZ=False: Django stores naive local times, and refuses aware ones."""
+    return not settings.USE_TZ and connection.vendor == "sqlite"
+
+
+def sentinel_time(naive: bool) -> datetime:
+    return SENTINEL_TIME.replace(tzinfo=None) if naive else SENTINEL_TIME
 
 
 def qn(name: str) -> str:
@@ -39,9 +50,9 @@ def prep(model: type[AgentRun] | type[RunEvent], name: str, value: Any) -> Any:
 class Compiled:
     """A queryset's SQL with the positions of its "now" parameter, to fill in per call."""
 
-    def __init__(self, qs: QuerySet[Any]) -> None:
+    def __init__(self, qs: QuerySet[Any], *, naive: bool = False) -> None:
         self.sql, params = qs.query.get_compiler(connection=connection).as_sql()
-        sentinel = prep(AgentRun, "available_at", SENTINEL_TIME)
+        sentinel = prep(AgentRun, "available_at", sentinel_time(naive))
         self.params = list(params)
         self.now_at = [i for i, p in enumerate(self.params) if p == sentinel]
 
@@ -114,13 +125,24 @@ def json_rows(columns: Sequence[tuple[str, str]]) -> str:
     return f"(SELECT {picks} FROM json_each(%s))"
 
 
+def db_time(value: datetime) -> str:
+    """A datetime as text the database reads as that instant, as Django stores it there:
+    in UTC, except on SQLite with USE_TZ=False, where Django stores naive local times (and
+    refuses an aware one)."""
+    if naive_times():
+        if timezone.is_aware(value):
+            value = timezone.make_naive(value)
+        return str(connection.ops.adapt_datetimefield_value(value))
+    return str(connection.ops.adapt_datetimefield_value(value.astimezone(UTC)))
+
+
 def json_value(value: Any, type_: str) -> Any:
     """A value as `json_rows` reads it back: times and JSON documents as their text, UUIDs
     as the column stores them (hex on SQLite)."""
     if value is None:
         return None
     if type_ == "timestamptz":
-        return str(connection.ops.adapt_datetimefield_value(value.astimezone(UTC)))
+        return db_time(value)
     if type_ == "jsonb":
         return json.dumps(value)
     if type_ == "uuid":
@@ -138,12 +160,14 @@ _FENCE = (("run_id", "bigint"), ("run_attempt", "integer"), ("run_worker", "varc
 
 def fenced_update(
     items: Sequence[tuple[Any, ...]], running: str, fields: Sequence[tuple[str, str]],
-    *, below: str | None = None,
+    *, below: str | None = None, despite_cancel: bool = False,
 ) -> tuple[str, list[Any]]:
     """Set `fields` ((name, PostgreSQL type) of AgentRun) from (run_id, attempt, worker,
     *values) rows whose fence holds and whose run has no cancel request; returns the ids
     it updated (a renewal: `lease_expires` alone; a checkpoint: its state too). With
-    `below` (one of `fields`), only rows whose stored value is less than the new one."""
+    `below` (one of `fields`), only rows whose stored value is less than the new one.
+    With `despite_cancel`, rows with a cancel request too, each id returned with whether
+    its run has one (its value: SQLite answers `IS NOT NULL` there wrongly)."""
     table = qn(AgentRun._meta.db_table)
     columns = [*_FENCE, *((f"f{i}", t) for i, (_, t) in enumerate(fields))]
     sets = ", ".join(f"{qn(_column(name))} = v.f{i}" for i, (name, _) in enumerate(fields))
@@ -151,10 +175,15 @@ def fenced_update(
     if below is not None:
         at = [name for name, _ in fields].index(below)
         guard = f"AND {table}.{qn(_column(below))} < v.f{at} "
+    if despite_cancel:
+        returning = f"{table}.id, {table}.{qn(_column('cancel_requested_at'))}"
+    else:
+        guard = f"AND {table}.cancel_requested_at IS NULL {guard}"
+        returning = f"{table}.id"
     sql = (f"WITH v AS {json_rows(columns)} UPDATE {table} SET {sets} FROM v "
            f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
            f"AND {table}.status = %s AND {table}.claimed_by = v.run_worker "
-           f"AND {table}.cancel_requested_at IS NULL {guard}RETURNING {table}.id")
+           f"{guard}RETURNING {returning}")
     return sql, [json_values(items, [t for _, t in columns]), running]
 
 

@@ -9,17 +9,23 @@ after losing the lease is executed again by the run's new owner, never half-reco
 
 from __future__ import annotations
 
+import functools
+import operator
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
+from django.db.models import Q
 
 from ..conf import SETTING_NAME
 from ..db import retry_on_lock
 from ..exceptions import LimitExceeded
-from ..models import RunStep
+from ..models import RunEvent, RunStep
 from ..outcomes import AttemptRef, Renewal, StepStart
+from . import rawsql
 from .attempts import _renew_locked
 from .events import append_one, lifecycle, now
 
@@ -27,6 +33,7 @@ STEP = "run.step"
 """The timeline event of a finished step (done or failed)."""
 
 DONE, FAILED, STARTED = RunStep.State.DONE, RunStep.State.FAILED, RunStep.State.STARTED
+Event = tuple[int, str, dict[str, Any], int, uuid.UUID]
 
 
 @dataclass(frozen=True)
@@ -62,61 +69,122 @@ class StepEndWrite:
 
 
 def start_step_in(write: StepStartWrite, at: datetime) -> StepStart:
-    """`StepStartWrite` in the caller's transaction."""
-    ref = write.ref
-    renewal = _renew_locked(ref, at)
+    """`StepStartWrite` alone, in the caller's transaction."""
+    renewal = _renew_locked(write.ref, at)
     if renewal is not Renewal.OK:
         return StepStart(renewal)
-    occurrence = write.occurrence
-    if occurrence is None:
-        occurrence = 1 + (RunStep.objects.filter(
-            run_id=ref.run_id, name=write.name, checkpoint__lt=write.checkpoint).count()
-            if write.checkpoint else 0)
-    mine = RunStep.objects.filter(run_id=ref.run_id, name=write.name, occurrence=occurrence)
-    row = mine.values("status", "result", "replayed_from").first()
-    if row is not None and row["status"] == DONE:
-        return StepStart(Renewal.OK, occurrence, done=True, result=row["result"],
-                         replayed=row["replayed_from"] is not None)
-    if row is not None:  # started or failed before: executed again, same key
-        mine.update(status=STARTED, attempt=ref.attempt, started_at=at, finished_at=None,
-                    error="")
-        return StepStart(Renewal.OK, occurrence)
-    if RunStep.objects.filter(run_id=ref.run_id).count() >= write.max_steps:
-        raise LimitExceeded(f"run {ref.run_id} holds {write.max_steps} steps, the most "
-                            f"{SETTING_NAME}['MAX_STEPS_PER_RUN'] allows; the step "
-                            f"{write.name!r} was not started")
-    RunStep.objects.create(run_id=ref.run_id, name=write.name, occurrence=occurrence,
-                           status=STARTED, attempt=ref.attempt, checkpoint=write.checkpoint,
-                           started_at=at)
-    return StepStart(Renewal.OK, occurrence)
+    return open_steps([write], at)[0]
+
+
+def open_steps(writes: Sequence[StepStartWrite], at: datetime) -> list[StepStart]:
+    """The starts of steps whose fence held (renewed already), of distinct runs, in the
+    caller's transaction. One INSERT opens every new step (the common case: nothing
+    else is asked); for a step it could not insert, its record says whether it is done
+    already (its result is the answer), started or failed before (opened again, same
+    key), or missing: its run holds `max_steps` already (`LimitExceeded`)."""
+    keys = [(w.ref.run_id, w.name, _occurrence(w)) for w in writes]
+    sql, params = _insert_steps([(run, name, n, w.ref.attempt, w.checkpoint, w.max_steps)
+                                 for w, (run, name, n) in zip(writes, keys, strict=True)], at)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        opened = {row[0] for row in cursor.fetchall()}
+    rest = [(w, key) for w, key in zip(writes, keys, strict=True) if key[0] not in opened]
+    found = {(r["run_id"], r["name"], r["occurrence"]): r for r in RunStep.objects.filter(
+        functools.reduce(operator.or_, [Q(run_id=run, name=name, occurrence=n)
+                                        for _, (run, name, n) in rest])).values(
+        "run_id", "name", "occurrence", "status", "result", "replayed_from")} if rest else {}
+    answers = {}
+    for w, key in rest:
+        row = found.get(key)
+        if row is None:
+            raise LimitExceeded(f"run {w.ref.run_id} holds {w.max_steps} steps, the most "
+                                f"{SETTING_NAME}['MAX_STEPS_PER_RUN'] allows; the step "
+                                f"{w.name!r} was not started")
+        if row["status"] == DONE:
+            answers[key] = StepStart(Renewal.OK, key[2], done=True, result=row["result"],
+                                     replayed=row["replayed_from"] is not None)
+            continue
+        # Started or failed before: executed again, with the same key.
+        RunStep.objects.filter(run_id=key[0], name=key[1], occurrence=key[2]).update(
+            status=STARTED, attempt=w.ref.attempt, started_at=at, finished_at=None, error="")
+    return [answers.get(key) or StepStart(Renewal.OK, key[2]) for key in keys]
+
+
+_STEP_START = (("run_id", "bigint"), ("name", "varchar"), ("occurrence", "integer"),
+               ("attempt", "integer"), ("checkpoint", "integer"), ("cap", "integer"))
+_STEP_END = (("run_id", "bigint"), ("name", "varchar"), ("occurrence", "integer"),
+             ("attempt", "integer"), ("status", "varchar"), ("result", "jsonb"),
+             ("error", "text"), ("input_tokens", "bigint"), ("output_tokens", "bigint"),
+             ("cost", "double precision"))
+
+
+def _insert_steps(rows: Sequence[tuple[Any, ...]], at: datetime) -> tuple[str, list[Any]]:
+    """New steps' records, each only while its run holds fewer than its cap and none of
+    that name and occurrence exists; returns the run ids of those inserted."""
+    table = rawsql.qn(RunStep._meta.db_table)
+    held = f"(SELECT COUNT(*) FROM {table} h WHERE h.run_id = v.run_id)"
+    sql = (f"WITH v AS {rawsql.json_rows(_STEP_START)} INSERT INTO {table} (run_id, name, "
+           f"occurrence, status, error, attempt, checkpoint, started_at, input_tokens, "
+           f"output_tokens, cost) SELECT v.run_id, v.name, v.occurrence, %s, '', v.attempt, "
+           f"v.checkpoint, %s, 0, 0, 0 FROM v WHERE {held} < v.cap "
+           f"ON CONFLICT DO NOTHING RETURNING run_id")
+    return sql, [rawsql.json_values(rows, [t for _, t in _STEP_START]), str(STARTED),
+                 rawsql.prep(RunEvent, "created_at", at)]
+
+
+def close_steps(writes: Sequence[StepEndWrite], at: datetime) -> list[Event]:
+    """Store the ends of steps whose fence held, of distinct runs, in one UPDATE; the
+    `run.step` events of those recorded (a step this attempt did not open is not)."""
+    table = rawsql.qn(RunStep._meta.db_table)
+    rows = [(w.ref.run_id, w.name, w.occurrence, w.ref.attempt, str(DONE if w.done else FAILED),
+             w.result if w.done else None, w.error, w.input_tokens, w.output_tokens, w.cost)
+            for w in writes]
+    sets = ", ".join(f"{c} = v.{c}" for c in ("status", "result", "error", "input_tokens",
+                                               "output_tokens", "cost"))
+    sql = (f"WITH v AS {rawsql.json_rows(_STEP_END)} UPDATE {table} SET {sets}, "
+           f"finished_at = %s FROM v WHERE {table}.run_id = v.run_id AND {table}.name = v.name "
+           f"AND {table}.occurrence = v.occurrence AND {table}.attempt = v.attempt "
+           f"AND {table}.status = %s RETURNING {table}.run_id")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [rawsql.json_values(rows, [t for _, t in _STEP_END]),
+                             rawsql.prep(RunEvent, "created_at", at), str(STARTED)])
+        closed = {row[0] for row in cursor.fetchall()}
+    return [_event(w) for w in writes if w.ref.run_id in closed]
+
+
+def _occurrence(write: StepStartWrite) -> int:
+    """The write's occurrence; for the first call of its name in an attempt resumed from a
+    checkpoint, 1 + the run's steps of that name started before it (rare: one COUNT)."""
+    if write.occurrence is not None:
+        return write.occurrence
+    if not write.checkpoint:
+        return 1
+    return 1 + RunStep.objects.filter(run_id=write.ref.run_id, name=write.name,
+                                      checkpoint__lt=write.checkpoint).count()
 
 
 def end_step_in(write: StepEndWrite, at: datetime) -> Renewal:
-    """`StepEndWrite` in the caller's transaction: nothing if the lease is lost. A cancel
-    request does not keep a finished step from being recorded (it is not executed again
-    by a retry the operator may make)."""
-    ref = write.ref
-    renewal = _renew_locked(ref, at)
+    """`StepEndWrite` alone, in the caller's transaction: nothing if the lease is lost. A
+    cancel request does not keep a finished step from being recorded (it is not executed
+    again by a retry the operator may make)."""
+    renewal = _renew_locked(write.ref, at)
     if renewal is Renewal.LOST:
         return renewal
-    updated = RunStep.objects.filter(
-        run_id=ref.run_id, name=write.name, occurrence=write.occurrence, status=STARTED,
-        attempt=ref.attempt,
-    ).update(status=DONE if write.done else FAILED, result=write.result if write.done else None,
-             error=write.error, finished_at=at, input_tokens=write.input_tokens,
-             output_tokens=write.output_tokens, cost=write.cost)
-    if updated:
-        payload: dict[str, Any] = {"name": write.name, "occurrence": write.occurrence,
-                                   "status": str(DONE if write.done else FAILED),
-                                   "duration_ms": write.duration_ms}
-        if write.error:
-            payload["error"] = write.error[:500]
-        if write.input_tokens or write.output_tokens or write.cost:
-            payload.update(tokens=write.input_tokens + write.output_tokens, cost=write.cost)
+    for event in close_steps([write], at):
         # Past MAX_EVENTS_PER_RUN the marker is left out: the step's record is what counts.
-        append_one(lifecycle(ref.run_id, STEP, ref.attempt, **payload), at,
-                   below=write.max_events)
+        append_one(event, at, below=write.max_events)
     return renewal
+
+
+def _event(write: StepEndWrite) -> Event:
+    payload: dict[str, Any] = {"name": write.name, "occurrence": write.occurrence,
+                               "status": str(DONE if write.done else FAILED),
+                               "duration_ms": write.duration_ms}
+    if write.error:
+        payload["error"] = write.error[:500]
+    if write.input_tokens or write.output_tokens or write.cost:
+        payload.update(tokens=write.input_tokens + write.output_tokens, cost=write.cost)
+    return lifecycle(write.ref.run_id, STEP, write.ref.attempt, **payload)
 
 
 @retry_on_lock()

@@ -17,6 +17,7 @@ from typing import Any
 
 from django.db import transaction
 
+from .. import signals
 from ..db import is_postgres, retry_on_lock
 from ..models import TERMINAL, AgentRun, RunWait, Status
 from ..outcomes import AttemptRef, Renewal
@@ -112,6 +113,9 @@ def wait_for(
         if children is not None:
             story["runs"] = sorted(set(children))
         append_events([lifecycle(ref.run_id, WAITING, ref.attempt, **story)], at)
+        signals.send_waiting_after_commit(run_id=ref.run_id, agent=row["agent"],
+                                          attempt=ref.attempt, kind=kind, key=key,
+                                          prompt=prompt)
     return Waited(WaitState.WAITING)
 
 
@@ -136,11 +140,12 @@ def _children(parent_id: int, ids: list[int]) -> dict[int, RunResult]:
 
 @retry_on_lock()
 def deliver(run_id: int, key: str, payload: Any, by: str,
-            at: datetime | None = None) -> DeliverResult:
+            at: datetime | None = None, *, answers_approval: bool = False) -> DeliverResult:
     """Store the payload for `key` and, if the run waits for it, queue it again.
 
     In the caller's transaction when there is one (like `enqueue`): roll back and the
-    delivery never happened.
+    delivery never happened. An answer to an approval (`answers_approval`) needs the run
+    to have asked for it: an approval answers a proposal, so it is never stored early.
     """
     at = at or now()
     with transaction.atomic():
@@ -148,7 +153,10 @@ def deliver(run_id: int, key: str, payload: Any, by: str,
         if row is None:
             return DeliverResult.NOT_FOUND
         wait = RunWait.objects.filter(run_id=run_id, key=key).values(
-            "pk", "delivered_at").first()
+            "pk", "delivered_at", "kind", "waited_at").first()
+        if answers_approval and (wait is None or wait["kind"] != RunWait.Kind.APPROVAL
+                                 or wait["waited_at"] is None):
+            raise _not_asked(run_id, key, row)
         if wait is not None and wait["delivered_at"] is not None:
             return DeliverResult.ALREADY_DELIVERED
         if row["status"] in TERMINAL:
@@ -163,6 +171,26 @@ def deliver(run_id: int, key: str, payload: Any, by: str,
             _resume(run_id, row["attempt"], at, key=key, by=by)
             return DeliverResult.DELIVERED
     return DeliverResult.STORED
+
+
+def _not_asked(run_id: int, key: str, row: dict[str, Any]) -> Exception:
+    """The error for an answer to an approval the run never asked for, naming those it
+    did ask for (a typo is then plain to see)."""
+    from ..exceptions import InvalidInputError
+
+    asked = list(RunWait.objects.filter(
+        run_id=run_id, kind=RunWait.Kind.APPROVAL, waited_at__isnull=False,
+        delivered_at__isnull=True).order_by("id").values_list("key", flat=True)[:10])
+    if asked:
+        waits = "it waits for approval of " + ", ".join(repr(k) for k in asked)
+    elif row["status"] == Status.WAITING and not row["wait_key"].startswith(RESERVED_PREFIX):
+        waits = f"it waits for input {row['wait_key']!r}, not an approval (use deliver())"
+    elif row["status"] == Status.WAITING:
+        waits = "it waits for its child runs, not an approval"
+    else:
+        waits = f"it is {row['status']} and asks for no approval now"
+    return InvalidInputError(f"run #{run_id} has not asked for approval of {key!r}: "
+                             f"{waits}; nothing was recorded")
 
 
 # --------------------------------------------------------------------------- timeouts

@@ -19,7 +19,7 @@ from typing import Any
 from django.db import connection
 
 from django_agentruns import RunContext, agent
-from django_agentruns.context import current_context
+from django_agentruns.runtime.context import current_context
 
 from .models import SideEffect
 

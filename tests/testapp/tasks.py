@@ -93,3 +93,14 @@ def _unreachable() -> None:
 
 
 misnamed = task(_unreachable)
+
+
+@task
+def exits(code: int = 3) -> None:
+    """Calls sys.exit: the task's failure, as any exception (the worker goes on)."""
+    raise SystemExit(code)
+
+
+@task
+def interrupted() -> None:
+    raise KeyboardInterrupt

@@ -56,7 +56,7 @@ async def async_queries(ctx: RunContext) -> dict[str, Any]:
     thread it ran on is the loop's executor's, and must not keep the connection."""
     from django.db import connections
 
-    from django_agentruns.context import storage_call
+    from django_agentruns.runtime.context import storage_call
 
     from .models import SideEffect
 

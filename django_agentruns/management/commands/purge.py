@@ -8,7 +8,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django_agentruns.exceptions import InvalidInputError
 from django_agentruns.management.arguments import positive_int
 from django_agentruns.models import TERMINAL
-from django_agentruns.retention import PurgeReport, parse_duration, purge
+from django_agentruns.ops.retention import PurgeReport, parse_duration, purge
 
 
 def duration(text: str) -> Any:

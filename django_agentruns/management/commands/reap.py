@@ -6,7 +6,7 @@ from typing import Any
 from django.core.management.base import BaseCommand
 
 from django_agentruns.management.arguments import positive_int
-from django_agentruns.reaper import reap
+from django_agentruns.runtime.reaper import reap
 
 
 class Command(BaseCommand):

@@ -8,7 +8,6 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from django_agentruns import metrics
 from django_agentruns.checks import check_worker_connections, server_max_connections
 from django_agentruns.management import logs, reloading
 from django_agentruns.management.arguments import (
@@ -18,8 +17,9 @@ from django_agentruns.management.arguments import (
     queue_list,
     worker_id,
 )
+from django_agentruns.ops import metrics
 from django_agentruns.registry import all_agents
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 
 
 class Command(BaseCommand):

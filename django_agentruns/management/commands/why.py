@@ -5,11 +5,12 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from django_agentruns.diagnosis import advice, short_error
 from django_agentruns.management.arguments import run_id
 from django_agentruns.models import AgentRun, Status
-from django_agentruns.visibility import why_not_started
-from django_agentruns.workers import Coverage
+from django_agentruns.ops.diagnosis import advice, short_error
+from django_agentruns.ops.visibility import why_not_started
+from django_agentruns.ops.waits import explain_wait
+from django_agentruns.ops.workers import Coverage
 
 
 class Command(BaseCommand):
@@ -22,6 +23,12 @@ class Command(BaseCommand):
         run = AgentRun.objects.filter(pk=options["run_id"]).first()
         if run is None:
             raise CommandError(f"No run with id {options['run_id']}")
+        waiting = explain_wait(run)
+        if waiting is not None:
+            self.stdout.write(waiting.headline)
+            for line in waiting.lines:
+                self.stdout.write(f"- {line}")
+            return
         holds = why_not_started(run)
         if run.status != Status.QUEUED:
             # Not a question of starting: say what it is, and what to do about it.

@@ -6,8 +6,8 @@ from typing import Any
 from django.core.management.base import BaseCommand
 from django.utils import timezone
 
-from django_agentruns import workers
 from django_agentruns.models import WorkerRecord
+from django_agentruns.ops import workers
 
 
 class Command(BaseCommand):

@@ -1,0 +1,199 @@
+"""An attempt's control: its fence, its deadline, its stop switch, and its writes.
+
+Shared by the executor (which makes one per attempt), the lease keeper (which stops it)
+and `RunContext` (whose calls write through it). A worker's attempts write through its
+attempt store (`store`): they hold no database connection of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any, TypeVar
+
+from asgiref.sync import sync_to_async
+from django.db import DatabaseError, close_old_connections, connection
+
+from ..db import close_all_connections, storage_unreachable
+from ..exceptions import AttemptStopped
+from ..limits import Budget
+from ..outcomes import AttemptRef, Renewal, StopReason
+from ..transitions import Result, Write, apply_alone
+from .attempt_store import AttemptStore, StoreUnreachable
+
+T = TypeVar("T")
+
+logger = logging.getLogger("django_agentruns.worker")
+
+
+class AttemptControl:
+    """The worker's handle on one attempt: its fence, its deadline, and a stop switch."""
+
+    def __init__(self, ref: AttemptRef, timeout: float | None, checkpoints: int,
+                 store: AttemptStore | None = None) -> None:
+        self.ref = ref
+        self.store = store  # None: each write runs alone, on the calling thread
+        self.deadline = None if not timeout else time.monotonic() + timeout
+        self.checkpoints = checkpoints
+        self.position = 0
+        self.stop_reason: StopReason | None = None
+        self.future: Any = None  # an async attempt's task handle, cancelled to stop it
+        self.done = threading.Event()
+        self.in_storage = 0
+        self._lock = threading.Lock()
+        # Flow control (django_agentruns.runtime.usage arms these): the run's budget, what it has
+        # recorded so far, and what passed the budget once it has.
+        self.budget: Budget | None = None
+        self.spent: tuple[int, float] = (0, 0.0)
+        self.over_budget: str | None = None
+        # Durable steps (runtime.steps): the last occurrence of each step name called.
+        self.step_counts: dict[str, int] = {}
+
+    def request_stop(self, reason: StopReason) -> None:
+        """Ask the attempt to stop; the first reason wins."""
+        with self._lock:
+            if self.stop_reason is None:
+                self.stop_reason = reason
+            future = self.future
+        if future is not None:
+            with suppress(RuntimeError):  # its loop is closed: nothing left to stop
+                future.cancel()
+
+    def end_waiting(self) -> None:
+        """The attempt's wait is recorded: that is why it stops, whatever a lease keeper that
+        saw the lease released since may have said."""
+        with self._lock:
+            self.stop_reason = StopReason.WAITING
+
+    def timed_out(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def check(self) -> None:
+        if self.stop_reason is None and self.timed_out():
+            self.request_stop(StopReason.TIMEOUT)
+        if self.stop_reason is None and self.over_budget is not None:
+            self.request_stop(StopReason.BUDGET)
+        if self.stop_reason is not None:
+            raise AttemptStopped(self.stop_reason)
+
+    def apply(self, result: Result) -> None:
+        """Take what a write answered: a lost lease or a cancel request stops the attempt."""
+        assert isinstance(result, Renewal), result
+        renewal = result
+        if renewal is Renewal.LOST:
+            self.request_stop(StopReason.LEASE_LOST)
+        elif renewal is Renewal.CANCEL_REQUESTED:
+            self.request_stop(StopReason.CANCELLED)
+        self.check()
+
+    def call(self, write: Callable[..., T], *args: Any) -> T:
+        """One storage call of the attempt, retried on a fresh connection while the
+        database is out of reach (a restart, a killed session, lock contention).
+
+        The engine's storage failures are not the agent's: past half the lease the attempt
+        stops as interrupted, and is requeued without spending its budget. Each write is
+        one guarded, idempotent transaction, so a retry after a lost commit adds nothing.
+        Interactive runs (no lease, maybe in the caller's transaction) are not retried.
+        """
+        wait, deadline = 0.05, self._retry_deadline()
+        while True:
+            raw = connection.connection
+            try:
+                with self.storage():
+                    return write(*args)
+            except DatabaseError as exc:
+                if self.ref.lease_ttl is None or connection.in_atomic_block \
+                        or not storage_unreachable(exc, raw):
+                    raise
+                with suppress(Exception):
+                    connection.close()  # broken: the next try opens a fresh one
+                self._unreachable(exc, wait, deadline)
+            time.sleep(wait)
+            wait = min(1.0, wait * 2)
+
+    def write(self, write: Write) -> Result:
+        """One write of the attempt, from its thread: through the worker's attempt store
+        (committed with other attempts' writes), or alone on this thread's connection.
+
+        Through the store, a database out of reach (its writer reconnects first) is
+        retried until half the lease is spent, then the attempt stops as interrupted.
+        Called inside the agent's own `transaction.atomic()`, the write joins it instead
+        (on the agent's connection), so the agent's writes and a checkpoint commit
+        together or not at all.
+        """
+        if self.store is None or connection.in_atomic_block:
+            return self.call(apply_alone, write)
+        wait, deadline = 0.05, self._retry_deadline()
+        while True:
+            try:
+                with self.storage():
+                    return self.store.call(write)
+            except StoreUnreachable as exc:
+                self._unreachable(exc, wait, deadline)
+            time.sleep(wait)
+            wait = min(1.0, wait * 2)
+
+    async def awrite(self, write: Write) -> Result:
+        """`write`, awaited on the event loop: no thread, no executor hop."""
+        if self.store is None:
+            return await in_thread(self, self.write, write)
+        wait, deadline = 0.05, self._retry_deadline()
+        while True:
+            try:
+                with self.storage():
+                    return await self.store.acall(write)
+            except StoreUnreachable as exc:
+                self._unreachable(exc, wait, deadline)
+            await asyncio.sleep(wait)
+            wait = min(1.0, wait * 2)
+
+    def _retry_deadline(self) -> float:
+        return time.monotonic() + (self.ref.lease_ttl or 0.0) / 2
+
+    def _unreachable(self, exc: BaseException, wait: float, deadline: float) -> None:
+        """After a write the store could not make: stop, or let the caller wait `wait`."""
+        if self.stop_reason is not None:
+            raise AttemptStopped(self.stop_reason) from exc
+        if time.monotonic() + wait > deadline:
+            self.request_stop(StopReason.INTERRUPTED)
+            raise AttemptStopped(StopReason.INTERRUPTED) from exc
+        logger.warning("run %s: storage call failed (%s); retrying in %.2fs",
+                       self.ref.run_id, exc, wait)
+
+    @contextmanager
+    def storage(self) -> Iterator[None]:
+        """Count storage calls in flight, so a stop never lands inside one."""
+        with self._lock:
+            self.in_storage += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_storage -= 1
+
+
+async def in_thread(control: AttemptControl, func: Callable[..., T], *args: Any) -> T:
+    """Run a storage call off the event loop: the ORM is synchronous."""
+    if control.ref.lease_ttl is None:
+        # `run_now` (no lease): back in the caller's thread, which waits in async_to_sync,
+        # so the write uses the caller's connection and joins any transaction it is in.
+        return await sync_to_async(func, thread_sensitive=True)(*args)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, functools.partial(_storage_call, func, *args))
+
+
+def _storage_call(func: Callable[..., T], *args: Any) -> T:
+    """One call on a thread of the loop's default executor (a wait, a spawn, a task's
+    bookkeeping). Its connection is closed after it, whatever CONN_MAX_AGE says: those
+    threads are not the worker's, and a worker's attempts hold no connection between
+    calls (its connections stay the few `Worker.connections()` counts)."""
+    close_old_connections()
+    try:
+        return func(*args)
+    finally:
+        close_all_connections()

@@ -1,0 +1,48 @@
+"""The attempts a worker has running: shared by its claim loop, executor threads, lease
+keeper and stop sequence, each of which only ever sees a consistent snapshot."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ..models import AgentRun
+from ..registry import AgentSpec
+from .executor import AttemptControl
+
+
+@dataclass
+class Live:
+    """One running attempt: the run as claimed, its agent (None if unknown), its control,
+    and when its lease was last renewed (monotonic seconds; the keeper's to update)."""
+
+    run: AgentRun
+    spec: AgentSpec | None
+    control: AttemptControl
+    last_renewed: float
+
+
+class LiveAttempts:
+    """A thread-safe set of running attempts, keyed by run id."""
+
+    def __init__(self) -> None:
+        self._by_run: dict[int, Live] = {}
+        self._lock = threading.Lock()
+
+    def add(self, live: Live) -> None:
+        with self._lock:
+            self._by_run[live.run.pk] = live
+
+    def discard(self, live: Live) -> None:
+        """Forget `live`, unless its run's entry is already another attempt's."""
+        with self._lock:
+            if self._by_run.get(live.run.pk) is live:
+                del self._by_run[live.run.pk]
+
+    def snapshot(self) -> list[Live]:
+        with self._lock:
+            return list(self._by_run.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_run)

@@ -1,0 +1,377 @@
+"""The worker process: the claim loop, burst and contention handling, the stop sequence.
+
+The roles it starts have their own modules: each claimed attempt runs through the
+`executor`, a sync agent in a pool thread, an async one as a coroutine on one shared
+event loop; every write of every attempt goes through the attempt `store`, whose
+`WRITER_CONNECTIONS` writers commit them together; the `lease_keeper` renews every live
+lease in one statement per TTL/3 and turns cancel requests, lost leases and timeouts into
+stops; the `live` set is what they share; on PostgreSQL one thread LISTENs (`notify`).
+So a worker's connections are bounded whatever its concurrency (`connections()`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import FrameType
+
+from django.db import close_old_connections
+from django.utils import timezone
+
+from .. import transitions
+from ..conf import app_settings
+from ..db import close_all_connections
+from ..exceptions import AgentRunsError
+from ..models import AgentRun
+from ..ops import visibility
+from ..outcomes import AttemptRef, Settlement, StopReason
+from ..queues import PausedSet
+from ..registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
+from ..streaming.transport import drain_sender
+from ..transitions.limited import LimitedClaim
+from . import reaper, usage
+from .attempt_store import AttemptStore
+from .executor import Executor, extra
+from .lease_keeper import LeaseKeeper
+from .presence import Presence
+from .running import Live, LiveAttempts
+from .ticker import Ticker
+from .wakeups import Listener
+
+logger = logging.getLogger("django_agentruns.worker")
+
+CONTENTION_START = 0.002
+CONTENTION_MAX = 0.1
+LAPSED_SCAN_INTERVAL = 1.0
+
+
+class ContentionTimeout(AgentRunsError):
+    """A burst worker waited too long on runs held by another worker."""
+
+
+def make_worker_id() -> str:
+    """Unique per process start, so a restarted worker never matches its old fence."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class WorkerStats:
+    claimed: int = 0
+    settled: dict[str, int] = field(default_factory=dict)
+    pass_errors: int = 0
+    reaped: int = 0
+
+
+class Worker:
+    def __init__(
+        self,
+        queues: Sequence[str] | None = None,
+        concurrency: int = 1,
+        *,
+        burst: bool = False,
+        worker_id: str | None = None,
+        poll_interval: float | None = None,
+        grace: float | None = None,
+        reap_interval: float | None = None,
+        max_contention_wait: float = 300.0,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.queues = list(queues or [app_settings.DEFAULT_QUEUE])
+        self.concurrency = concurrency
+        self.burst = burst
+        self.worker_id = worker_id or make_worker_id()
+        check_worker_names(self.queues, self.worker_id)
+        self.poll_interval = float(poll_interval if poll_interval is not None
+                                   else app_settings.POLL_INTERVAL)
+        self.grace = float(grace if grace is not None else app_settings.GRACE)
+        self.reap_interval = float(reap_interval if reap_interval is not None
+                                   else app_settings.REAP_INTERVAL)
+        self.max_contention_wait = max_contention_wait
+        self.stats = WorkerStats()
+        self.stopping = threading.Event()
+        self._wake = threading.Event()
+        self.live = LiveAttempts()
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="agentrun")
+        self.presence = Presence(self)  # the worker's record, for operators (workers.py)
+        # One beat per keeper pass at most every min(5 s, LEASE_TTL/3) (Presence paces it).
+        self.keeper = LeaseKeeper(self.worker_id, self.live, on_tick=self.presence.tick)
+        self._listener_stop = threading.Event()
+        self._listener: Listener | None = None
+        self._signals = 0
+        self._last_reap = 0.0
+        self._last_lapsed_scan = 0.0
+        self._limited = LimitedClaim(LAPSED_SCAN_INTERVAL)  # flow control
+        self._agents = all_agents()
+        # Claims take only runs of these: another worker's agent (a rolling deploy's new
+        # one) is left queued for a worker that has it, not dead-lettered here.
+        self._known = frozenset(self._agents)
+        self._scopes = scope_policy(self._agents)
+        self._ttls = {name: s.effective_lease_ttl() for name, s in self._agents.items()}
+        # Every write of every attempt, committed together on WRITER_CONNECTIONS
+        # connections: started with the worker (`run`), closed when it stops.
+        self.store: AttemptStore | None = None
+        self.executor = Executor(self.worker_id, known=self._agents)
+        # Paused queues are left out of claims; this worker takes part in ticking schedules
+        self._paused = PausedSet()
+        self._ticker = Ticker(self._agents, self.queues)
+
+    @staticmethod
+    def connections() -> int:
+        """The most connections this worker opens, whatever its concurrency: the store's
+        writers, the claim loop, the lease keeper, the listener (PostgreSQL), and the live
+        chunk sender (`chunk_transport.Sender`, only while its agents stream: closed
+        `IDLE_CLOSE` s after the last chunk).
+
+        Agent code's own ORM queries are the agent's, on top (see docs/deployment.md)."""
+        return int(app_settings.WRITER_CONNECTIONS) + 3 + (1 if Listener.available() else 0)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def run(self, install_signals: bool = True) -> WorkerStats:
+        """Serve until stopped (or, in burst mode, until nothing is due)."""
+        if install_signals and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        logger.info("worker %s serving queues %s with concurrency %s%s", self.worker_id,
+                    ",".join(self.queues), self.concurrency, " (burst)" if self.burst else "",
+                    extra={"worker_id": self.worker_id})
+        self.store = self.executor.store = AttemptStore()
+        self._limited.seed()  # the LIMITS setting's keys get their rows
+        self.presence.start()
+        self.keeper.start()
+        if Listener.available():
+            self._listener = Listener(self.queues, self._wake, self._listener_stop,
+                                      worker_id=self.worker_id,
+                                      poll_interval=self.poll_interval)
+            self._listener.start()
+        try:
+            self._serve()
+        finally:
+            self._shutdown()
+        return self.stats
+
+    def stop(self) -> None:
+        """Ask the worker to stop: no new claims, running attempts get the grace period."""
+        self.stopping.set()
+        self._wake.set()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            # A second signal: leave now. Leases lapse and the runs are reclaimed.
+            logger.warning("second signal: exiting at once", extra={"worker_id": self.worker_id})
+            os._exit(1)
+        logger.info("signal %s: stopping (grace %.1fs)", signal.Signals(signum).name,
+                    self.grace, extra={"worker_id": self.worker_id})
+        self.stop()
+
+    @property
+    def agent_names(self) -> list[str]:
+        return list(self._agents)
+
+    @property
+    def busy(self) -> int:
+        return len(self.live)
+
+    # ----------------------------------------------------------------- main loop
+
+    def _serve(self) -> None:
+        errors = 0
+        contention_wait = CONTENTION_START
+        contention_since: float | None = None
+        while not self.stopping.is_set():
+            self._wake.clear()
+            try:
+                close_old_connections()
+                self._maybe_reap()
+                self._ticker.tick()
+                claimed = self._claim()
+                errors = 0
+            except Exception:
+                # The worker survives its database: log, back off, try again.
+                errors += 1
+                self.stats.pass_errors += 1
+                wait = min(30.0, 0.1 * 2 ** min(errors, 9))
+                logger.exception("worker pass failed (%s in a row); retrying in %.1fs", errors,
+                                 wait, extra={"worker_id": self.worker_id})
+                close_all_connections()
+                self.stopping.wait(wait)
+                continue
+            if claimed:
+                contention_wait, contention_since = CONTENTION_START, None
+                continue  # claim again at once if slots remain
+            if self.burst and self.busy == 0:
+                if not self._work_pending():
+                    return
+                # Contention is not idleness: another worker holds what is due.
+                now = time.monotonic()
+                contention_since = contention_since or now
+                if now - contention_since > self.max_contention_wait:
+                    raise ContentionTimeout(
+                        f"runs stayed due but unclaimable for {self.max_contention_wait}s")
+                self.stopping.wait(contention_wait)
+                contention_wait = min(CONTENTION_MAX, contention_wait * 2)
+                continue
+            # Wake for the next schedule tick too
+            tick = self._ticker.seconds_to_next()
+            idle = self.poll_interval if tick is None else min(self.poll_interval, tick)
+            self._wake.wait(idle if self.busy < self.concurrency else tick)
+
+    def _claim(self) -> int:
+        free = self.concurrency - self.busy
+        queues = self._paused.active(self.queues)
+        if free <= 0 or not queues:
+            return 0
+        # Lapsed leases are looked for at most once a second: one statement less per claim.
+        now = time.monotonic()
+        include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
+        batch = min(free, int(app_settings.CLAIM_BATCH))
+        # Flow control: runs of keys with a limits row first, never past their limit.
+        limited = self._limited.claim(self.worker_id, queues, batch, self._scopes, self._ttls,
+                                      float(app_settings.LEASE_TTL), self._known)
+        runs = limited + transitions.claim(
+            self.worker_id, queues, batch - len(limited), self._scopes,
+            self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed,
+            agents=self._known)
+        if include_lapsed and len(limited) < batch:  # else the claim did not look
+            self._last_lapsed_scan = now
+        for run in runs:
+            self._start(run)
+        self.stats.claimed += len(runs)
+        return len(runs)
+
+    def _work_pending(self) -> bool:
+        # Not every queued, due run: one behind a dead letter or a backoff is not waiting
+        # on another worker, nor one of an agent this worker lacks (a worker that has it
+        # takes it); waiting for those would end in ContentionTimeout.
+        at = timezone.now()
+        if transitions.awaited(self.queues, at, self._scopes, self._known).exists():
+            return True
+        left = visibility.due_elsewhere(self.queues, self._known, at)
+        if left:
+            logger.warning("leaving %s due runs of agents this worker does not have (%s): "
+                           "a worker that has them will claim them", sum(left.values()),
+                           ", ".join(sorted({agent for _, agent in left})),
+                           extra={"worker_id": self.worker_id})
+        return False
+
+    def _maybe_reap(self) -> None:
+        if self.reap_interval <= 0:
+            return
+        now = time.monotonic()
+        if now - self._last_reap < self.reap_interval:
+            return
+        self._last_reap = now
+        report = reaper.reap()
+        self.stats.reaped += report.total
+
+    # ----------------------------------------------------------------- attempts
+
+    def _start(self, run: AgentRun) -> None:
+        spec = self._agents.get(run.agent) or find_agent(run.agent)
+        ttl = spec.effective_lease_ttl() if spec else float(app_settings.LEASE_TTL)
+        ref = AttemptRef(run.pk, run.attempt, self.worker_id, ttl, agent=run.agent)
+        control = self.executor.control(ref, spec.timeout if spec else None,
+                                        run.checkpoint_count)
+        usage.arm(control, run, spec)  # flow control: the run's budget and totals
+        live = Live(run, spec, control, time.monotonic())
+        self.live.add(live)
+        logger.info("run %s %s attempt %s started", run.pk, run.agent, run.attempt,
+                    extra=extra(ref, run.agent))
+        future: Future[None]
+        if spec is not None and spec.is_async:
+            # A coroutine on the executor's loop: no thread, no connection of its own.
+            future = asyncio.run_coroutine_threadsafe(self._aattempt(live, spec),
+                                                      self.executor.ensure_loop())
+        else:
+            future = self._pool.submit(self._attempt, live)
+        future.add_done_callback(functools.partial(self._attempt_done, live))
+
+    def _attempt(self, live: Live) -> None:
+        try:
+            self._count(self.executor.run(live.run, live.spec, live.control))
+        finally:
+            # The agent's own queries may have opened this thread's connection: it is not
+            # kept to the next attempt (a pooled one goes back to Django's pool).
+            close_all_connections()
+            self._ended(live)
+
+    async def _aattempt(self, live: Live, spec: AgentSpec) -> None:
+        try:
+            self._count(await self.executor.arun(live.run, spec, live.control))
+        finally:
+            self._ended(live)
+
+    def _count(self, settlement: Settlement | None) -> None:
+        if settlement is not None:
+            settled = self.stats.settled
+            settled[settlement.value] = settled.get(settlement.value, 0) + 1
+
+    def _ended(self, live: Live) -> None:
+        live.control.done.set()
+        self.live.discard(live)
+        self._wake.set()
+
+    def _attempt_done(self, live: Live, future: Future[None]) -> None:
+        """Log what escaped `_attempt` (nothing should): a pool future is never read."""
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            logger.error("run %s: attempt thread raised", live.run.pk, exc_info=error,
+                         extra=extra(live.control.ref, live.run.agent))
+
+    # ----------------------------------------------------------------- graceful stop
+
+    def _shutdown(self) -> None:
+        """No new claims; attempts get the grace period; then they are stopped and recorded
+        as interrupted (requeued without spending their budget)."""
+        deadline = time.monotonic() + self.grace
+        while self.busy and time.monotonic() < deadline:
+            self._wake.wait(0.05)
+            self._wake.clear()
+        remaining = self.live.snapshot()
+        for lv in remaining:
+            lv.control.request_stop(StopReason.SHUTDOWN)
+        # Stopped attempts record themselves as interrupted once their storage call (if
+        # any) returns; give them a moment, then record the stuck ones ourselves.
+        settle_by = time.monotonic() + 2.0
+        for lv in remaining:
+            lv.control.done.wait(max(0.0, settle_by - time.monotonic()))
+        for lv in remaining:
+            if not lv.control.done.is_set():
+                try:
+                    # A graceful stop interrupts (no budget spent), as the attempt would.
+                    settlement = transitions.interrupt(lv.control.ref, "the worker stopped")
+                    logger.info("run %s %s attempt %s %s (the worker stopped; agent stuck)",
+                                lv.run.pk, lv.run.agent, lv.control.ref.attempt,
+                                settlement.value, extra=extra(lv.control.ref, lv.run.agent))
+                except Exception:
+                    logger.exception("could not interrupt run %s", lv.run.pk)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        drain_sender()  # the stored text's chunk rows go now, not after the process exits
+        if self.store is not None:
+            self.store.close()
+        self._listener_stop.set()
+        # Their connections must be closed when run() returns (a test database cannot be
+        # dropped while a session is open on it).
+        self.keeper.stop(timeout=5)
+        if self._listener is not None:
+            self._listener.thread.join(timeout=5)
+        self.presence.stop()
+        self.executor.close()
+        logger.info("worker %s stopped", self.worker_id, extra={"worker_id": self.worker_id})
+
+    @property
+    def stuck_attempts(self) -> int:
+        """Attempts whose thread is still inside agent code after the worker stopped."""
+        return self.busy
