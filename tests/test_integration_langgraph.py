@@ -22,7 +22,7 @@ pytest.importorskip("langgraph")
 from django_agentruns import approve, chunk_transport, enqueue, stream_chunks, transitions
 from django_agentruns.graph_models import GraphCheckpoint
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status, StreamChunk
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 from tests.fakeprovider import FakeProvider, Fault, Reply, ToolCall
 from tests.test_tracing import _exporter, spans  # noqa: F401 (fixtures)

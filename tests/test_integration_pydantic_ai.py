@@ -21,7 +21,7 @@ pytest.importorskip("pydantic_ai")
 
 from django_agentruns import approve, chunk_transport, enqueue, stream_chunks, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status, StreamChunk
-from django_agentruns.worker import Worker
+from django_agentruns.runtime.worker import Worker
 from tests import helpers
 from tests.fakeprovider import ENV_VAR, FakeProvider, Fault, Reply, ToolCall
 from tests.test_tracing import _exporter, spans  # noqa: F401 (fixtures)
