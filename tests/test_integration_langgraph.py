@@ -19,10 +19,11 @@ from django.db import connection
 
 pytest.importorskip("langgraph")
 
-from django_agentruns import approve, chunk_transport, enqueue, stream_chunks, transitions
+from django_agentruns import deliver, enqueue, stream_chunks, transitions
 from django_agentruns.graph_models import GraphCheckpoint
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status, StreamChunk
 from django_agentruns.runtime.worker import Worker
+from django_agentruns.streaming import transport as chunk_transport
 from tests import helpers
 from tests.fakeprovider import FakeProvider, Fault, Reply, ToolCall
 from tests.test_tracing import _exporter, spans  # noqa: F401 (fixtures)
@@ -130,7 +131,8 @@ def test_an_interrupt_waits_streams_first_and_the_approval_resumes_the_graph_onc
         assert tool_runs(pk) == []
         # The key is the one the interrupt's value names.
         assert run(pk).wait_key == "refund-call_0"
-        approve(pk, "refund-call_0", by="tester")
+        # An input wait: answered with deliver (approve is for approval waits).
+        deliver(pk, "refund-call_0", {"approved": True}, by="tester")
         helpers.wait_until(lambda: finished(pk), timeout=60, message="the run to finish")
         assert worker.returncode is None, worker.output()
     reader.join(20)

@@ -19,9 +19,10 @@ from django.db import connection
 
 pytest.importorskip("pydantic_ai")
 
-from django_agentruns import approve, chunk_transport, enqueue, stream_chunks, transitions
+from django_agentruns import approve, enqueue, stream_chunks, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status, StreamChunk
 from django_agentruns.runtime.worker import Worker
+from django_agentruns.streaming import transport as chunk_transport
 from tests import helpers
 from tests.fakeprovider import ENV_VAR, FakeProvider, Fault, Reply, ToolCall
 from tests.test_tracing import _exporter, spans  # noqa: F401 (fixtures)
