@@ -23,12 +23,16 @@ class Engine:
     env: tuple[tuple[str, str], ...] = ()
     """Extra environment of this engine's worker processes (a settings variant)."""
 
-    def worker(self, concurrency: int, burst: bool) -> list[str]:
-        """`python -m django ...` for one worker process; `burst` exits once idle."""
+    def worker(self, concurrency: int, burst: bool, processes: int = 1) -> list[str]:
+        """`python -m django ...` for one worker command; `burst` exits once idle; ours
+        alone runs `processes` > 1 (`runworker --processes`)."""
         django = [sys.executable, "-m", "django"]
         if self.key == "ours":
             return [*django, "runworker", "--queues", "default", "--concurrency",
-                    str(concurrency), *(["--burst"] if burst else [])]
+                    str(concurrency), *(["--processes", str(processes)] if processes > 1
+                                        else []), *(["--burst"] if burst else [])]
+        if processes > 1:
+            raise ValueError(f"{self.key}: one process per worker command")
         if self.key == "dtdb":
             # One task at a time per process: db_worker has no concurrency setting.
             return [*django, "db_worker", "--queue-name", "default", "--interval", "1",

@@ -142,9 +142,11 @@ def client(url: str, engine: Engine, *args: str, env: dict[str, str] | None = No
 
 
 def start_workers(engine: Engine, count: int, concurrency: int, burst: bool,
-                  env: dict[str, str], logfile: Path) -> list[subprocess.Popen[bytes]]:
+                  env: dict[str, str], logfile: Path,
+                  processes: int = 1) -> list[subprocess.Popen[bytes]]:
     with open(logfile, "ab") as out:  # each child keeps its own copy of the descriptor
-        return [subprocess.Popen(engine.worker(concurrency, burst), env=env, cwd=REPO_ROOT,
+        return [subprocess.Popen(engine.worker(concurrency, burst, processes), env=env,
+                                 cwd=REPO_ROOT,
                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True)
                 for _ in range(count)]

@@ -1,11 +1,12 @@
 """The LLM-shaped workload: runs that wait on three model calls and write between them.
 
 A run makes three model calls of 0.4 s (sleeps), emits an event after each and saves a
-checkpoint after the second: 1.2 s of waiting and four writes, so one worker process at
-concurrency C can at best finish C / 1.2 runs a second. Each trial queues a few waves of
-C runs, starts one worker and times from the first claim until none is queued or running
-(or the cap); meanwhile a sampler records the worker's connections to the server and its
-RSS. procrastinate is the peer, with a job that writes one row per step into a table of
+checkpoint after the second: 1.2 s of waiting and four writes, so workers with C slots in
+all can at best finish C / 1.2 runs a second. Each trial queues a fixed number of runs,
+starts one worker command (`--processes P` of `--concurrency C/P` each for ours) and times
+from the first run's start until none is queued or running, ramp-up and tail included (or
+the cap); meanwhile a sampler records the workers' connections to the server and the RSS
+of each process. procrastinate is the peer, with a job that writes one row per step into a table of
 its own through the ORM (`bench/benchapp/tasks.py`); django-tasks-db runs one task at a
 time and sits this one out.
 
@@ -55,14 +56,16 @@ STEPS = "llm_steps_"  # the kinds whose calls are durable steps
 
 @dataclass(frozen=True)
 class Goal:
-    """What issue 14 asks of ours in a row."""
+    """The throughput ratio to procrastinate, and the ceilings, a row of ours must meet."""
 
     ratio: float
     connections: int
     rss_mb: float | None = None
 
 
-GOALS = {("llm_async", 1000): Goal(0.8, 8, 300), ("llm_sync", 200): Goal(0.85, 8)}
+GOALS = {("llm_async", 1000, 1): Goal(0.8, 8, 300), ("llm_async", 1000, 2): Goal(0.9, 8, 300),
+         ("llm_sync", 200, 1): Goal(0.9, 8)}
+"""(agent, slots in all, processes): the ratio, and connections and RSS per process."""
 
 
 class Sampler(threading.Thread):
@@ -83,6 +86,7 @@ class Sampler(threading.Thread):
         self.limit = limit
         self.port = urlsplit(SERVER_URL).port or 5432
         self.connections = 0
+        self.rss_each = 0  # the largest one process's RSS (a supervisor's children apart)
         self.named = 0  # the peak of pg_stat_activity alone
         self.sockets = 0  # the peak of the socket scan alone
         self.rss = 0
@@ -103,7 +107,9 @@ class Sampler(threading.Thread):
                 rss = 0
                 for p in processes:
                     with contextlib.suppress(psutil.Error):
-                        rss += p.memory_info().rss
+                        one = p.memory_info().rss
+                        rss += one
+                        self.rss_each = max(self.rss_each, one)
                         if tick % 8 == 0:  # a socket scan costs more: every 200 ms
                             sockets += sum(1 for c in p.net_connections("tcp")
                                            if c.raddr and c.raddr.port == self.port)
@@ -131,19 +137,20 @@ def connection_limit(admin: Admin) -> int:
 
 
 def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: int,
-          cap: float, limit: int, logs: Path) -> dict[str, Any]:
-    """`runs` queued runs of `kind`, one worker at `concurrency`; timed from its first claim
-    until none is queued or running, or `cap` seconds."""
+          cap: float, limit: int, logs: Path, processes: int = 1) -> dict[str, Any]:
+    """`runs` queued runs of `kind`, one worker command of `processes` processes at
+    `concurrency` each; timed from the first run's start (the queued count drops, within
+    a poll) until none is queued or running, or `cap` seconds."""
     client(target.url, engine, "prefill", kind, str(runs))
     target.analyze()
     target.settle()
     app = f"agentruns-bench-{engine.key}-{os.getpid()}"
     env = django_env(target.url, PGAPPNAME=app, **dict(engine.env))
     queued_sql = f"SELECT count(*) FROM {engine.table} WHERE status = '{engine.pending[0]}'"
-    logfile = logs / f"{engine.key}-{kind}-{concurrency}.log"
+    logfile = logs / f"{engine.key}-{kind}-{concurrency}x{processes}.log"
     target.open_poller()
     launched = time.perf_counter()
-    workers = start_workers(engine, 1, concurrency, True, env, logfile)
+    workers = start_workers(engine, 1, concurrency, True, env, logfile, processes)
     sampler = Sampler(workers[0].pid, app, limit)
     sampler.start()
     remaining, start = runs, None
@@ -177,10 +184,10 @@ def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: i
                            f"(exit {workers[0].returncode}):\n{tail}")
     elapsed = now - start
     rate = (runs - remaining) / elapsed
-    return {"runs_per_s": rate, "ratio": rate / (concurrency / RUN_SECONDS),
-            "events_per_s": events / elapsed, "connections": sampler.connections,
+    return {"runs_per_s": rate, "ratio": rate / (processes * concurrency / RUN_SECONDS),
+            "events_per_s": events / elapsed, "connections": sampler.connections / processes,
             "named": sampler.named, "sockets": sampler.sockets,
-            "rss_mb": sampler.rss / 2**20, "done": runs - remaining, "elapsed": elapsed,
+            "rss_mb": sampler.rss_each / 2**20, "done": runs - remaining, "elapsed": elapsed,
             "capped": remaining > 0 and elapsed >= cap, "over": sampler.over,
             "incomplete": remaining > 0 and elapsed < cap and not sampler.over}
 
@@ -188,8 +195,10 @@ def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: i
 METRICS = ("runs_per_s", "ratio", "events_per_s", "connections", "rss_mb")
 
 
-def key(kind: str, concurrency: int, metric: str) -> str:
-    return f"{kind}@{concurrency}_{metric}"  # kinds start with llm_
+def key(kind: str, concurrency: int, metric: str, processes: int = 1) -> str:
+    """`concurrency`: slots in all (per process times processes)."""
+    suffix = f"x{processes}p" if processes > 1 else ""
+    return f"{kind}@{concurrency}{suffix}_{metric}"  # kinds start with llm_
 
 
 def run_llm(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
@@ -197,46 +206,54 @@ def run_llm(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
     """One repetition of every LLM row, the engines' order rotated by repetition."""
     limit = connection_limit(admin)
     order = ENGINES[rep % 2:] + ENGINES[:rep % 2]
-    for kind, concurrency in plan.llm_configs:
+    for kind, per_process, processes, runs in plan.llm_configs:
+        concurrency = per_process * processes
         for engine in order:
-            if kind.startswith(STEPS) and engine is not OURS:
-                continue  # durable steps are ours alone
-            r = run_trial(admin, f"{kind} c={concurrency} {engine.key}", trial, engine, kind,
-                          concurrency, concurrency * plan.llm_waves, plan.llm_cap, limit, logs)
+            if (processes > 1 or kind.startswith(STEPS)) and engine is not OURS:
+                continue  # durable steps are ours alone; the peer's rows run one process
+            r = run_trial(admin, f"{kind} c={per_process}x{processes} {engine.key}", trial,
+                          engine, kind, per_process, runs, plan.llm_cap, limit, logs,
+                          processes)
             for metric in METRICS:
-                results.add(key(kind, concurrency, metric), engine, float(r[metric]))
-            results.flag(key(kind, concurrency, "runs_per_s"), engine, r)
+                results.add(key(kind, concurrency, metric, processes), engine, float(r[metric]))
+            results.flag(key(kind, concurrency, "runs_per_s", processes), engine, r)
             if r["over"]:
-                results.capped.add(f"{key(kind, concurrency, 'over')}:{engine.key}")
+                results.capped.add(f"{key(kind, concurrency, 'over', processes)}:{engine.key}")
             log(f"[rep {rep + 1}/{plan.reps} {time.monotonic() - started:6.0f}s] "
-                f"{kind:<14} {engine.key:<13} c={concurrency:<5} {r['runs_per_s']:7.1f} runs/s "
+                f"{kind:<14} {engine.key:<13} c={per_process}x{processes:<3} "
+                f"{r['runs_per_s']:7.1f} runs/s "
                 f"({r['ratio']:.2f} of {concurrency / RUN_SECONDS:.0f})  "
-                f"{r['events_per_s']:7.1f} events/s  {r['connections']} connections "
-                f"({r['named']} named, {r['sockets']} sockets)  "
-                f"RSS {r['rss_mb']:.0f} MB  {r['done']} in {r['elapsed']:.1f}s"
+                f"{r['events_per_s']:7.1f} events/s  {r['connections']:.0f} connections per "
+                f"process ({r['named']} named, {r['sockets']} sockets in all)  "
+                f"RSS {r['rss_mb']:.0f} MB per process  {r['done']} of {runs} in "
+                f"{r['elapsed']:.1f}s"
                 f"{'  (stopped: over the connection limit)' if r['over'] else ''}")
 
 
 def table(results: Results, plan: Plan) -> str:
-    lines = ["| agent | concurrency | engine | runs/s ↑ | of possible ↑ | events/s ↑ | "
-             "peak connections ↓ | peak RSS (MB) ↓ | target (ours) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---|"]
-    for kind, c in plan.llm_configs:
+    lines = ["| agent | runs | processes x concurrency | engine | runs/s ↑ | of possible ↑ | "
+             "events/s ↑ | peak connections per process ↓ | peak RSS per process (MB) ↓ | "
+             "target (ours) |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    for kind, per_process, processes, runs in plan.llm_configs:
+        c = per_process * processes
         for engine in ENGINES:
-            med = {m: results.median(key(kind, c, m), engine) for m in METRICS}
+            med = {m: results.median(key(kind, c, m, processes), engine) for m in METRICS}
             if med["runs_per_s"] is None:
                 continue
             flag = ""
-            if f"{key(kind, c, 'runs_per_s')}:{engine.key}" in results.capped:
+            name = key(kind, c, "runs_per_s", processes)
+            if f"{name}:{engine.key}" in results.capped:
                 flag += "*"
-            if f"{key(kind, c, 'runs_per_s')}:{engine.key}" in results.incomplete:
+            if f"{name}:{engine.key}" in results.incomplete:
                 flag += "†"
-            if f"{key(kind, c, 'over')}:{engine.key}" in results.capped:
+            if f"{key(kind, c, 'over', processes)}:{engine.key}" in results.capped:
                 flag += "‡"
-            goal = GOALS.get((kind, c)) if engine is OURS else None
+            goal = GOALS.get((kind, c, processes)) if engine is OURS else None
             lines.append(
-                f"| {kind.replace('llm_', '')} | {c:,} | {engine.label} | "
-                f"{rate(med['runs_per_s'])}{flag} | {med['ratio']:.2f} of {c / RUN_SECONDS:,.0f} | "
+                f"| {kind.replace('llm_', '')} | {runs:,} | {processes} x {per_process:,} | "
+                f"{engine.label} | {rate(med['runs_per_s'])}{flag} | "
+                f"{med['ratio']:.2f} of {c / RUN_SECONDS:,.0f} | "
                 f"{rate(med['events_per_s'])} | {med['connections']:.0f} | "
                 f"{med['rss_mb']:.0f} | {verdict(goal, med)} |")
     return "\n".join(lines)
@@ -265,17 +282,18 @@ def section(results: Results, plan: Plan, info: dict[str, str], command: str) ->
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return "\n".join([
         BEGIN,
-        "## LLM-shaped agents (one worker process)",
+        "## LLM-shaped agents",
         "",
         f"Run {when} with `{command}`: {plan.reps} repetition(s), medians. A run makes three "
         f"model calls of 0.4 s (sleeps), emits an event after each and checkpoints after the "
         f"second; procrastinate's job writes one row per step to a table of its own through "
-        f"the ORM (it has no checkpoint). {plan.llm_waves} waves of runs (the concurrency times "
-        f"{plan.llm_waves}), timed from the first claim until none is queued or running, cap "
-        f"{plan.llm_cap:g} s. *Of possible*: runs/s over concurrency / 1.2 s. *Events/s*: the "
+        f"the ORM (it has no checkpoint). Each row queues the runs it states and is timed "
+        f"from the first run's start to the last one's finish (ramp-up and tail included), "
+        f"cap {plan.llm_cap:g} s. *Of possible*: runs/s over all slots / 1.2 s. *Events/s*: the "
         "agent's events (procrastinate: its step rows) over the same time. Connections: the "
         "worker's rows in `pg_stat_activity` (application name from `PGAPPNAME`), sampled "
-        f"every 25 ms; RSS with its children. Server {server()}: PostgreSQL "
+        f"every 25 ms, divided by the processes; RSS of the largest process. Server "
+        f"{server()}: PostgreSQL "
         f"{info.get('PostgreSQL', '?')}, max_connections "
         f"{info.get('max_connections (server-wide)', '?')}, "
         f"CPUs {info.get('CPUs (nproc)', '?')}, load average {info.get('load', '?')}.",

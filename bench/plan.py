@@ -33,13 +33,14 @@ class Plan:
     """The second no-op drain's concurrency per worker process (the first runs one at a time)."""
     worker_warmup: float = 2.5
     """Seconds an idle worker gets to start (and LISTEN) before the latency producer."""
-    llm_configs: tuple[tuple[str, int], ...] = (("llm_sync", 200), ("llm_steps_sync", 200),
-                                                ("llm_async", 200), ("llm_async", 1000),
-                                                ("llm_steps_async", 1000))
-    """The LLM-shaped rows: (agent, concurrency of the one worker process)."""
-    llm_waves: int = 4
-    """Runs queued per LLM trial, in multiples of the concurrency: the steady state dominates."""
-    llm_cap: float = 20.0
+    llm_configs: tuple[tuple[str, int, int, int], ...] = (
+        ("llm_sync", 200, 1, 1500), ("llm_steps_sync", 200, 1, 800),
+        ("llm_async", 200, 1, 1000), ("llm_async", 1000, 1, 4000),
+        ("llm_steps_async", 1000, 1, 4000), ("llm_async", 500, 2, 4000))
+    """The LLM-shaped rows: (agent, --concurrency per process, --processes, runs). Each is
+    timed from the first run's start to the last one's finish, ramp-up and tail included,
+    as a user sees a batch of that many runs."""
+    llm_cap: float = 30.0
 
 
 FULL = Plan(reps=3, drain_runs=5000, drain_cap=10.0, enqueue_one_runs=500, bulk_runs=2000,
@@ -48,7 +49,9 @@ FULL = Plan(reps=3, drain_runs=5000, drain_cap=10.0, enqueue_one_runs=500, bulk_
 QUICK = Plan(reps=1, drain_runs=1000, drain_cap=3.0, enqueue_one_runs=150, bulk_runs=1000,
              bulk_batch=500, latency_rate=20.0, latency_seconds=3.0, io_runs=300,
              io_serial_runs=20, io_cap=2.5, io_concurrency=(100,), sqlite=True,
-             worker_warmup=1.5, llm_waves=2, llm_cap=8.0)
+             worker_warmup=1.5, llm_cap=10.0,
+             llm_configs=(("llm_sync", 200, 1, 400), ("llm_async", 1000, 1, 2000),
+                          ("llm_async", 500, 2, 2000)))
 
 
 def latency(target: Target, engine: Engine, rate: float, seconds: float, warmup: float,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import functools
 import io
 import json
 import os
@@ -56,8 +57,12 @@ def prefill(url: str, runs: int) -> None:
         conn.execute("ANALYZE")
 
 
+@functools.lru_cache(maxsize=4096)
 def shape(sql: str) -> str:
-    """A statement's shape: literals and IN-lists folded, so the same query groups."""
+    """A statement's shape: literals and IN-lists folded, so the same query groups.
+
+    Cached: the worker sends the same parametrized text run after run, and six regex
+    passes per statement (about 0.4 ms per run) were counted as the worker's own CPU."""
     s = re.sub(r"'[^']*'", "?", sql)
     s = re.sub(r"\b\d+(\.\d+)?\b", "?", s)
     s = re.sub(r"\((\s*%s(::\w+)?\s*,?)+\)", "(...)", s)

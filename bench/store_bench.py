@@ -10,7 +10,7 @@ PostgreSQL: DATABASE_URL names the database, else BENCH_PG_URL the server (datab
 - `store`: N coroutines on one event loop, each `await store.acall(EmitWrite)` W times;
 - `threads`: the same writes through `transitions.emit`, each attempt on a pool thread
   holding its own connection (today's path for an async attempt), T threads;
-- `agent`: the issue's LLM-shaped agent, R runs at concurrency N through the store: three
+- `agent`: an LLM-shaped agent, R runs at concurrency N through the store: three
   0.4 s model waits, an emit after each, one checkpoint, then its success.
 
 Connections are the peak of the database's sessions while a figure is taken (the store's

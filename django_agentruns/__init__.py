@@ -36,8 +36,18 @@ from .exceptions import (
 from .registry import agent
 
 if TYPE_CHECKING:
-    from .api import RunRequest, cancel, enqueue, enqueue_many, fork, retry, set_limit
+    from .api import (
+        RunRequest,
+        cancel,
+        enqueue,
+        enqueue_many,
+        fork,
+        open_key,
+        retry,
+        set_limit,
+    )
     from .ops.retention import erase
+    from .outcomes import Approval, DeliverResult, RunResult
     from .queues import pause_queue, resume_queue
     from .runtime.context import RunContext
     from .runtime.interactive import run_now
@@ -46,7 +56,6 @@ if TYPE_CHECKING:
     from .streaming.signing import stream_url
     from .streaming.waiters import await_run, wait_for_run
     from .transitions import CancelResult
-    from .wait_results import Approval, DeliverResult, RunResult
     from .waiting import approve, deliver, reject
 
 __version__ = VERSION
@@ -80,6 +89,7 @@ __all__ = [
     "enqueue_many",
     "erase",
     "fork",
+    "open_key",
     "pause_queue",
     "reject",
     "remove_schedule",
@@ -94,13 +104,13 @@ __all__ = [
 
 _LAZY = {"RunContext": "runtime.context", "CancelResult": "outcomes", "enqueue": "api",
          "enqueue_many": "api", "cancel": "api", "retry": "api", "run_now": "runtime.interactive",
-         "RunRequest": "api", "Approval": "wait_results", "DeliverResult": "wait_results",
-         "RunResult": "wait_results", "deliver": "waiting", "approve": "waiting",
+         "RunRequest": "api", "Approval": "outcomes", "DeliverResult": "outcomes",
+         "RunResult": "outcomes", "deliver": "waiting", "approve": "waiting",
          "reject": "waiting", "wait_for_run": "streaming.waiters", "await_run": "streaming.waiters",
          "fork": "api", "pause_queue": "queues", "resume_queue": "queues",
          "add_schedule": "schedules", "remove_schedule": "schedules", "set_limit": "api",
          "stream_chunks": "streaming.reader", "stream_url": "streaming.signing",
-         "erase": "ops.retention"}
+         "erase": "ops.retention", "open_key": "api"}
 
 
 def __getattr__(name: str) -> Any:
@@ -128,6 +138,7 @@ MOVED = {
     "triage": ("ops.triage",), "visibility": ("ops.visibility",),
     "diagnosis": ("ops.diagnosis",), "tracing": ("ops.tracing",), "pooling": ("ops.pooling",),
     "retention": ("ops.retention",), "workers": ("ops.workers", "runtime.presence"),
+    "wait_results": ("outcomes",),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -12,11 +13,15 @@ from django.utils import timezone
 
 from . import signals, transitions
 from .exceptions import InvalidInputError, RunNotFoundError
-from .limits import LimitKey, check_budget, check_key, check_max_running, resolve_limit_key
+from .limits import LimitKey, check_budget, check_limit_key, resolve_limit_key
 from .models import AgentRun
 from .registry import QUEUE_RULE, get_agent, is_queue_name
 from .transitions import CancelResult, NewRun
-from .validation import capped_json, storable_text, unstorable_text
+from .validation import capped_json, is_short_text, storable_text
+from .windows import KEEP
+from .windows import check_field as check_limit_field
+
+logger = logging.getLogger("django_agentruns.limits")
 
 SCOPE_MAX = 255
 DEDUPE_KEY_MAX = 255
@@ -39,7 +44,10 @@ class RunRequest:
     run_after: datetime | timedelta | float | None = None
     fired_seq: int = 0
     dedupe_key: str | None = None
-    limit_key: str | None = None
+    limit_key: str | list[str] | None = None
+
+
+MAX_DEBOUNCE = 86400 * 365  # a year: a debounce is a pause, not a schedule
 
 
 def enqueue(
@@ -52,14 +60,20 @@ def enqueue(
     run_after: datetime | timedelta | float | None = None,
     fired_seq: int = 0,
     dedupe_key: str | None = None,
-    limit_key: str | None = None,
+    limit_key: str | list[str] | None = None,
+    debounce: float | None = None,
+    supersede: bool = False,
 ) -> AgentRun:
     """Queue a run of `agent`, in the caller's transaction: roll back and it never existed.
 
     `run_after` is a datetime, a timedelta or seconds from now. With `dedupe_key`, an
     unfinished (queued or running) run of the agent with that key is returned instead of
     a new one, its `deduplicated` True; race-free across processes. `limit_key` overrides
-    the agent's (see django_agentruns.limits). Raises
+    the agent's (see django_agentruns.limits). With `dedupe_key`: `debounce=seconds` makes a
+    queued run holding the key take this input and start `seconds` from now instead (its
+    `debounced` True; a new run starts then too, and gives up the key as it starts);
+    `supersede=True` cancels the unfinished run holding the key ("superseded by run N")
+    and queues this one in its place. Raises
     `UnknownAgentError` or `InvalidInputError` before anything is written. One INSERT:
     in autocommit it is the whole transaction (one round trip); PostgreSQL's trigger
     wakes the queue's workers once it commits.
@@ -67,9 +81,36 @@ def enqueue(
     at = timezone.now()
     request = RunRequest(agent, input, scope, queue, priority, run_after, fired_seq, dedupe_key,
                          limit_key)
-    (run,) = transitions.insert_runs([build_new_run(request, at, {})], at)
+    new = build_new_run(request, at, {})
+    if debounce is None and supersede is False:
+        (run,) = transitions.insert_runs([new], at)
+    else:
+        run = _enqueue_on_holder(new, at, debounce, supersede, run_after)
     _announce([run])
     return run
+
+
+def _enqueue_on_holder(new: transitions.NewRun, at: datetime, debounce: Any, supersede: Any,
+                       run_after: Any) -> AgentRun:
+    """`enqueue` with `debounce` or `supersede`, checked first (a bad one writes nothing)."""
+    if not isinstance(supersede, bool):
+        raise InvalidInputError(f"supersede must be True or False, not {supersede!r:.40}")
+    if not new.dedupe_key:
+        raise InvalidInputError("debounce and supersede act on the run holding a dedupe key: "
+                                "give a dedupe_key")
+    if debounce is None:
+        return transitions.enqueue_superseding(new, at)
+    if supersede:
+        raise InvalidInputError("give debounce or supersede, not both")
+    if run_after is not None:
+        raise InvalidInputError("a debounced run starts `debounce` seconds after the last "
+                                "enqueue: give debounce or run_after, not both")
+    if isinstance(debounce, bool) or not isinstance(debounce, int | float) \
+            or not math.isfinite(debounce) or not 0 <= debounce <= MAX_DEBOUNCE:
+        raise InvalidInputError(f"debounce must be seconds in 0..{MAX_DEBOUNCE}, "
+                                f"not {debounce!r:.40}")
+    return transitions.enqueue_debounced(
+        new._replace(available_at=at + timedelta(seconds=debounce)), at)
 
 
 def enqueue_many(requests: Iterable[RunRequest | Mapping[str, Any]]) -> list[AgentRun]:
@@ -157,14 +198,14 @@ def build_new_run(request: RunRequest, at: datetime,
                   fired_seq=fired_seq, input=payload, input_json=text,
                   max_requeues=agent.max_requeues,
                   available_at=_due_time(request.run_after, at), dedupe_key=key,
-                  limit_key=resolve_limit_key(agent.name, agent.limit_key, request.limit_key,
-                                              payload), agent_version=agent.version)
+                  limit_keys=resolve_limit_key(agent.name, agent.limit_key, request.limit_key,
+                                               payload), agent_version=agent.version)
 
 
 def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:
     if not isinstance(value, str):
         raise InvalidInputError(f"{name} must be a string, not {type(value).__name__}")
-    if (not value and not allow_empty) or len(value) > limit or unstorable_text(value):
+    if not is_short_text(value, limit, empty=allow_empty):
         raise InvalidInputError(f"{name} must be {'0' if allow_empty else '1'}-{limit} "
                                 f"characters with no NUL or surrogate, not {value[:50]!r}")
     return value
@@ -228,7 +269,10 @@ def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
     """Queue a new run of `run_id`'s agent that starts from its checkpoint `checkpoint`
     (numbered from 1 in the order saved; None: the last), with `input` in place of the
     run's own when given. The new run's `forked_from` is the origin, and its timeline
-    opens with a `run.forked` event; the origin is left as it was.
+    opens with a `run.forked` event; the origin is left as it was. The fork keeps the
+    origin's limit key (so it counts against the same limit, and a closed key holds it
+    too); given a new `input`, an agent whose `limit_key` is a callable has it computed
+    from that input.
 
     `replay=True`: every step the origin completed returns the origin's recorded result
     in the fork, without calling its function (copied: purging the origin never breaks
@@ -253,12 +297,17 @@ def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
     # UnknownAgentError: nothing here could run the fork (the origin's agent need not be
     # registered when another one runs it).
     spec = get_agent(origin_agent if agent is None else agent)
+    limit_key = None  # None: the origin's
     if input is not None:
         capped_json(input, f"Input of agent {spec.name!r}", "MAX_INPUT_BYTES")
+        if callable(spec.limit_key):
+            keys = resolve_limit_key(spec.name, spec.limit_key, None, input)
+            limit_key = keys[0] if keys else ""  # the first of a failover list
     run = transitions.insert_fork(
         pk, checkpoint, input, storable_text(str(by)[:255]), timezone.now(), replay=replay,
         agent=None if agent is None else spec.name,
-        queue=None if agent is None else spec.effective_queue(), version=spec.version)
+        queue=None if agent is None else spec.effective_queue(), version=spec.version,
+        limit_key=limit_key)
     if run is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
     _announce([run])
@@ -280,11 +329,31 @@ def run_id_of(run_id: Any) -> int:
         raise InvalidInputError(f"Run id must be an integer, not {run_id!r}") from None
 
 
-def set_limit(key: str, max_running: int | None) -> None:
-    """At most `max_running` runs of `key` run at once across all workers, from the next
-    claim on (runs already running are left to finish). None: back to the LIMITS setting,
-    or unlimited. 0 pauses the key. Raises InvalidInputError (writing nothing) for a bad
-    key or number."""
-    check_key(key, "key")
-    check_max_running(max_running)
-    transitions.write_limit(key, max_running)
+def set_limit(
+    key: str, max_running: Any = KEEP, *, per_minute: Any = KEEP,
+    tokens_per_minute: Any = KEEP, cost_per_day: Any = KEEP,
+) -> None:
+    """Set a key's limits, across all workers from the next claim on (runs already running
+    are left to finish): `max_running` at once (0 pauses the key), `per_minute` runs
+    started per rolling minute, `tokens_per_minute` tokens and `cost_per_day` cost recorded
+    per rolling window. An argument left out leaves that field as it is; None puts it back
+    to the LIMITS setting (or unbounded). A key ending in `*` is a pattern: each key with
+    that prefix gets windows of its own of that size. Raises InvalidInputError (writing
+    nothing) for a bad key or value."""
+    check_limit_key(key, "key")
+    given = {"max_running": max_running, "per_minute": per_minute,
+             "tokens_per_minute": tokens_per_minute, "cost_per_day": cost_per_day}
+    fields = {name: check_limit_field(name, value) for name, value in given.items()
+              if value is not KEEP}
+    transitions.write_limit(key, fields)
+
+
+
+def open_key(key: str) -> bool:
+    """Reopen a limit key closed by a 429 (a `Snooze` that closes its key)
+    before its time: its runs may start at the next claim. False if it was not closed."""
+    check_limit_key(key, "key")
+    opened = transitions.open_key(key)
+    if opened:
+        logger.info("limit key %s reopened", key, extra={"limit_key": key})
+    return opened

@@ -11,9 +11,9 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import SETTING_NAME, AppSettings, Defaults
-from .limits import limits_problem
 from .registry import QUEUE_RULE, is_queue_name
 from .sqlite import SQLITE_OPTIONS
+from .windows import settings_problem as limits_problem
 
 E001_NOT_A_DICT = "agentruns.E001"
 E002_UNKNOWN_SETTING = "agentruns.E002"
@@ -54,7 +54,8 @@ _INTEGERS = ("MAX_REQUEUES", "CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PRO
 _AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS",
                  "WAITERS_PER_PROCESS")
 _SIZES = ("MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES")
-_CAPS = (*_SIZES, "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP", "MAX_STEPS_PER_RUN")
+_CAPS = (*_SIZES, "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP", "MAX_STEPS_PER_RUN",
+         "MAX_SPAWN_DEPTH", "MAX_CHILDREN_PER_RUN", "MAX_DELIVERIES_PER_RUN")
 _FLAGS = ("UNKNOWN_ERRORS_RETRYABLE", "PREPARED_STATEMENTS")
 
 
@@ -279,21 +280,28 @@ def reconnect_warning(db: dict[str, Any]) -> list[CheckMessage]:
 
 
 def check_worker_connections(concurrency: int, own: int, sync_agents: bool,
-                             max_connections: int | None) -> list[CheckMessage]:
-    """Run by `runworker` at start (it alone knows `--concurrency`): the worker holds `own`
-    connections whatever its concurrency, but each thread of a sync agent that runs its
-    own ORM queries opens one more. Warn when those could pass the server's
-    `max_connections` (None: not PostgreSQL, or not known)."""
-    if max_connections is None or not sync_agents or concurrency + own <= max_connections:
+                             max_connections: int | None,
+                             processes: int = 1) -> list[CheckMessage]:
+    """Run by `runworker` at start (it alone knows `--concurrency` and `--processes`): each
+    worker process holds `own` connections whatever its concurrency, and each thread of a
+    sync agent that runs its own ORM queries opens one more. Warn when the processes'
+    connections could pass the server's `max_connections` (None: not PostgreSQL, or not
+    known)."""
+    per_process = own + (concurrency if sync_agents else 0)
+    total = processes * per_process
+    if max_connections is None or total <= max_connections:
         return []
+    where = f"runworker --processes {processes} --concurrency {concurrency}" \
+        if processes > 1 else f"runworker --concurrency {concurrency}"
+    agents = (f"if each sync agent opens its own connection (its own ORM queries), this "
+              f"worker may hold {total} connections ({processes * own} of its own)"
+              if sync_agents else f"this worker holds {total} connections")
     return [Warning(
-        f"runworker --concurrency {concurrency} with sync agents: if each agent opens its "
-        f"own connection (its own ORM queries), this worker may hold {concurrency + own} "
-        f"connections ({own} of its own), past the server's max_connections "
-        f"({max_connections}).",
-        hint="The worker's own writes need no connection per attempt. For agents' queries "
-             "use Django's pool (OPTIONS = {'pool': {...}}, psycopg[pool]) or a pooler, or "
-             "lower --concurrency.",
+        f"{where}: {agents}, past the server's max_connections ({max_connections}).",
+        hint="Each process holds its own connections; the worker's own writes need none per "
+             "attempt. Lower --processes or --concurrency; for agents' queries use Django's "
+             "pool (OPTIONS = {'pool': {...}}, psycopg[pool]) or a pooler; or raise "
+             "max_connections (docs/deployment.md, sizing).",
         id=W008_CONNECTIONS)]
 
 

@@ -82,6 +82,17 @@ class Defaults:
     MAX_STEPS_PER_RUN: int = 10_000
     """Durable steps (`ctx.step`) a run may record; past it `ctx.step` raises
     `LimitExceeded`, naming the step."""
+    MAX_SPAWN_DEPTH: int = 10
+    """Deepest tree of child runs: a run `MAX_SPAWN_DEPTH` levels below its root cannot
+    `ctx.spawn` (LimitExceeded, which dead-letters it unless the agent catches it), so an
+    agent that spawns itself cannot grow without end."""
+    MAX_CHILDREN_PER_RUN: int = 1000
+    """Most child runs one run may spawn (over all its attempts); past it `ctx.spawn`
+    raises LimitExceeded."""
+    MAX_DELIVERIES_PER_RUN: int = 1000
+    """Most payloads `deliver` may store for keys a run does not wait for yet (unread
+    deliveries); past it `deliver` raises LimitExceeded. A delivery that answers the
+    run's current wait is always taken."""
     LISTEN_DATABASE: str | None = None
     """Alias of the `DATABASES` entry the worker's LISTEN connection uses, one that reaches
     PostgreSQL directly, not through a transaction pooler (PgBouncer in transaction mode
@@ -93,7 +104,7 @@ class Defaults:
     """Snoozes a run gets without spending its requeue budget (`Snooze`, or a 429/503 with
     Retry-After); past them a snooze counts as an ordinary retry, so a run cannot wait
     forever."""
-    LIMITS: dict[str, int] | None = None
+    LIMITS: dict[str, Any] | None = None
     """Most runs of a limit key running at once across all workers, e.g. {"openai": 20}.
     `set_limit(key, n)` (or the admin) overrides a key at run time; keys in neither are
     unlimited."""

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hashlib
 import logging
 import random
+import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from django.db import (
@@ -273,3 +275,96 @@ def self_check(listening: Any, channel: str, send_alias: str = DEFAULT_DB_ALIAS,
         sender.execute("SELECT pg_notify(%s, %s)", [channel, nonce])
     return any(note.channel == channel and note.payload == nonce
                for note in listening.notifies(timeout=timeout, stop_after=1))
+
+
+@contextlib.contextmanager
+def listening(alias: str, *channels: str) -> Iterator[Any]:
+    """A psycopg connection of its own to `alias` (no pool: a pooled one would be handed
+    to others between statements), LISTENing on `channels`; closed on leaving."""
+    import psycopg
+
+    with psycopg.connect(**connect_params(alias), autocommit=True) as conn:
+        for channel in channels:
+            conn.execute(f"LISTEN {channel}")
+        yield conn
+
+
+class Reconnects:
+    """The failures in a row of a LISTEN connection that its thread keeps reopening:
+    each is logged (the first with its traceback) and waited out, doubling up to
+    `longest` seconds, so a database that is away is not hammered; polling covers it."""
+
+    def __init__(self, log: logging.Logger, what: str, first: float, longest: float) -> None:
+        self.log, self.what, self.first, self.longest = log, what, first, longest
+        self.failures = 0
+
+    def connected(self) -> None:
+        self.failures = 0
+
+    def failed(self, then: str = "", *args: Any) -> float:
+        """Log one more failure (`then`: what happens meanwhile); the seconds to wait."""
+        self.failures += 1
+        self.log.warning(f"%s failed (%s in a row){then}", self.what, self.failures, *args,
+                         exc_info=self.failures == 1)
+        return min(self.longest, self.first * 2.0 ** min(self.failures, 16))
+
+
+def serve_on_demand(wanted: Callable[[], bool], changed: threading.Event,
+                    serve: Callable[[], None], reconnects: Reconnects,
+                    after: Callable[[], None]) -> None:
+    """A listener thread's life, forever: asleep while nothing is `wanted()` (woken by
+    `changed`), else `serve()` (which returns once nothing is), reopened after a failure
+    when `reconnects` says; `after()` follows each serve, failed or not."""
+    while True:
+        if not wanted():
+            changed.wait()
+            changed.clear()
+            continue
+        try:
+            serve()
+            reconnects.connected()
+        except Exception:  # the database is away: those waiting time out or poll meanwhile
+            time.sleep(reconnects.failed())
+        finally:
+            after()
+
+
+# ------------------------------------------------------ retrying an attempt's writes
+
+FIRST_RETRY_WAIT = 0.05
+LONGEST_RETRY_WAIT = 1.0
+RetryHandler = Callable[[Exception, float, bool], None]
+"""`on_error(exc, wait, spent)`: raises to give up, or returns to retry after `wait` s;
+`spent` says half the lease is (or would be, after the wait) gone."""
+
+
+def retry_for_half_lease(lease_ttl: float | None, write: Callable[[], T],
+                         on_error: RetryHandler,
+                         errors: tuple[type[Exception], ...] = (DatabaseError,)) -> T:
+    """`write()`, retried after each of `errors` with backoff (0.05 s doubling to 1 s) while
+    half the lease is left: past it the run lapses and another worker may reclaim it, so a
+    write retried longer would race the new owner. `on_error` decides each time."""
+    deadline = time.monotonic() + (lease_ttl or 0.0) / 2
+    wait = FIRST_RETRY_WAIT
+    while True:
+        try:
+            return write()
+        except errors as exc:
+            on_error(exc, wait, time.monotonic() + wait > deadline)
+        time.sleep(wait)
+        wait = min(LONGEST_RETRY_WAIT, wait * 2)
+
+
+async def aretry_for_half_lease(lease_ttl: float | None, write: Callable[[], Awaitable[T]],
+                                on_error: RetryHandler,
+                                errors: tuple[type[Exception], ...] = (DatabaseError,)) -> T:
+    """`retry_for_half_lease` on the event loop: the write awaited, the waits too."""
+    deadline = time.monotonic() + (lease_ttl or 0.0) / 2
+    wait = FIRST_RETRY_WAIT
+    while True:
+        try:
+            return await write()
+        except errors as exc:
+            on_error(exc, wait, time.monotonic() + wait > deadline)
+        await asyncio.sleep(wait)
+        wait = min(LONGEST_RETRY_WAIT, wait * 2)

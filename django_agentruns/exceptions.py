@@ -49,7 +49,8 @@ class RunNotFinishedError(InvalidInputError):
 class Retryable(Exception):
     """Raise from an agent for a transient failure: the run is retried within its budget.
 
-    `delay` (seconds) overrides the backoff for this retry, as a Retry-After header would.
+    `delay` (seconds) overrides the backoff for this retry, as a Retry-After header would;
+    it is capped at `MAX_DELAY_SECONDS` (a week), and a NaN one is ignored.
     """
 
     def __init__(self, message: str = "", *, delay: float | None = None) -> None:
@@ -75,6 +76,10 @@ class Snooze(Exception):
 
 MAX_SNOOZE_SECONDS = 7 * 24 * 3600
 """The longest snooze (a week): a Retry-After past it is taken as this."""
+
+MAX_DELAY_SECONDS = MAX_SNOOZE_SECONDS
+"""The longest delay before a retry (a week): a `Retryable(delay=)` or a Retry-After past
+it, infinite included, is taken as this; a NaN one is ignored (the backoff decides)."""
 
 
 class NotRetryable(Exception):

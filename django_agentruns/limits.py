@@ -3,36 +3,31 @@
 Pure checks, no database (`api.set_limit` writes a limit, `transitions.limited` claims
 under them). A run's limit key is resolved once, at enqueue
 (`resolve_limit_key`), and stored on the run; the claim (transitions.limited) reads the
-limits table under a lock per key. A key's limit is its row's `max_running`, else
-`AGENTRUNS["LIMITS"][key]`, else none (unlimited).
+limits table under a lock per key. A key's limits (running at once, and its windows) are
+in django_agentruns.windows.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .conf import SETTING_NAME, app_settings
 from .exceptions import InvalidInputError
+from .validation import check_short_text
 
 KEY_MAX = 200  # AgentRun.limit_key, AgentLimit.key
-_NUL_OR_SURROGATE = re.compile("[\x00\ud800-\udfff]")
 LARGEST_LIMIT = 2**31 - 1
 BUDGET_FIELDS = ("tokens", "cost")
 
-LimitKey = str | Callable[[Any], "str | None"] | None
+LimitKey = str | list[str] | Callable[[Any], "str | list[str] | None"] | None
+MAX_FAILOVER_KEYS = 20
 
 
-def check_key(value: Any, what: str = "limit_key") -> str:
+def check_limit_key(value: Any, what: str = "limit_key") -> str:
     """A limit key is 1-200 characters with no NUL or surrogate."""
-    if not isinstance(value, str) or not 1 <= len(value) <= KEY_MAX \
-            or _NUL_OR_SURROGATE.search(value):
-        raise InvalidInputError(f"{what} must be a string of 1-{KEY_MAX} characters with no NUL "
-                                f"or surrogate, not {value!r:.80}")
-    return value
+    return check_short_text(value, what, KEY_MAX)
 
 
 def check_max_running(value: Any) -> int | None:
@@ -45,27 +40,43 @@ def check_max_running(value: Any) -> int | None:
 
 
 def check_agent_limit_key(name: str, value: Any) -> None:
-    """`@agent(limit_key=...)`: a key, or a callable of the input returning one."""
+    """`@agent(limit_key=...)`: a key, a list of keys (failover, in order of preference), or
+    a callable of the input returning either."""
     if value is None or callable(value):
         return
-    check_key(value, f"Agent {name!r}: limit_key")
+    check_keys(value, f"Agent {name!r}: limit_key")
 
 
-def resolve_limit_key(agent: str, default: LimitKey, override: Any, input: Any) -> str:
-    """The key stored on a new run: `enqueue(limit_key=...)`, else the agent's (a callable
-    is called with the input), else "" (no key). Raises InvalidInputError for a bad one."""
+def check_keys(value: Any, what: str = "limit_key") -> tuple[str, ...]:
+    """A key, or a non-empty list of distinct keys, as a tuple (failover order)."""
+    if isinstance(value, list | tuple):
+        if not value or len(value) > MAX_FAILOVER_KEYS:
+            raise InvalidInputError(f"{what} as a list must hold 1-{MAX_FAILOVER_KEYS} keys, "
+                                    f"not {len(value)}")
+        keys = tuple(check_limit_key(k, what) for k in value)
+        if len(set(keys)) != len(keys):
+            raise InvalidInputError(f"{what} lists a key twice: {list(keys)!r:.120}")
+        return keys
+    return (check_limit_key(value, what),)
+
+
+def resolve_limit_key(agent: str, default: LimitKey, override: Any, input: Any
+                      ) -> tuple[str, ...]:
+    """The keys of a new run, in failover order (): `enqueue(limit_key=...)`, else the
+    agent's (a callable is called with the input), else none. Raises InvalidInputError
+    for a bad one."""
     if override is not None:
-        return check_key(override)
+        return check_keys(override)
     if default is None:
-        return ""
+        return ()
     if callable(default):
         try:
             key = default(input)
         except Exception as exc:
             raise InvalidInputError(f"Agent {agent!r}: limit_key({input!r:.80}) raised "
                                     f"{type(exc).__name__}: {exc}") from exc
-        return "" if key is None else check_key(key, f"Agent {agent!r}: limit_key(input)")
-    return check_key(default)
+        return () if key is None else check_keys(key, f"Agent {agent!r}: limit_key(input)")
+    return check_keys(default)
 
 
 # --------------------------------------------------------------------------- budgets
@@ -119,34 +130,3 @@ def effective_budget(run_budget: Any, agent_budget: Budget | None) -> Budget | N
         except InvalidInputError:
             return agent_budget  # a hand-edited row: keep the agent's rather than none
     return agent_budget
-
-
-# --------------------------------------------------------------------------- limits
-
-
-def settings_limits() -> dict[str, int]:
-    """`AGENTRUNS["LIMITS"]`, the valid entries (the system check reports the rest)."""
-    raw = app_settings.LIMITS or {}
-    if not isinstance(raw, Mapping):
-        return {}
-    return {k: v for k, v in raw.items() if not limits_problem(k, v)}
-
-
-def limits_problem(key: Any, value: Any) -> str | None:
-    """Why `LIMITS[key] = value` is refused, if it is."""
-    try:
-        check_key(key, f"{SETTING_NAME}['LIMITS'] key")
-        if value is None:
-            raise InvalidInputError("a limit must be a whole number >= 0, not None")
-        check_max_running(value)
-    except InvalidInputError as exc:
-        return str(exc)
-    return None
-
-
-def effective_limit(key: str, max_running: int | None) -> int | None:
-    """A key's limit: its row's value, else the setting's, else None (unlimited)."""
-    if max_running is not None:
-        return max_running
-    return settings_limits().get(key)
-

@@ -8,30 +8,31 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
 
 from .queries import RunQuerySet
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Reason, Status
 
 __all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "UNFINISHED", "AgentLimit", "AgentRun",
-           "PausedQueue", "Reason", "RunCheckpoint", "RunEvent", "RunStep", "RunWait", "Schedule",
-           "Status", "WorkerRecord"]
+           "KeyWindowEntry", "PausedQueue", "Reason", "RunCheckpoint", "RunEvent", "RunStep",
+           "RunWait", "Schedule", "Status", "WorkerRecord"]
 
 
 class AgentRun(models.Model):
     id = models.BigAutoField(primary_key=True)
     agent = models.CharField(max_length=200)
     queue = models.CharField(max_length=100)
-    priority = models.SmallIntegerField(default=0, help_text="Higher runs first.")
+    priority = models.SmallIntegerField(default=0, help_text=_("Higher runs first."))
     scope = models.CharField(max_length=255, blank=True, default="")
     fired_seq = models.BigIntegerField(
-        default=0, help_text="Firing order within the scope; ties are broken by id."
+        default=0, help_text=_("Firing order within the scope; ties are broken by id.")
     )
     input = models.JSONField(default=dict, blank=True)
     output = models.JSONField(null=True, blank=True)
 
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
     reason = models.CharField(max_length=32, choices=Reason.choices, blank=True, default="")
-    attempt = models.PositiveIntegerField(default=0, help_text="Attempts started so far.")
+    attempt = models.PositiveIntegerField(default=0, help_text=_("Attempts started so far."))
     requeue_count = models.PositiveIntegerField(default=0)
     max_requeues = models.PositiveIntegerField(default=3)
 
@@ -47,12 +48,12 @@ class AgentRun(models.Model):
     output_tokens = models.BigIntegerField(default=0)
     cost = models.FloatField(default=0.0)
     budget = models.JSONField(null=True, blank=True,
-                              help_text="Overrides the agent's budget (an operator's retry).")
+                              help_text=_("Overrides the agent's budget (an operator's retry)."))
 
     checkpoint_state = models.JSONField(null=True, blank=True)
     checkpoint_count = models.PositiveIntegerField(default=0)
     agent_version = models.PositiveIntegerField(
-        default=1, help_text="The agent's version the run started under (@agent(version=)).")
+        default=1, help_text=_("The agent's version the run started under (@agent(version=))."))
 
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     cancel_reason = models.TextField(blank=True, default="")
@@ -74,20 +75,32 @@ class AgentRun(models.Model):
     spawn_key = models.CharField(max_length=200, blank=True, default="")
     dedupe_key = models.CharField(
         max_length=255, blank=True, default="",
-        help_text="While the run is unfinished, enqueueing its agent with this key returns it.")
+        help_text=_("While the run is unfinished, enqueueing its agent with this key returns it."))
     forked_from = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="forks",
-        help_text="The run this one was forked from (`fork`), starting at one of its "
-                  "checkpoints.")
+        help_text=_("The run this one was forked from (`fork`), starting at one of its "
+                  "checkpoints."))
+
+    limit_keys = models.JSONField(
+        null=True, blank=True, help_text="Failover: the limit keys the run may take, in order; "
+                                         "a 429 on its key moves it to the next open one.")
+    release_dedupe_at_start = models.BooleanField(
+        default=False, help_text="Debounced: the claim that starts it gives up its dedupe key, "
+                                 "so that a new enqueue with the key queues a new run.")
 
     # Set on the run `enqueue` returns: True when it is an existing unfinished run with the
     # same dedupe key rather than a new one. Not a column.
     deduplicated: bool = False
+    # Set on the run `enqueue(debounce=...)` returns: True when an existing queued run took
+    # the new input and start time. Not a column.
+    debounced: bool = False
 
     # Named reads (`.dead_letters()`, `.lapsed(at)`, ...): see django_agentruns.queries.
     objects = RunQuerySet.as_manager()
 
     class Meta:
+        verbose_name = _("agent run")
+        verbose_name_plural = _("agent runs")
         ordering = ("-id",)
         permissions = (
             ("retry_agentrun", "Can retry failed or cancelled runs"),
@@ -158,32 +171,74 @@ class AgentLimit(models.Model):
     key = models.CharField(max_length=200, primary_key=True)
     max_running = models.PositiveIntegerField(
         null=True, blank=True,
-        help_text="Most runs of this key running at once; empty: the LIMITS setting, "
-                  "else unlimited.")
+        help_text=_("Most runs of this key running at once; empty: the LIMITS setting, "
+                  "else unlimited."))
     closed_until = models.DateTimeField(
-        null=True, blank=True, help_text="No run of this key starts before then (a 429).")
+        null=True, blank=True, help_text=_("No run of this key starts before then (a 429)."))
     closed_reason = models.CharField(max_length=255, blank=True, default="")
+    per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Most runs of this key started per rolling minute; "
+                                         "empty: the LIMITS setting, else unbounded.")
+    tokens_per_minute = models.BigIntegerField(
+        null=True, blank=True, help_text="Most tokens recorded per rolling minute; empty: the "
+                                         "LIMITS setting, else unbounded.")
+    cost_per_day = models.FloatField(
+        null=True, blank=True, help_text="Most cost recorded per rolling day; empty: the "
+                                         "LIMITS setting, else unbounded.")
     updated_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         ordering = ("key",)
-        verbose_name = "limit"
+        verbose_name = _("limit")
+        verbose_name_plural = _("limits")
 
     def __str__(self) -> str:
         return self.key
 
 
+class KeyWindowEntry(models.Model):
+    """An attempt started under a windowed limit key: one start in its key's per-minute
+    window, and the tokens and cost it reserved (an estimate) and used (`record_usage`).
+
+    While its attempt is the run's running one it counts the larger of the two; once that
+    attempt ended (or was lost and its run reclaimed) only what it used.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    key = models.CharField(max_length=200)
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="+")
+    attempt = models.PositiveIntegerField()
+    started_at = models.DateTimeField()
+    reserved_tokens = models.BigIntegerField(default=0)
+    reserved_cost = models.FloatField(default=0.0)
+    used_tokens = models.BigIntegerField(default=0)
+    used_cost = models.FloatField(default=0.0)
+
+    class Meta:
+        verbose_name = "key window entry"
+        verbose_name_plural = "key window entries"
+        indexes = (
+            models.Index(fields=("key", "started_at"), name="agentruns_window_key"),
+            models.Index(fields=("run", "attempt"), name="agentruns_window_run"),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.key}: run {self.run_id} attempt {self.attempt}"
+
+
 class RunEvent(models.Model):
     id = models.BigAutoField(primary_key=True)
     run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="events")
-    seq = models.PositiveIntegerField(help_text="Position in the run's stream, from 1.")
-    event_id = models.UUIDField(unique=True, help_text="Deterministic: a re-emit adds nothing.")
+    seq = models.PositiveIntegerField(help_text=_("Position in the run's stream, from 1."))
+    event_id = models.UUIDField(unique=True, help_text=_("Deterministic: a re-emit adds nothing."))
     type = models.CharField(max_length=100)
     payload = models.JSONField(default=dict, blank=True)
     attempt = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
+        verbose_name = _("run event")
+        verbose_name_plural = _("run events")
         ordering = ("run", "seq")
         constraints = (
             models.UniqueConstraint(fields=("run", "seq"), name="agentruns_event_run_seq"),
@@ -207,12 +262,14 @@ class WorkerRecord(models.Model):
     pid = models.PositiveIntegerField()
     queues = models.JSONField(default=list)
     concurrency = models.PositiveIntegerField(default=1)
-    agents = models.JSONField(default=list, help_text="Agent names registered in the worker.")
+    agents = models.JSONField(default=list, help_text=_("Agent names registered in the worker."))
     version = models.CharField(max_length=50, blank=True, default="")
     started_at = models.DateTimeField(default=timezone.now)
     last_seen_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
+        verbose_name = _("worker record")
+        verbose_name_plural = _("worker records")
         ordering = ("-last_seen_at",)
         indexes = (models.Index(fields=("last_seen_at",), name="agentruns_worker_seen"),)
 
@@ -236,15 +293,17 @@ class RunWait(models.Model):
     run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="waits")
     key = models.CharField(max_length=210)
     kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.INPUT)
-    prompt = models.JSONField(null=True, blank=True, help_text="For whoever answers.")
+    prompt = models.JSONField(null=True, blank=True, help_text=_("For whoever answers."))
     deadline = models.DateTimeField(null=True, blank=True)
-    waited_at = models.DateTimeField(null=True, blank=True, help_text="Last time it waited.")
+    waited_at = models.DateTimeField(null=True, blank=True, help_text=_("Last time it waited."))
     timed_out_at = models.DateTimeField(null=True, blank=True)
     payload = models.JSONField(null=True, blank=True)
     delivered_at = models.DateTimeField(null=True, blank=True)
     delivered_by = models.CharField(max_length=255, blank=True, default="")
 
     class Meta:
+        verbose_name = _("run wait")
+        verbose_name_plural = _("run waits")
         ordering = ("run", "id")
         constraints = (
             models.UniqueConstraint(fields=("run", "key"), name="agentruns_wait_run_key"),
@@ -252,6 +311,32 @@ class RunWait(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.run_id} {self.key}"
+
+
+class RunUsage(models.Model):
+    """One model call's usage as `ctx.record_usage` recorded it, keyed by attempt and
+    sequence: a write retried after a lost commit acknowledgement finds its key taken and
+    adds nothing, so the run's totals (on AgentRun) count each call once."""
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="usage_records")
+    attempt = models.PositiveIntegerField()
+    seq = models.PositiveIntegerField(help_text="The call's number within its attempt, from 1.")
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    cost = models.FloatField(default=0.0)
+    model = models.CharField(max_length=100, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        verbose_name = "usage record"
+        ordering = ("run", "attempt", "seq")
+        constraints = (
+            models.UniqueConstraint(fields=("run", "attempt", "seq"), name="agentruns_usage_key"),
+        )
+
+    def __str__(self) -> str:
+        return f"#{self.run_id} attempt {self.attempt} usage {self.seq}"
 
 
 class RunCheckpoint(models.Model):
@@ -264,11 +349,13 @@ class RunCheckpoint(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="checkpoints")
-    number = models.PositiveIntegerField(help_text="From 1, in the order saved.")
+    number = models.PositiveIntegerField(help_text=_("From 1, in the order saved."))
     state = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
+        verbose_name = _("run checkpoint")
+        verbose_name_plural = _("run checkpoints")
         ordering = ("run", "number")
         constraints = (
             models.UniqueConstraint(fields=("run", "number"), name="agentruns_checkpoint_number"),
@@ -296,32 +383,34 @@ class Schedule(models.Model):
     name = models.CharField(max_length=200, unique=True)
     agent = models.CharField(max_length=200)
     cron = models.CharField(max_length=200, blank=True, default="",
-                            help_text="Cron expression (5 fields), in `tz`.")
+                            help_text=_("Cron expression (5 fields), in `tz`."))
     every = models.PositiveIntegerField(null=True, blank=True,
-                                        help_text="Seconds between ticks, aligned to the epoch.")
+                                        help_text=_("Seconds between ticks, aligned to the epoch."))
     tz = models.CharField(max_length=64, blank=True, default="",
-                          help_text="IANA time zone of the cron expression; empty: TIME_ZONE.")
+                          help_text=_("IANA time zone of the cron expression; empty: TIME_ZONE."))
     input = models.JSONField(default=dict, blank=True,
-                             help_text="Each run's input; its `tick` key is set to the tick.")
+                             help_text=_("Each run's input; its `tick` key is set to the tick."))
     catch_up = models.BooleanField(default=False,
-                                   help_text="Run every missed tick, not only the latest.")
-    enabled = models.BooleanField(default=True, help_text="Untick to pause the schedule.")
+                                   help_text=_("Run every missed tick, not only the latest."))
+    enabled = models.BooleanField(default=True, help_text=_("Untick to pause the schedule."))
     origin = models.CharField(max_length=16, choices=Origin.choices, default=Origin.DATABASE)
     last_tick = models.DateTimeField(null=True, blank=True,
-                                     help_text="The latest tick a run was enqueued for.")
+                                     help_text=_("The latest tick a run was enqueued for."))
     # A tick whose run cannot be enqueued (its input, its agent's limit_key) backs off:
     # written by the worker that failed it, cleared by the next tick that succeeds or by
     # an edit.
     failures = models.PositiveIntegerField(
-        default=0, help_text="Ticks in a row whose run could not be enqueued.")
+        default=0, help_text=_("Ticks in a row whose run could not be enqueued."))
     retry_at = models.DateTimeField(
-        null=True, blank=True, help_text="After a failed tick: no tick is tried before then.")
+        null=True, blank=True, help_text=_("After a failed tick: no tick is tried before then."))
     last_error = models.TextField(blank=True, default="",
-                                  help_text="Why the last failed tick's run was refused.")
+                                  help_text=_("Why the last failed tick's run was refused."))
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
+        verbose_name = _("schedule")
+        verbose_name_plural = _("schedules")
         ordering = ("name",)
 
     def __str__(self) -> str:
@@ -336,6 +425,8 @@ class PausedQueue(models.Model):
     paused_by = models.CharField(max_length=255, blank=True, default="")
 
     class Meta:
+        verbose_name = _("paused queue")
+        verbose_name_plural = _("paused queues")
         ordering = ("name",)
 
     def __str__(self) -> str:
@@ -353,11 +444,13 @@ class StreamChunk(models.Model):
     run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="+")
     attempt = models.PositiveIntegerField()
     channel = models.CharField(max_length=100)
-    first = models.PositiveIntegerField(help_text="Index of its first chunk in the attempt.")
-    end = models.PositiveIntegerField(help_text="Index past its last chunk.")
+    first = models.PositiveIntegerField(help_text=_("Index of its first chunk in the attempt."))
+    end = models.PositiveIntegerField(help_text=_("Index past its last chunk."))
     text = models.TextField()
 
     class Meta:
+        verbose_name = _("stream chunk")
+        verbose_name_plural = _("stream chunks")
         indexes = (models.Index(fields=("run", "id"), name="agentruns_chunk_run"),)
 
     def __str__(self) -> str:
@@ -379,15 +472,15 @@ class RunStep(models.Model):
     id = models.BigAutoField(primary_key=True)
     run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="steps")
     name = models.CharField(max_length=200)
-    occurrence = models.PositiveIntegerField(help_text="1, 2, 3... per name, in call order.")
+    occurrence = models.PositiveIntegerField(help_text=_("1, 2, 3... per name, in call order."))
     status = models.CharField(max_length=16, choices=State.choices, default=State.STARTED)
     result = models.JSONField(null=True, blank=True)
     error = models.TextField(blank=True, default="")
-    attempt = models.PositiveIntegerField(default=0, help_text="The attempt that last ran it.")
+    attempt = models.PositiveIntegerField(default=0, help_text=_("The attempt that last ran it."))
     checkpoint = models.PositiveIntegerField(
-        default=0, help_text="The run's checkpoint count when the step first started.")
+        default=0, help_text=_("The run's checkpoint count when the step first started."))
     replayed_from = models.BigIntegerField(
-        null=True, blank=True, help_text="Copied from this run's step by a replaying fork.")
+        null=True, blank=True, help_text=_("Copied from this run's step by a replaying fork."))
     started_at = models.DateTimeField(default=timezone.now)
     finished_at = models.DateTimeField(null=True, blank=True)
     input_tokens = models.BigIntegerField(default=0)
@@ -395,6 +488,8 @@ class RunStep(models.Model):
     cost = models.FloatField(default=0.0)
 
     class Meta:
+        verbose_name = _("run step")
+        verbose_name_plural = _("run steps")
         ordering = ("run", "id")
         constraints = (
             models.UniqueConstraint(fields=("run", "name", "occurrence"),

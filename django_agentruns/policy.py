@@ -6,6 +6,7 @@ the settings values), so they are tested with plain numbers.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 
 from .exceptions import (
+    MAX_DELAY_SECONDS,
     MAX_SNOOZE_SECONDS,
     InvalidInputError,
     NotRetryable,
@@ -43,6 +45,18 @@ class Failure:
     cause: str = ""  # what the timeline's run.snoozed says caused it
 
 
+def bounded_delay(value: Any) -> float | None:
+    """A delay an agent or a provider asked for, made safe to add to a date: a number in
+    0..MAX_DELAY_SECONDS (larger or infinite ones are capped, negative ones are 0); NaN
+    or what is not a number is None (the backoff decides). An unbounded one would make
+    the settle's date arithmetic overflow, and the run be reaped as abandoned."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if math.isnan(value):
+        return None
+    return float(min(max(0.0, value), MAX_DELAY_SECONDS))
+
+
 def classify(
     exc: BaseException,
     *,
@@ -62,9 +76,18 @@ def classify(
         seen.add(id(current))
         verdict = _direct(current, custom)
         if verdict is not None:
-            return verdict
+            return _bounded(verdict)
         current = _most_recent_inner(current)
     return Failure(retryable=unknown_retryable)
+
+
+def _bounded(failure: Failure) -> Failure:
+    delay = bounded_delay(failure.delay)
+    if delay == failure.delay:
+        return failure
+    return Failure(retryable=failure.retryable, delay=delay, snooze=failure.snooze and delay is
+                   not None, closes_key=failure.closes_key and delay is not None,
+                   cause=failure.cause)
 
 
 def _direct(
@@ -126,19 +149,26 @@ def http_status(exc: BaseException) -> int | None:
 
 
 def _retry_after(exc: BaseException) -> float | None:
-    """Seconds from a `Retry-After` header (delta or HTTP date) on the error's response."""
+    """Seconds from a `Retry-After` header (delta or HTTP date) on the error's response, or
+    from OpenAI's `retry-after-ms` (milliseconds), which its clients read first."""
     for holder in (exc, getattr(exc, "response", None)):
         headers: Any = getattr(holder, "headers", None)
         if headers is None:
             continue
         try:
             raw = headers.get("Retry-After") or headers.get("retry-after")
+            raw_ms = headers.get("retry-after-ms") or headers.get("Retry-After-Ms")
         except Exception:
             return None
+        if raw_ms is not None:
+            try:
+                return bounded_delay(float(raw_ms) / 1000.0)
+            except (TypeError, ValueError):
+                pass
         if raw is None:
             continue
         try:
-            return max(0.0, float(raw))
+            return bounded_delay(float(raw))
         except (TypeError, ValueError):
             pass
         try:
@@ -197,5 +227,7 @@ def decide(
         return Decision(DecisionAction.DEAD_LETTER, reason="not_retryable")
     if requeue_count >= max_requeues:
         return Decision(DecisionAction.DEAD_LETTER, reason="retries_exhausted")
-    delay = failure.delay if failure.delay is not None else backoff_delay(requeue_count)
-    return Decision(DecisionAction.RETRY, delay=max(0.0, delay))
+    delay = bounded_delay(failure.delay)
+    if delay is None:
+        delay = bounded_delay(backoff_delay(requeue_count)) or 0.0
+    return Decision(DecisionAction.RETRY, delay=delay)

@@ -18,6 +18,8 @@ from .exceptions import InvalidInputError, UnknownAgentError
 from .limits import Budget, LimitKey, check_agent_limit_key, check_budget
 from .outcomes import ScopePolicy
 from .ticks import Timing, check_timing
+from .validation import is_short_text
+from .windows import Estimate, check_estimate
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -29,7 +31,6 @@ QUEUE_RULE = "1-100 characters of letters, digits and _ . : -"
 
 
 WORKER_ID_MAX = 255  # AgentRun.claimed_by
-_NUL_OR_SURROGATE = re.compile("[\x00\ud800-\udfff]")
 
 
 def is_queue_name(value: Any) -> bool:
@@ -39,8 +40,7 @@ def is_queue_name(value: Any) -> bool:
 def check_worker_names(queues: Sequence[str], worker_id: str) -> None:
     """Refuse at a worker's start what would fail every claim it makes: a worker id
     `claimed_by` cannot hold, a queue name no run can have."""
-    if not isinstance(worker_id, str) or not 1 <= len(worker_id) <= WORKER_ID_MAX \
-            or _NUL_OR_SURROGATE.search(worker_id):
+    if not is_short_text(worker_id, WORKER_ID_MAX):
         raise InvalidInputError(f"a worker id is 1-{WORKER_ID_MAX} characters with no NUL, "
                                 f"not {worker_id!r:.60}")
     for queue in queues:
@@ -68,6 +68,7 @@ class AgentSpec:
     budget: Budget | None = None
     version: int = 1  # runs record it; a worker claims runs of its version or older
     migrate: Callable[[Any, int], Any] | None = None  # (state, from_version) -> state
+    estimate: Estimate | None = None  # reserved in its key's token/cost windows at claim
 
     @property
     def is_async(self) -> bool:
@@ -107,6 +108,7 @@ def agent(
     budget: dict[str, Any] | None = None,
     version: int = 1,
     migrate: Callable[[Any, int], Any] | None = None,
+    estimate: dict[str, Any] | None = None,
 ) -> Callable[[F], F]:
     """Register a function (sync or `async def`) taking a `RunContext` as agent `name`.
 
@@ -115,7 +117,9 @@ def agent(
     ticks run only the latest unless `catch_up` (see django_agentruns.schedules).
     `limit_key`: the key whose limit its runs count against (a string, or a callable of
     the input); `budget`: {"tokens": N, "cost": X}, past which an attempt stops and the
-    run is dead-lettered `budget_exhausted` (see django_agentruns.limits).
+    run is dead-lettered `budget_exhausted` (see django_agentruns.limits); `estimate`:
+    {"tokens": N, "cost": X} a run reserves in its key's token and cost windows when it
+    starts, settled with what it records (default: the key's recent average per run).
     `version`: runs record the version they started under; a worker whose version is
     lower does not claim them. `migrate(state, from_version) -> state`: how a run of an
     older version resumes on this code (its checkpoint state migrated when claimed);
@@ -133,6 +137,7 @@ def agent(
         raise InvalidInputError(f"Agent {name!r}: catch_up must be True or False")
     check_agent_limit_key(name, limit_key)
     checked_budget = check_budget(budget, f"Agent {name!r}: budget")
+    checked_estimate = check_estimate(estimate, f"Agent {name!r}: estimate")
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version < 2**31:
         raise InvalidInputError(f"Agent {name!r}: version must be a whole number >= 1, "
                                 f"not {version!r}")
@@ -152,6 +157,7 @@ def agent(
             timeout=timeout, lease_ttl=lease_ttl, priority=priority, classify=classify,
             schedule_timing=timing, catch_up=catch_up,
             limit_key=limit_key, budget=checked_budget, version=version, migrate=migrate,
+            estimate=checked_estimate,
         )
         return func
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeGuard
 
 from django.utils import timezone
 
 from .conf import SETTING_NAME, app_settings
 from .exceptions import InvalidInputError, LimitExceeded
-from .wait_results import KEY_MAX, RESERVED_PREFIX
+from .outcomes import KEY_MAX, RESERVED_PREFIX
 
 # Deeper JSON is refused: SQLite's JSON functions stop at 1000 levels, PostgreSQL does not.
 MAX_JSON_DEPTH = 500
@@ -27,6 +27,21 @@ _UNSTORABLE_TEXT = re.compile("[\x00\ud800-\udfff]")
 def unstorable_text(text: str) -> bool:
     """Whether `text` holds a NUL character or a surrogate code point."""
     return _UNSTORABLE_TEXT.search(text) is not None
+
+
+def is_short_text(value: Any, longest: int, *, empty: bool = False) -> TypeGuard[str]:
+    """Whether `value` fits a short text column (a name, a key, a channel) alike on every
+    engine: a str of 1 (0 if `empty`) to `longest` characters, no NUL or surrogate."""
+    return isinstance(value, str) and (empty or value != "") and len(value) <= longest \
+        and not unstorable_text(value)
+
+
+def check_short_text(value: Any, what: str, longest: int) -> str:
+    """`value` if it `is_short_text`; else InvalidInputError saying what `what` must be."""
+    if not is_short_text(value, longest):
+        raise InvalidInputError(f"{what} must be a string of 1-{longest} characters with no "
+                                f"NUL or surrogate, not {value!r:.120}")
+    return value
 
 
 def storable_text(text: str) -> str:
@@ -127,8 +142,7 @@ MAX_TIMEOUT = 10 * 365 * 86400.0
 
 def check_key(key: Any, what: str = "key") -> str:
     """A key callers may use: 1-KEY_MAX characters, storable, not the engine's own."""
-    if not isinstance(key, str) or not key or len(key) > KEY_MAX or unstorable_text(key) \
-            or key.startswith(RESERVED_PREFIX):
+    if not is_short_text(key, KEY_MAX) or key.startswith(RESERVED_PREFIX):
         raise InvalidInputError(
             f"{what} must be a string of 1-{KEY_MAX} characters with no NUL or surrogate, "
             f"not starting with {RESERVED_PREFIX!r}; not {key!r:.120}")

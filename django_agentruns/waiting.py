@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from . import transitions
+from .conf import app_settings
 from .exceptions import InvalidInputError
+from .outcomes import DeliverResult
 from .validation import capped_json, check_key, storable_text
-from .wait_results import DeliverResult
 
 
 def deliver(run_id: int, key: str, payload: Any = None, *, by: str = "") -> DeliverResult:
@@ -21,7 +22,9 @@ def deliver(run_id: int, key: str, payload: Any = None, *, by: str = "") -> Deli
     queued again. The first payload stands: delivering again is ALREADY_DELIVERED; a
     payload that comes before the wait is STORED, and `receive` finds it.
 
-    Raises `InvalidInputError` (bad id, key or payload) before anything is written.
+    Raises `InvalidInputError` (bad id, key or payload) before anything is written, and
+    `LimitExceeded` for a key the run has not waited for once it holds
+    MAX_DELIVERIES_PER_RUN such payloads unread (a delivery its wait takes always goes).
     """
     return _deliver(run_id, key, payload, by, answers_approval=False)
 
@@ -53,8 +56,10 @@ def _deliver(run_id: int, key: str, payload: Any, by: Any, *,
     capped_json(payload, f"Payload delivered for {key!r}", "MAX_INPUT_BYTES")
     if not isinstance(by, str):
         raise InvalidInputError(f"by must be a string, not {type(by).__name__}")
-    return transitions.waiting.deliver(rid, key, payload, storable_text(by[:255]),
-                                       answers_approval=answers_approval)
+    return transitions.waiting.deliver(
+        rid, key, payload, storable_text(by[:255]), answers_approval=answers_approval,
+        max_unread=int(app_settings.MAX_DELIVERIES_PER_RUN),
+        max_events=int(app_settings.MAX_EVENTS_PER_RUN))
 
 
 def _answer(approved: bool, by: Any, note: Any, proposal: Any) -> dict[str, Any]:

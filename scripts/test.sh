@@ -4,6 +4,8 @@
 #
 # PostgreSQL: DATABASE_URL if it is a postgres URL; else the local server at 127.0.0.1:5432
 # if it answers; else skipped with a loud note, or a failure when REQUIRE_POSTGRES=1.
+# Browser tests (Debian's chromium, Playwright): skipped as loudly when missing, or a
+# failure when REQUIRE_BROWSER=1 (or CI) is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +41,9 @@ step "ruff"
 step "mypy"
 "$PY" -m mypy django_agentruns
 
+export AGENTRUNS_BROWSER_MARKER="$PWD/.tmp/browser-not-run"  # tests/conftest.py writes it
+rm -f "$AGENTRUNS_BROWSER_MARKER"  # when the browser tests skip
+
 step "pytest on SQLite"
 DATABASE_URL=$SQLITE_URL "$PY" -m pytest "$@"
 ran=("SQLite")
@@ -71,8 +76,16 @@ else
   printf '!!! 127.0.0.1:5432. Set DATABASE_URL=postgres://USER@HOST:PORT/NAME to test on it.\n'
 fi
 
+browsers="browser tests run"
+if [[ -f $AGENTRUNS_BROWSER_MARKER ]]; then
+  printf '\n!!! BROWSER TESTS SKIPPED: %s\n' "$(head -n 1 "$AGENTRUNS_BROWSER_MARKER")"
+  printf '!!! Install Debian'"'"'s chromium (apt-get install -y chromium) and the test extra'"'"'s\n'
+  printf '!!! playwright (never `playwright install`); REQUIRE_BROWSER=1 makes this a failure.\n'
+  browsers="browser tests SKIPPED"
+fi
+
 if [[ ${#ran[@]} == 2 ]]; then
-  printf '\n==> All checks passed. Databases tested: SQLite and PostgreSQL.\n'
+  printf '\n==> All checks passed. Databases tested: SQLite and PostgreSQL; %s.\n' "$browsers"
 else
-  printf '\n==> All checks passed. Databases tested: SQLite only (PostgreSQL SKIPPED).\n'
+  printf '\n==> All checks passed. Databases tested: SQLite only (PostgreSQL SKIPPED); %s.\n' "$browsers"
 fi

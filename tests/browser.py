@@ -20,23 +20,48 @@ try:
 except ImportError:  # the skip below says what to install
     sync_playwright = None
 
-CHROMIUM = Path("/usr/bin/chromium")
+# AGENTRUNS_CHROMIUM: another binary (tests of what happens when it is missing use it).
+CHROMIUM = Path(os.environ.get("AGENTRUNS_CHROMIUM", "/usr/bin/chromium"))
 # Artifacts of every run; `AGENTRUNS_SCREENSHOTS=docs/screenshots` refreshes the docs' ones.
 SCREENSHOTS = helpers.REPO_ROOT / os.environ.get("AGENTRUNS_SCREENSHOTS", "artifacts/screenshots")
 ASYNC_UNSAFE = "DJANGO_ALLOW_ASYNC_UNSAFE"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 
-# In CI (CI=true) a missing browser is a failure, not a skip: .ci/run installs it.
-MAY_SKIP = not os.environ.get("CI")
+# A missing browser or Playwright skips these tests loudly (a banner in pytest's summary,
+# and a line in scripts/test.sh's last words); with CI or REQUIRE_BROWSER set they fail
+# instead: .ci/run installs Debian's chromium, and the test extra has playwright.
+REQUIRED = bool(os.environ.get("CI") or os.environ.get("REQUIRE_BROWSER"))
+MISSING_TAG = "BROWSER TESTS NOT RUN"
+INSTALL_PLAYWRIGHT = "pip install playwright (the test extra has it; never `playwright install`)"
+INSTALL_CHROMIUM = f"apt-get install -y chromium (for {CHROMIUM})"
+
+
+def missing() -> str | None:
+    """What is missing for the browser tests, or None."""
+    if sync_playwright is None:
+        return f"playwright is not importable: {INSTALL_PLAYWRIGHT}"
+    if not CHROMIUM.exists():
+        return f"{CHROMIUM} is missing: {INSTALL_CHROMIUM}"
+    return None
+
+
+def require_browser() -> None:
+    """Skip (loudly) or fail, as REQUIRED says, when the browser cannot run."""
+    what = missing()
+    if what is None:
+        return
+    message = f"{MISSING_TAG}: {what}"
+    if REQUIRED:
+        pytest.fail(f"{message} (CI / REQUIRE_BROWSER is set: browser tests must run)",
+                    pytrace=False)
+    pytest.skip(message)
+
 
 BROWSER_MARKS = [
     pytest.mark.browser,
     pytest.mark.slow,
-    pytest.mark.skipif(MAY_SKIP and sync_playwright is None, reason="playwright is not importable: "
-                       "pip install playwright (never `playwright install`)"),
-    pytest.mark.skipif(MAY_SKIP and not CHROMIUM.exists(),
-                       reason=f"{CHROMIUM} is missing: apt-get install -y chromium"),
+    pytest.mark.usefixtures("browser_available"),  # conftest.py
 ]
 
 
@@ -46,6 +71,7 @@ def launched_browser() -> Iterator[Browser]:
     Playwright's sync API keeps an event loop on this thread, and Django's ORM would take the
     test's own queries (and pytest-django's flush) for async code; the switch is undone after.
     """
+    require_browser()
     before = os.environ.get(ASYNC_UNSAFE)
     os.environ[ASYNC_UNSAFE] = "true"
     try:

@@ -9,7 +9,8 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from tests import helpers
+from tests import browser as browser_support
+from tests import fakeprovider, helpers
 from tests import pgbouncer as pgb
 
 
@@ -36,6 +37,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(only_postgres)
         if vendor != "sqlite" and item.get_closest_marker("sqlite_only"):
             item.add_marker(only_sqlite)
+
+
+@pytest.fixture
+def browser_available() -> None:
+    """The browser tests' gate: a loud skip without chromium or Playwright, a failure in CI."""
+    browser_support.require_browser()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Browser tests that could not run are shouted about, as a missing PostgreSQL is; and
+    scripts/test.sh is told (the file AGENTRUNS_BROWSER_MARKER names), to say so in its
+    last line."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", [])
+               if browser_support.MISSING_TAG in str(getattr(r, "longrepr", ""))]
+    if not skipped:
+        return
+    reason = str(skipped[0].longrepr).split(browser_support.MISSING_TAG, 1)[1].strip(" :')")
+    terminalreporter.section("BROWSER TESTS SKIPPED", sep="!", red=True, bold=True)
+    terminalreporter.write_line(
+        f"!!! {len(skipped)} browser test(s) SKIPPED: {reason}", red=True, bold=True)
+    terminalreporter.write_line("!!! The admin's buttons were NOT clicked in a real browser. "
+                                "Set REQUIRE_BROWSER=1 (CI does) to fail instead.", red=True)
+    marker = os.environ.get("AGENTRUNS_BROWSER_MARKER")
+    if marker:
+        with open(marker, "a") as out:
+            out.write(f"{len(skipped)} browser tests skipped: {reason}\n")
 
 
 @pytest.fixture
@@ -83,3 +110,11 @@ def _release_pooled_test_database(request: pytest.FixtureRequest) -> Iterator[No
     request.getfixturevalue("django_db_setup")
     yield
     pgb.PgBouncer.kill_on(int(port), str(connection.settings_dict["NAME"]))
+
+
+@pytest.fixture
+def fake_provider() -> Iterator[fakeprovider.FakeProvider]:
+    """A scripted OpenAI-compatible server (tests/fakeprovider.py), stopped after the test;
+    give a worker subprocess `fake_provider.env()` to reach it."""
+    with fakeprovider.FakeProvider() as provider:
+        yield provider

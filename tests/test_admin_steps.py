@@ -8,7 +8,7 @@ from django_agentruns import run_now
 from django_agentruns.models import AgentRun, RunStep
 from django_agentruns.runtime.worker import Worker
 from tests.test_admin import login, messages_of, staff
-from tests.test_admin_issue18 import url
+from tests.test_admin_checkpoints_queues_schedules import url
 
 pytestmark = pytest.mark.django_db
 

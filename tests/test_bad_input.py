@@ -1,4 +1,4 @@
-"""Small holes, each a clear error now (issue 12, item 7; guarantee 10): what used to be
+"""Small holes, each a clear error (guarantee 10): what would otherwise be
 stored altered, refused by the database as a raw error, or accepted and then unusable."""
 
 from __future__ import annotations

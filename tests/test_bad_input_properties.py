@@ -304,11 +304,13 @@ def test_cancel_and_retry_take_any_reason_and_operator(reason: Any, by: Any) -> 
 # --------------------------------------------------------------------------- settings
 
 CAPS = {"MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES",
-        "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP"}
+        "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP", "MAX_STEPS_PER_RUN"}
 NUMBERS = {"LEASE_TTL", "POLL_INTERVAL", "BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL",
            "GRACE", "MAX_REQUEUES", "CLAIM_BATCH", "BACKOFF_JITTER", "STREAMS_PER_USER",
-           "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS", "MAX_SNOOZES", *CAPS}
-AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS")
+           "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS", "MAX_SNOOZES", "WAITERS_PER_PROCESS",
+           *CAPS}
+AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS",
+                "WAITERS_PER_PROCESS")
 odd_numbers = st.integers() | st.floats() | st.just(10**400) | st.just(-(10**400)) | \
     st.just(float("nan")) | st.just(float("inf")) | st.just(1e308) | st.booleans()
 setting_values = odd_numbers | st.none() | odd_text | st.lists(st.integers(), max_size=2) | \

@@ -43,6 +43,11 @@ BAD_SETTINGS: list[tuple[str, Any, str, str]] = [
     ("ttl-inf", {"LEASE_TTL": float("inf")}, checks.E003_BAD_NUMBER, "'LEASE_TTL'"),
     ("ttl-short", {"LEASE_TTL": 0.2}, checks.W003_SHORT_LEASE, "loses the run"),
     ("poll-zero", {"POLL_INTERVAL": 0}, checks.E003_BAD_NUMBER, "'POLL_INTERVAL'"),
+    ("depth-zero", {"MAX_SPAWN_DEPTH": 0}, checks.E003_BAD_NUMBER, "'MAX_SPAWN_DEPTH'"),
+    ("children-float", {"MAX_CHILDREN_PER_RUN": 1.5}, checks.E003_BAD_NUMBER,
+     "'MAX_CHILDREN_PER_RUN'"),
+    ("deliveries-negative", {"MAX_DELIVERIES_PER_RUN": -1}, checks.E003_BAD_NUMBER,
+     "'MAX_DELIVERIES_PER_RUN'"),
     ("poll-inf", {"POLL_INTERVAL": float("inf")}, checks.E003_BAD_NUMBER, "'POLL_INTERVAL'"),
     ("base-negative", {"BACKOFF_BASE": -1}, checks.E003_BAD_NUMBER, "'BACKOFF_BASE'"),
     ("base-nan", {"BACKOFF_BASE": float("nan")}, checks.E003_BAD_NUMBER, "'BACKOFF_BASE'"),
@@ -326,3 +331,18 @@ def test_the_journal_mode_is_read_from_the_file_header(tmp_path: Any) -> None:
     with override_settings(DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3",
                                                   "NAME": str(path)}}):
         assert checks.check_sqlite_journal() == []
+
+
+@pytest.mark.parametrize(("processes", "concurrency", "sync_agents", "warns"), [
+    (4, 20, True, False),  # 4 x (20 + 5) = 100 fits
+    (4, 21, True, True),  # 4 x 26 = 104 > 100
+    (2, 40, True, False),  # 2 x 45 = 90
+    (21, 300, False, True),  # async only: 21 x 5 = 105 of the workers' own
+    (20, 300, False, False),  # 20 x 5 = 100
+])
+def test_runworker_warns_when_its_processes_could_pass_max_connections(
+        processes: int, concurrency: int, sync_agents: bool, warns: bool) -> None:
+    messages = checks.check_worker_connections(concurrency, 5, sync_agents, 100, processes)
+    assert [m.id for m in messages] == ([checks.W008_CONNECTIONS] if warns else [])
+    if warns:
+        assert f"--processes {processes}" in messages[0].msg

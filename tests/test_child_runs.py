@@ -163,3 +163,39 @@ def test_bad_waits_and_spawns_get_a_clear_error_and_write_nothing() -> None:
     assert RunWait.objects.count() == 0
     # Cancelling the parent cancelled its queued child at once.
     assert status(first) == Status.CANCELLED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_reaper_resumes_a_parent_with_another_unfinished_child_it_does_not_wait_for(
+) -> None:
+    """The parent spawned two children and waits for one; that one finished but the worker
+    died before resuming the parent. The other child, still queued, must not hide it."""
+    parent = enqueue("tests.parent")
+    awaited = enqueue("tests.child")
+    other = enqueue("tests.child")
+    key = transitions.waiting.runs_key([awaited.pk])
+    AgentRun.objects.filter(pk=awaited.pk).update(parent_id=parent.pk, spawn_key="a",
+                                                  status=Status.SUCCEEDED)
+    AgentRun.objects.filter(pk=other.pk).update(parent_id=parent.pk, spawn_key="b")
+    AgentRun.objects.filter(pk=parent.pk).update(status=Status.WAITING, wait_key=key)
+    RunWait.objects.create(run=parent, key=key, kind="runs", prompt={"runs": [awaited.pk]})
+    report = reap()
+    assert report.parents_resumed == [parent.pk]
+    assert status(parent.pk) == Status.QUEUED
+    assert status(other.pk) == Status.QUEUED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_reaper_leaves_a_parent_whose_awaited_child_is_unfinished() -> None:
+    parent = enqueue("tests.parent")
+    done = enqueue("tests.child")
+    running = enqueue("tests.child")
+    key = transitions.waiting.runs_key([done.pk, running.pk])
+    AgentRun.objects.filter(pk=done.pk).update(parent_id=parent.pk, spawn_key="a",
+                                               status=Status.SUCCEEDED)
+    AgentRun.objects.filter(pk=running.pk).update(parent_id=parent.pk, spawn_key="b")
+    AgentRun.objects.filter(pk=parent.pk).update(status=Status.WAITING, wait_key=key)
+    RunWait.objects.create(run=parent, key=key, kind="runs",
+                           prompt={"runs": [done.pk, running.pk]})
+    assert reap().parents_resumed == []
+    assert status(parent.pk) == Status.WAITING

@@ -43,7 +43,8 @@ def test_erase_deletes_a_finished_run_and_all_it_stored_and_logs_who_asked(
     assert owned_rows(run.pk) == 0
     assert report.rows["agentrun"] == 1
     assert report.rows["runwait"] == 2
-    assert owned_rows(other.pk) == 5  # another run's rows are untouched
+    assert report.rows["runusage"] == 1
+    assert owned_rows(other.pk) == 6  # another run's rows are untouched
     child.refresh_from_db()
     assert child.parent_id is None
     assert child.status == Status.RUNNING
@@ -59,7 +60,7 @@ def test_erase_refuses_an_unfinished_run_and_deletes_nothing(status: str) -> Non
         erase(run.pk)
     assert issubclass(RunNotFinishedError, InvalidInputError)
     assert AgentRun.objects.filter(pk=run.pk).exists()
-    assert owned_rows(run.pk) == 5
+    assert owned_rows(run.pk) == 6
 
 
 def test_erase_of_a_missing_run_is_a_clear_error() -> None:

@@ -191,3 +191,15 @@ def test_a_worker_runs_a_fork_from_checkpoint_2_of_4(worker_env: dict[str, str])
     origin.refresh_from_db()
     assert origin.status == Status.SUCCEEDED
     assert timeline(origin) == before
+
+
+def test_a_fork_keeps_its_origins_limit_key(db: None) -> None:
+    """A fork counts against the same limit as its origin: it used to have no key, and so
+    passed every limit and closed key."""
+    keyed = enqueue("tests.keyed", {"key": "acme"})
+    overridden = enqueue("tests.keyed_openai", limit_key="azure")
+    assert fork(keyed.pk).limit_key == "acme"
+    assert fork(overridden.pk).limit_key == "azure"
+    # A new input: an agent whose key is computed from its input computes it again.
+    assert fork(keyed.pk, input={"key": "globex"}).limit_key == "globex"
+    assert fork(overridden.pk, input={"x": 1}).limit_key == "azure"

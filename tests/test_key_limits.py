@@ -1,4 +1,4 @@
-"""Limits per key, across every worker (issue 17, points 3-4).
+"""Limits per key, across every worker.
 
 A run's limit key is resolved at enqueue; a key's limit (LIMITS, `set_limit`) bounds how
 many of its runs run at once across all workers, race-free; a 429 with Retry-After closes
@@ -135,7 +135,7 @@ def test_the_key_is_resolved_at_enqueue() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("key", ["", "x" * 201, "a\x00b", 5, ["k"]])
+@pytest.mark.parametrize("key", ["", "x" * 201, "a\x00b", 5, ["k", "k"], [], [5]])
 def test_a_bad_key_is_a_clear_error_that_writes_nothing(key: Any) -> None:
     with pytest.raises(InvalidInputError, match="limit_key"):
         enqueue("tests.noop", limit_key=key)

@@ -97,3 +97,14 @@ def test_the_modules_of_the_flat_layout_still_import_with_a_warning(
         from django_agentruns.stream import run_events as old_run_events
     assert old_run_events is run_events
     assert module_name(PACKAGE / "streaming" / "sse.py") == "streaming.sse"
+
+
+def test_the_values_of_waiting_runs_still_import_from_their_old_module(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from django_agentruns.outcomes import Approval, DeliverResult
+
+    monkeypatch.delitem(sys.modules, "django_agentruns.wait_results", raising=False)
+    with pytest.deprecated_call(match="django_agentruns.wait_results moved to"):
+        from django_agentruns.wait_results import Approval as OldApproval
+        from django_agentruns.wait_results import DeliverResult as OldDeliverResult
+    assert (OldApproval, OldDeliverResult) == (Approval, DeliverResult)

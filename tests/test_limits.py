@@ -1,4 +1,4 @@
-"""Size and count caps (issue 12, item 3; guarantee 11): input, output, checkpoint state,
+"""Size and count caps (guarantee 11): input, output, checkpoint state,
 event payload and events per run are checked before anything is written, and one
 oversized or refused success never takes the worker's other successes down with it."""
 

@@ -21,6 +21,7 @@ from django_agentruns.models import (
     Reason,
     RunCheckpoint,
     RunEvent,
+    RunUsage,
     RunWait,
     Status,
     StreamChunk,
@@ -50,6 +51,7 @@ def give_it_everything(run: AgentRun) -> None:
     RunWait.objects.create(run=run, key="never-awaited", payload={"x": 1}, delivered_at=OLD)
     StreamChunk.objects.create(run=run, attempt=1, channel="output", first=0, end=1,
                                text="hello")
+    RunUsage.objects.create(run=run, attempt=1, seq=1, input_tokens=3, output_tokens=2)
 
 
 def owned_rows(run_id: int) -> int:
@@ -69,6 +71,7 @@ def test_a_run_that_owns_rows_is_purged_and_the_runs_after_it_are_too() -> None:
     assert owned_rows(first.pk) == 0
     assert not RunWait.objects.exists()
     assert not StreamChunk.objects.exists()
+    assert not RunUsage.objects.exists()
     assert later  # purged in later batches: the first run's rows did not stop them
 
 

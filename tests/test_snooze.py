@@ -1,4 +1,4 @@
-"""Snoozes and interruptions are not failures (issue 17, points 1-2).
+"""Snoozes and interruptions are not failures.
 
 `raise Snooze(delay)`, or a 429/503 with Retry-After, puts the run back after the delay
 without spending its requeue budget, up to MAX_SNOOZES; a graceful stop (SIGTERM) is an

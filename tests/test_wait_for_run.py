@@ -107,16 +107,19 @@ def test_waiting_runs_are_counted_per_queue() -> None:
 @pytest.mark.postgres_only
 def test_a_delivery_wakes_the_queue_and_a_finished_run_notifies_its_id(
         worker_env: dict[str, str]) -> None:
-    """Migration 0005's triggers: waiting -> queued NOTIFYs the queue's workers (as an
-    operator's retry does), and a run that finishes NOTIFYs agentruns_finished."""
+    """The triggers: waiting -> queued NOTIFYs the queue's workers (as an operator's retry
+    does), and a run that finishes NOTIFYs agentruns_finished, if someone watches it."""
     import psycopg
     from django.db import connection
 
     from django_agentruns.db import CHANNEL
-    from django_agentruns.streaming.waiters import FINISHED_CHANNEL
+    from django_agentruns.streaming.waiters import FINISHED_CHANNEL, WATCH_TABLE
     from tests.test_notify import sent_before_sentinel
 
     run = enqueue("tests.waits")
+    with connection.cursor() as cursor:
+        cursor.execute(f"INSERT INTO {WATCH_TABLE} (run_id, watcher) VALUES (%s, 'test')",
+                       [run.pk])
     with worker(worker_env) as w:
         until_status(run.pk, Status.WAITING)
         assert w.stop() == 0, w.output()
@@ -130,6 +133,32 @@ def test_a_delivery_wakes_the_queue_and_a_finished_run_notifies_its_id(
 
         cancel(run.pk)
         assert sent_before_sentinel(listener) == [str(run.pk)]
+
+
+@pytest.mark.postgres_only
+@pytest.mark.django_db(transaction=True)
+def test_a_run_nobody_waits_for_finishes_without_a_notify() -> None:
+    """Every NOTIFY costs each LISTENing session of the database (each worker's listener) a
+    transaction: a run no waiter watches finishes silently."""
+    import psycopg
+    from django.db import connection
+
+    from django_agentruns import cancel
+    from django_agentruns.db import CHANNEL
+    from django_agentruns.streaming.waiters import FINISHED_CHANNEL, WATCH_TABLE
+    from tests.test_notify import sent_before_sentinel
+
+    unwatched, watched = parked_runs(2)
+    with connection.cursor() as cursor:
+        cursor.execute(f"INSERT INTO {WATCH_TABLE} (run_id, watcher) VALUES (%s, 'test')",
+                       [watched])
+    with psycopg.connect(helpers.database_url(connection.settings_dict),
+                         autocommit=True) as listener:
+        listener.execute(f"LISTEN {CHANNEL}")  # the sentinel's
+        listener.execute(f"LISTEN {FINISHED_CHANNEL}")
+        cancel(unwatched)
+        cancel(watched)
+        assert sent_before_sentinel(listener) == [str(watched)]
 
 
 # --------------------------------------------------------------------------- shared listener
@@ -222,3 +251,20 @@ def test_await_run_holds_no_thread_of_the_loops_executor() -> None:
         return [run.status for run in await asyncio.gather(*waits)]
 
     assert asyncio.run(scenario()) == ["succeeded"] * 4
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), float("-inf"), -1, "5", True])
+def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_refused(timeout: object) -> None:
+    """NaN used to wait for ever (it compares false with every deadline)."""
+    from django_agentruns import InvalidInputError
+    from django_agentruns.runtime.receiving import deadline_after
+
+    run = enqueue("tests.noop")  # finished: a wait that is not refused returns at once
+    AgentRun.objects.filter(pk=run.pk).update(status=Status.SUCCEEDED)
+    with pytest.raises(InvalidInputError, match="timeout must be"):
+        wait_for_run(run.pk, timeout=timeout)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="timeout must be"):
+        asyncio.run(await_run(run.pk, timeout=timeout))  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="timeout must be"):
+        deadline_after(timeout)  # ctx.receive, request_approval, wait_for_runs

@@ -136,3 +136,30 @@ def test_an_outcome_that_fails_to_record_is_retried_within_the_lease(
     assert len(retries) == 2
     row = AgentRun.objects.get(pk=queued.pk)
     assert (row.status, row.attempt, row.requeue_count) == (Status.SUCCEEDED, 1, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.postgres_only
+def test_an_idle_workers_record_beats_again_after_its_backends_are_terminated(
+    worker_env: dict[str, str],
+) -> None:
+    """The presence beat's connection, killed by the database, is replaced on the next beat
+    (it used to fail every beat on the dead connection: a live worker looked gone)."""
+    import json
+
+    from django.utils import timezone
+
+    from django_agentruns.models import WorkerRecord
+
+    env = {**worker_env, "AGENTRUNS_TEST_SETTINGS": json.dumps({"LEASE_TTL": 1.5})}
+    with helpers.start_manage(["runworker"], env) as worker:
+        first = helpers.wait_until(lambda: WorkerRecord.objects.first(),
+                                   message="the worker's record")
+        helpers.wait_until(lambda: WorkerRecord.objects.get().last_seen_at > first.last_seen_at,
+                           message="a first beat")
+        for round_ in range(3):  # each round kills the connections the last one reopened
+            assert terminate_other_backends() >= 1
+            killed_at = timezone.now()
+            helpers.wait_until(lambda k=killed_at: WorkerRecord.objects.get().last_seen_at > k,
+                               timeout=15, message=f"a beat after the kill ({round_})")
+        assert worker.returncode is None, worker.output()

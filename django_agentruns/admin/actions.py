@@ -20,11 +20,12 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.utils.text import capfirst
+from django.utils.translation import gettext_lazy as _
 
 from .. import api
-from ..ops import retention
 from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
 from ..models import TERMINAL, AgentRun, Reason, Status
+from ..ops import retention
 
 CONFIRM_SAMPLE = 50
 LOG_BATCH = 500
@@ -224,6 +225,12 @@ def bulk(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentRun],
     return None
 
 
+def budget_context(eligible: QuerySet[AgentRun], single: bool) -> dict[str, Any]:
+    from .budgets import confirmation_context  # it builds on this module's RETRY
+
+    return confirmation_context(eligible, single)
+
+
 def confirmation(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentRun],
                  op: Operation, *, action: str = "", selected: list[int] | None = None,
                  across: bool = False, single: str | None = None) -> TemplateResponse:
@@ -252,24 +259,25 @@ def confirmation(model_admin: Any, request: HttpRequest, queryset: QuerySet[Agen
         "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
         "not_retryable_count": hopeless,
         "single": single,
+        **(budget_context(eligible, single is not None) if op is RETRY else {}),
     }
     return TemplateResponse(request, "django_agentruns/admin/confirm_action.html", context)
 
 
-@admin.action(permissions=["retry"], description="Retry selected runs (failed or cancelled)")
+@admin.action(permissions=["retry"], description=_("Retry selected runs (failed or cancelled)"))
 def retry_runs(model_admin: Any, request: HttpRequest,
                queryset: QuerySet[AgentRun]) -> TemplateResponse | None:
     return bulk(model_admin, request, queryset, RETRY, "retry_runs")
 
 
-@admin.action(permissions=["cancel"], description="Cancel selected runs (queued or running)")
+@admin.action(permissions=["cancel"], description=_("Cancel selected runs (queued or running)"))
 def cancel_runs(model_admin: Any, request: HttpRequest,
                 queryset: QuerySet[AgentRun]) -> TemplateResponse | None:
     return bulk(model_admin, request, queryset, CANCEL, "cancel_runs")
 
 
 @admin.action(permissions=["erase"],
-              description="Erase selected runs and everything they stored (finished only)")
+              description=_("Erase selected runs and everything they stored (finished only)"))
 def erase_runs(model_admin: Any, request: HttpRequest,
                queryset: QuerySet[AgentRun]) -> TemplateResponse | None:
     return bulk(model_admin, request, queryset, ERASE, "erase_runs")

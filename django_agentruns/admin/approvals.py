@@ -23,11 +23,12 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
+from django.utils.translation import gettext_lazy as _
 from django.views.decorators.http import require_POST
 
 from ..exceptions import InvalidInputError
 from ..models import TERMINAL, AgentRun, RunWait, Status
-from ..wait_results import RESERVED_PREFIX, DeliverResult
+from ..outcomes import RESERVED_PREFIX, DeliverResult
 from .actions import username
 
 PERMISSION = f"{AgentRun._meta.app_label}.approve_agentrun"
@@ -145,15 +146,18 @@ def answer(model_admin: Any) -> Any:
             else:
                 raise InvalidInputError("decision must be approve or reject")
         except InvalidInputError as exc:
-            model_admin.message_user(request, f"Nothing was recorded: {exc}", messages.ERROR)
+            model_admin.message_user(request, _("Nothing was recorded: %(error)s")
+                                     % {"error": exc}, messages.ERROR)
             return back
-        text = {DeliverResult.DELIVERED: "recorded; the run is queued again",
-                DeliverResult.STORED: "recorded",
-                DeliverResult.ALREADY_DELIVERED: "not recorded: it was already answered",
-                DeliverResult.FINISHED: "not recorded: the run is finished",
-                DeliverResult.NOT_FOUND: "not recorded: no such run"}[result]
+        text = {DeliverResult.DELIVERED: _("recorded; the run is queued again"),
+                DeliverResult.STORED: _("recorded"),
+                DeliverResult.ALREADY_DELIVERED: _("not recorded: it was already answered"),
+                DeliverResult.FINISHED: _("not recorded: the run is finished"),
+                DeliverResult.NOT_FOUND: _("not recorded: no such run")}[result]
         ok = result in (DeliverResult.DELIVERED, DeliverResult.STORED)
-        model_admin.message_user(request, f"Run #{run_id}: {decision} of {key!r} {text}.",
+        model_admin.message_user(request, _("Run #%(id)s: %(decision)s of %(key)r %(text)s.")
+                                 % {"id": run_id, "decision": decision, "key": key,
+                                    "text": text},
                                  messages.SUCCESS if ok else messages.WARNING)
         return back
 
@@ -179,15 +183,17 @@ def deliver_input(model_admin: Any) -> Any:
                                         f"value, e.g. \"yes\" or {{\"ok\": true}}") from None
             result = waiting.deliver(run_id, key, payload, by=username(request))
         except InvalidInputError as exc:
-            model_admin.message_user(request, f"Nothing was delivered: {exc}", messages.ERROR)
+            model_admin.message_user(request, _("Nothing was delivered: %(error)s")
+                                     % {"error": exc}, messages.ERROR)
             return back
-        text = {DeliverResult.DELIVERED: "delivered; the run is queued again",
-                DeliverResult.STORED: "stored; the run reads it when it asks for it",
-                DeliverResult.ALREADY_DELIVERED: "not delivered: it was already answered",
-                DeliverResult.FINISHED: "not delivered: the run is finished",
-                DeliverResult.NOT_FOUND: "not delivered: no such run"}[result]
+        answer = {DeliverResult.DELIVERED: _("delivered; the run is queued again"),
+                  DeliverResult.STORED: _("stored; the run reads it when it asks for it"),
+                  DeliverResult.ALREADY_DELIVERED: _("not delivered: it was already answered"),
+                  DeliverResult.FINISHED: _("not delivered: the run is finished"),
+                  DeliverResult.NOT_FOUND: _("not delivered: no such run")}[result]
         ok = result in (DeliverResult.DELIVERED, DeliverResult.STORED)
-        model_admin.message_user(request, f"Run #{run_id}: input for {key!r} {text}.",
+        model_admin.message_user(request, _("Run #%(id)s: input for %(key)r %(answer)s.")
+                                 % {"id": run_id, "key": key, "answer": answer},
                                  messages.SUCCESS if ok else messages.WARNING)
         return back
 

@@ -18,6 +18,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from ..models import AgentRun, RunCheckpoint, RunStep, Status
+from ..ops.workers import lapse
 
 BADGE_COLOURS: dict[str, str] = {
     Status.QUEUED: "#5b6b7a",
@@ -27,6 +28,7 @@ BADGE_COLOURS: dict[str, str] = {
     Status.FAILED: "#c62828",
     Status.CANCELLED: "#8a6d3b",
 }
+STUCK_COLOUR = "#b35900"  # white text on it passes WCAG AA, as on every badge colour here
 
 
 def short_duration(seconds: float) -> str:
@@ -55,7 +57,13 @@ def timestamp(value: datetime | None) -> str:
     return "" if value is None else timezone.localtime(value).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def status_badge(run: AgentRun) -> SafeString:
+def status_badge(run: AgentRun, live_workers: set[str] | None = None) -> SafeString:
+    """The status in a coloured badge. Given the live workers' ids, a running run whose
+    lease lapsed says it is stuck, and whether its worker is gone, rather than "Running"."""
+    stuck = None if live_workers is None else lapse(run, live_workers)
+    if stuck is not None:
+        return format_html('<span class="agentruns-badge agentruns-stuck" style="background:{}">'
+                           'Stuck: {}</span>', STUCK_COLOUR, stuck)
     colour = BADGE_COLOURS.get(run.status, "#5b6b7a")
     label = run.get_status_display()
     if run.status == Status.RUNNING and run.cancel_requested_at is not None:
@@ -119,7 +127,7 @@ def lease(run: AgentRun) -> str:
     if left >= 0:
         return f"held by {run.claimed_by}; {short_duration(left)} left"
     return (f"held by {run.claimed_by}; lapsed {short_duration(-left)} ago "
-            f"(stuck: the reaper or a worker's claim will take it back)")
+            f"(stuck: see the top of the page for who, if anyone, takes it back)")
 
 
 def requeues(run: AgentRun) -> str:

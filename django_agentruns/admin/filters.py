@@ -1,7 +1,10 @@
 """The run list's filters. None of them counts or scans the table to list its choices.
 
-Agent and queue choices come from the registry, not from `SELECT DISTINCT` over every
-run; a run of an agent no longer registered is still found by searching its name.
+Agent choices come from the registry, not from `SELECT DISTINCT` over every run; a run
+of an agent no longer registered is still found by searching its name. Queue choices are
+the queues of the newest QUEUE_SAMPLE runs (one range of the primary key, however large
+the table), at most QUEUES_SHOWN of them, with the registry's and the default queue: a
+queue named only by `enqueue(queue=...)` or a `django.tasks` task is offered too.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from ..queries import RunQuerySet
 from ..registry import all_agents, scope_policy
 
 Choices = list[tuple[str, str]]
+QUEUE_SAMPLE = 10_000
+QUEUES_SHOWN = 100
 
 
 def stuck(runs: RunQuerySet) -> RunQuerySet:
@@ -82,5 +87,8 @@ class QueueFilter(_RegistryFilter):
     parameter_name = field = "queue"
 
     def names(self) -> set[str]:
-        return {spec.effective_queue() for spec in all_agents().values()} | {
+        newest = AgentRun.objects.order_by("-pk").values("pk")[:QUEUE_SAMPLE]
+        used = (AgentRun.objects.filter(pk__in=newest).order_by("queue")
+                .values_list("queue", flat=True).distinct()[:QUEUES_SHOWN])
+        return set(used) | {spec.effective_queue() for spec in all_agents().values()} | {
             str(app_settings.DEFAULT_QUEUE)}

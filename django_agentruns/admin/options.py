@@ -12,18 +12,22 @@ from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import QuerySet
+from django.db.models import Case, QuerySet, When
+from django.db.models.fields.json import KT
 from django.db.models.functions import Substr
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
+from django.utils.translation import gettext_lazy as _
 
 from ..models import AgentRun, RunEvent, Status
 from ..ops.diagnosis import short_error
 from ..ops.visibility import why_not_started
+from ..ops.workers import live_ids
 from ..registry import all_agents
-from . import approvals, views
+from ..tasks.results import TASK_AGENTS
+from . import approvals, live_output, views
 from . import display as show
 from . import limits as flow
 from .actions import (
@@ -42,6 +46,7 @@ from .summary import summary
 EVENTS_PER_PAGE = 100
 ERROR_HEAD = 200  # characters of the error message the list loads
 ERROR_SHOWN = 48  # and shows (the rest on hover)
+TASK_PATH_SHOWN = 120
 # Never loaded for the list: a page of 100 runs would otherwise carry 100 inputs,
 # outputs and tracebacks.
 HEAVY_FIELDS = ("input", "output", "checkpoint_state", "error_message", "error_traceback",
@@ -59,7 +64,21 @@ class RunChangeList(ChangeList):
         # The list shows the error's first words: a prefix, never the whole message.
         runs: QuerySet[AgentRun] = super().get_queryset(request, *args, **kwargs)
         return runs.defer(*HEAVY_FIELDS).annotate(
-            error_head=Substr("error_message", 1, ERROR_HEAD), **approvals.wait_columns())
+            error_head=Substr("error_message", 1, ERROR_HEAD), **approvals.wait_columns(),
+            # A django.tasks run is named by its task's path: the one key read from the
+            # input, of task runs only (the CASE spares every other run's input).
+            task_path=Case(When(agent__in=TASK_AGENTS,
+                                then=Substr(KT("input__task"), 1, TASK_PATH_SHOWN))))
+
+    def get_results(self, request: HttpRequest) -> None:
+        """The page's rows, each told which workers are live (one read for the page), so a
+        stuck run's badge says so."""
+        super().get_results(request)
+        live = live_ids()
+        rows = list(self.result_list)
+        for run in rows:
+            run.live_workers = live
+        self.result_list = rows
 
 
 class AgentRunAdmin(ModelAdminBase):
@@ -82,8 +101,8 @@ class AgentRunAdmin(ModelAdminBase):
         (None, {"fields": (("status_badge", "reason_text", "cancel_request"),
                            ("agent", "queue", "priority"),
                            ("scope", "fired_seq"), ("attempt", "requeues"),
-                           ("created_at", "available_at"),
-                           ("started_at", "finished_at", "duration"))}),
+                           ("created", "available"),
+                           ("started", "finished", "duration"))}),
         ("Lease", {"fields": ("lease",)}),
         ("Flow control", {"fields": (("limit_key", "snooze_count"), ("usage", "budget"))}),
         ("Data", {"fields": (("input_json", "output_json"),
@@ -92,8 +111,8 @@ class AgentRunAdmin(ModelAdminBase):
         ("Last error", {"fields": ("last_error",)}),
     )
     readonly_fields = ("status_badge", "reason_text", "agent", "queue", "priority", "scope",
-                       "fired_seq", "attempt", "requeues", "created_at", "available_at",
-                       "started_at", "finished_at", "duration", "lease", "cancel_request",
+                       "fired_seq", "attempt", "requeues", "created", "available",
+                       "started", "finished", "duration", "lease", "cancel_request",
                        "input_json", "output_json", "checkpoint_count", "checkpoint_json",
                        "last_error", "waiting_for", "dedupe_key", "forked_from_link",
                        "limit_key", "snooze_count", "usage", "budget")
@@ -139,8 +158,8 @@ class AgentRunAdmin(ModelAdminBase):
         """A POSTed action this user may not run is forbidden, not silently ignored; a query
         the database cannot even hold (a NUL byte: PostgreSQL refuses it) is dropped."""
         if any("\x00" in key + "".join(values) for key, values in request.GET.lists()):
-            self.message_user(request, "Malformed filter (it contained a NUL character): "
-                              "showing all runs.", messages.ERROR)
+            self.message_user(request, _("Malformed filter (it contained a NUL character): "
+                                       "showing all runs."), messages.ERROR)
             return HttpResponseRedirect(request.path)
         if request.method == "POST" and "action" in request.POST:
             allowed = self.get_actions(request)
@@ -151,36 +170,41 @@ class AgentRunAdmin(ModelAdminBase):
     def response_action(self, request: HttpRequest, queryset: QuerySet[AgentRun],
                         *args: Any, **kwargs: Any) -> HttpResponse | None:
         if selected_ids(request) is None:
-            self.message_user(request, "Malformed selection (run ids are integers): "
-                              "nothing was changed.", messages.ERROR)
+            self.message_user(request, _("Malformed selection (run ids are integers): "
+                                       "nothing was changed."), messages.ERROR)
             return None
         return super().response_action(request, queryset, *args, **kwargs)
 
-    @admin.display(description="id", ordering="id")
+    @admin.display(description=_("id"), ordering="id")
     def short_id(self, run: AgentRun) -> str:
         return f"#{run.pk}"
 
-    @admin.display(description="status", ordering="status")
+    @admin.display(description=_("status"), ordering="status")
     def status_badge(self, run: AgentRun) -> SafeString:
-        return show.status_badge(run)
+        live = live_ids() if run.status == Status.RUNNING else None
+        return show.status_badge(run, live)
 
-    @admin.display(description="reason", ordering="reason")
+    @admin.display(description=_("reason"), ordering="reason")
     def reason_text(self, run: AgentRun) -> SafeString:
         return show.reason(run)
 
-    @admin.display(description="attempts", ordering="attempt")
+    @admin.display(description=_("attempts"), ordering="attempt")
     def attempts(self, run: AgentRun) -> str:
         """Attempts started, and the requeues they took if any: "3 (2 requeues)"."""
         if not run.requeue_count:
             return str(run.attempt)
         return f"{run.attempt} ({run.requeue_count} req.)"
 
-    @admin.display(description="agent / scope", ordering="agent")
+    @admin.display(description=_("agent / scope"), ordering="agent")
     def run_name(self, run: AgentRun) -> SafeString:
+        task = getattr(run, "task_path", None) if run.agent in TASK_AGENTS else None
+        if task:  # every task run has the same agent: its task says what it is
+            return format_html('{}<br><span class="agentruns-task" title="{}">{}</span>',
+                               run.agent, task, task)
         return format_html('{}<br><span class="agentruns-muted">{}</span>', run.agent,
                            run.scope)
 
-    @admin.display(description="status / reason / error", ordering="status")
+    @admin.display(description=_("status / reason / error"), ordering="status")
     def state(self, run: AgentRun) -> SafeString:
         """The badge; under it the reason (and error class), then the error's first words."""
         head = getattr(run, "error_head", "") or ""
@@ -189,62 +213,74 @@ class AgentRunAdmin(ModelAdminBase):
             if head and run.status == Status.FAILED else mark_safe("")
         reason = show.reason(run)
         waiting = approvals.waiting_label(run)
-        return format_html("{}{}{}{}", show.status_badge(run),
+        return format_html("{}{}{}{}", show.status_badge(run, getattr(run, "live_workers", None)),
                            format_html("<br>{}", reason) if reason else "", error,
                            format_html("<br>{}", waiting) if waiting else "")
 
-    @admin.display(description="created / duration", ordering="created_at")
+    @admin.display(description=_("created / duration"), ordering="created_at")
     def when(self, run: AgentRun) -> SafeString:
         return format_html('{}<br><span class="agentruns-muted">{}</span>',
                            show.timestamp(run.created_at), show.duration_or_age(run))
 
-    @admin.display(description="created", ordering="created_at")
+    @admin.display(description=_("created"), ordering="created_at")
     def created(self, run: AgentRun) -> str:
         return show.timestamp(run.created_at)
 
-    @admin.display(description="usage", ordering="cost")
+    @admin.display(description=_("available at"))
+    def available(self, run: AgentRun) -> str:
+        return show.timestamp(run.available_at)
+
+    @admin.display(description=_("started"))
+    def started(self, run: AgentRun) -> str:
+        return show.timestamp(run.started_at) or "—"
+
+    @admin.display(description=_("finished"))
+    def finished(self, run: AgentRun) -> str:
+        return show.timestamp(run.finished_at) or "—"
+
+    @admin.display(description=_("usage"), ordering="cost")
     def usage(self, run: AgentRun) -> str:
         return flow.usage(run)
 
-    @admin.display(description="duration / age")
+    @admin.display(description=_("duration / age"))
     def duration(self, run: AgentRun) -> str:
         return show.duration_or_age(run)
 
     # ------------------------------------------------------------------ run page
 
-    @admin.display(description="requeues")
+    @admin.display(description=_("requeues"))
     def requeues(self, run: AgentRun) -> str:
         return show.requeues(run)
 
-    @admin.display(description="lease")
+    @admin.display(description=_("lease"))
     def lease(self, run: AgentRun) -> str:
         return show.lease(run)
 
-    @admin.display(description="cancel requested")
+    @admin.display(description=_("cancel requested"))
     def cancel_request(self, run: AgentRun) -> str:
         return show.cancel_request(run)
 
-    @admin.display(description="input")
+    @admin.display(description=_("input"))
     def input_json(self, run: AgentRun) -> SafeString:
         return show.pretty_json(run.input)
 
-    @admin.display(description="output")
+    @admin.display(description=_("output"))
     def output_json(self, run: AgentRun) -> SafeString:
         return show.pretty_json(run.output)
 
-    @admin.display(description="checkpoint state")
+    @admin.display(description=_("checkpoint state"))
     def checkpoint_json(self, run: AgentRun) -> SafeString:
         return show.pretty_json(run.checkpoint_state)
 
-    @admin.display(description="forked from")
+    @admin.display(description=_("forked from"))
     def forked_from_link(self, run: AgentRun) -> SafeString:
         return show.run_link(run.forked_from_id, self._run_url)
 
-    @admin.display(description="error")
+    @admin.display(description=_("error"))
     def last_error(self, run: AgentRun) -> SafeString:
         return show.last_error(run)
 
-    @admin.display(description="why it has not started")
+    @admin.display(description=_("why it has not started"))
     def waiting_for(self, run: AgentRun) -> SafeString:
         return show.explanation(why_not_started(run), self._run_url)
 
@@ -284,6 +320,8 @@ class AgentRunAdmin(ModelAdminBase):
                 steps=show.steps(obj),
                 replay_agents=sorted(all_agents()),
                 compare_output=show.compared_outputs(obj),
+                can_reap=obj.status == Status.RUNNING and self.has_retry_permission(request),
+                **live_output.page_context(obj),
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 
@@ -305,6 +343,7 @@ class AgentRunAdmin(ModelAdminBase):
             path("<int:run_id>/deliver/", wrap(approvals.deliver_input(self)),
                  name=f"{name}_deliver"),
             path("<int:run_id>/fork/", wrap(views.fork_run(self)), name=f"{name}_fork"),
+            path("<int:run_id>/reap/", wrap(views.reap_now(self)), name=f"{name}_reap"),
             path("queues/pause/", wrap(views.pause_or_resume(self, True)),
                  name=f"{name}_pause_queue"),
             path("queues/resume/", wrap(views.pause_or_resume(self, False)),

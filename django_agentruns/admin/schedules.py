@@ -13,12 +13,14 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
 
 from ..exceptions import AgentRunsError
 from ..models import Schedule
 from ..registry import get_agent
 from ..schedules import check_schedule_input, next_tick, timing_of
 from ..ticks import check_timing
+from . import display as show
 
 if TYPE_CHECKING:
     ScheduleAdminBase = admin.ModelAdmin[Schedule]
@@ -52,15 +54,15 @@ class ScheduleForm(forms.ModelForm):  # type: ignore[type-arg]
         return data
 
 
-@admin.action(permissions=["change"], description="Pause the selected schedules")
+@admin.action(permissions=["change"], description=_("Pause the selected schedules"))
 def pause_schedules(modeladmin: Any, request: HttpRequest, queryset: QuerySet[Schedule]) -> None:
     for row in queryset.filter(enabled=True):
         row.enabled = False
         row.save(update_fields=["enabled", "updated_at"])  # updated_at: tickers re-read
-    modeladmin.message_user(request, "Paused.", messages.SUCCESS)
+    modeladmin.message_user(request, _("Paused."), messages.SUCCESS)
 
 
-@admin.action(permissions=["change"], description="Resume the selected schedules")
+@admin.action(permissions=["change"], description=_("Resume the selected schedules"))
 def resume_schedules(modeladmin: Any, request: HttpRequest,
                      queryset: QuerySet[Schedule]) -> None:
     for row in queryset.filter(enabled=False):
@@ -68,24 +70,31 @@ def resume_schedules(modeladmin: Any, request: HttpRequest,
         row.last_tick = timing_of(row).latest(timezone.now())  # the pause's ticks are skipped
         row.failures, row.retry_at = 0, None
         row.save(update_fields=["enabled", "last_tick", "failures", "retry_at", "updated_at"])
-    modeladmin.message_user(request, "Resumed: each runs from its next tick.", messages.SUCCESS)
+    modeladmin.message_user(request, _("Resumed: each runs from its next tick."),
+                            messages.SUCCESS)
 
 
 class ScheduleAdmin(ScheduleAdminBase):
     form = ScheduleForm
-    list_display = ("name", "agent", "timing", "enabled", "catch_up", "last_tick",
+    list_display = ("name", "agent", "timing", "enabled", "catch_up", "last_ticked",
                     "upcoming", "origin")
     list_filter = ("enabled", "origin")
     search_fields = ("name", "agent")
     actions = (pause_schedules, resume_schedules)
+    change_list_template = "django_agentruns/admin/plain_change_list.html"
+    change_form_template = "django_agentruns/admin/plain_change_form.html"
 
-    @admin.display(description="when")
+    @admin.display(description="last tick", ordering="last_tick")
+    def last_ticked(self, row: Schedule) -> str:
+        return show.timestamp(row.last_tick) or "—"
+
+    @admin.display(description=_("when"))
     def timing(self, row: Schedule) -> str:
         if row.cron:
             return f"cron {row.cron}" + (f" ({row.tz})" if row.tz else "")
         return f"every {row.every} s"
 
-    @admin.display(description="next tick")
+    @admin.display(description=_("next tick"))
     def upcoming(self, row: Schedule) -> str:
         if not row.enabled:
             return "paused"
@@ -93,7 +102,7 @@ class ScheduleAdmin(ScheduleAdminBase):
             return (f"retrying at {timezone.localtime(row.retry_at):%Y-%m-%d %H:%M:%S %Z} "
                     f"({row.failures} failed: {row.last_error[:200]})")
         try:
-            return timezone.localtime(next_tick(row)).strftime("%Y-%m-%d %H:%M:%S %Z")
+            return show.timestamp(next_tick(row))
         except Exception as exc:  # a row edited into nonsense: say so, show the others
             return f"cannot tick: {exc}"
 

@@ -14,7 +14,7 @@ from django.utils.safestring import SafeString
 
 from ..models import AgentRun, RunEvent, Status
 from ..ops.diagnosis import advice, short_error
-from ..ops.workers import Coverage
+from ..ops.workers import NOBODY_REAPS, Coverage, lapse, live_ids, rescuer
 from . import display as show
 
 PROGRESS_CHARS = 200
@@ -29,6 +29,8 @@ class Summary:
     progress: RunEvent | None
     progress_payload: str
     no_worker: str | None
+    stuck: str | None = None  # "lease lapsed 42 s ago, worker w-1 gone"
+    takes_back: str = ""  # who will take a stuck run back, or that nobody will
 
 
 def summary(run: AgentRun) -> Summary:
@@ -42,4 +44,8 @@ def summary(run: AgentRun) -> Summary:
                                   PROGRESS_CHARS)
     gap = Coverage.read().gap(run) if run.status == Status.QUEUED else None
     error = short_error(run.error_message, 500) if run.status == Status.FAILED else ""
-    return Summary(run, show.status_badge(run), error, advice(run), progress, payload, gap)
+    live = live_ids() if run.status == Status.RUNNING else None
+    stuck = None if live is None else lapse(run, live)
+    takes_back = "" if stuck is None else (rescuer(run, Coverage.read()) or NOBODY_REAPS)
+    return Summary(run, show.status_badge(run, live), error, advice(run), progress, payload,
+                   gap, stuck, takes_back)

@@ -18,16 +18,18 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from .. import api, queues
 from ..exceptions import AgentRunsError, InvalidInputError, RunNotFoundError
 from ..models import AgentRun, Reason, Status
 from ..ops import triage
-from ..ops.workers import Coverage
-from . import display as show
+from ..ops.workers import NOBODY_REAPS, Coverage, lapse, live_ids, rescuer
+from ..runtime import reaper
 from .actions import MISSING, RETRY, Operation, confirmation, has_permission, username
 from .approvals import awaiting_approval
+from .budgets import posted_budget, retry_with_budget
 from .chart import svg
 from .limits import usage_totals
 
@@ -53,7 +55,14 @@ def operate(model_admin: Any, op: Operation) -> Any:
                                          messages.WARNING)
                 return HttpResponseRedirect(_url("changelist"))
             return confirmation(model_admin, request, runs, op, single=_url("change", run_id))
-        outcome = op.apply_logged(request, [run_id]).most_common(1)[0][0]
+        budget = posted_budget(request) if op is RETRY else None
+        if isinstance(budget, str):  # a malformed budget: said, and nothing retried
+            model_admin.message_user(request, budget, messages.ERROR)
+            return HttpResponseRedirect(_url("retry", run_id))
+        if budget is not None:
+            outcome = retry_with_budget(request, run_id, budget)
+        else:
+            outcome = op.apply_logged(request, [run_id]).most_common(1)[0][0]
         model_admin.message_user(request, *op.describe_one(run_id, outcome))
         if outcome == MISSING:
             return HttpResponseRedirect(_url("changelist"))
@@ -82,6 +91,7 @@ def overview(model_admin: Any) -> Any:
         coverage = Coverage.read(at)
         agents, sampled = triage.agent_stats(since)
         stuck, stuck_total = triage.stuck(at)
+        live = live_ids(at)
         groups = triage.dead_letter_groups()
         awaiting, awaiting_total = awaiting_approval()
         context = {
@@ -100,9 +110,10 @@ def overview(model_admin: Any) -> Any:
             "queues": triage.queue_stats(coverage, at),
             "live_workers": coverage.workers,
             "uncovered": triage.uncovered(coverage, at),
-            "stuck": [(run, show.short_duration((at - run.lease_expires).total_seconds()))
-                      for run in stuck if run.lease_expires is not None],
+            "stuck": [(run, lapse(run, live, at)) for run in stuck],
             "stuck_total": stuck_total,
+            "stuck_rescuer": (rescuer(stuck[0], coverage) or NOBODY_REAPS) if stuck else "",
+            "can_reap": has_permission(model_admin, request, RETRY),
             "groups": groups,
             "dead_letter_total": sum(g.count for g in groups),
             "chart": svg(triage.throughput(since, at)),
@@ -129,8 +140,8 @@ def retry_class(model_admin: Any) -> Any:
             raise PermissionDenied
         error_type = request.POST.get("error_type")
         if error_type is None or "\x00" in error_type:
-            model_admin.message_user(request, "No valid failure class given: nothing was retried.",
-                                     messages.ERROR)
+            model_admin.message_user(
+                request, _("No valid failure class given: nothing was retried."), messages.ERROR)
             return HttpResponseRedirect(_url("overview"))
         agent, reason = request.POST.get("agent"), request.POST.get("reason")
         if "\x00" in (agent or "") + (reason or ""):
@@ -140,13 +151,14 @@ def retry_class(model_admin: Any) -> Any:
             return _confirm_class(model_admin, request, error_type, runs, agent, reason)
         up_to = request.POST.get("up_to", "")
         if not (up_to.isascii() and up_to.isdigit() and len(up_to) < 19):
-            model_admin.message_user(request, "Malformed confirmation: nothing was retried.",
+            model_admin.message_user(request, _("Malformed confirmation: nothing was retried."),
                                      messages.ERROR)
             return HttpResponseRedirect(_url("overview"))
         ids = runs.filter(pk__lte=int(up_to)).values_list("pk", flat=True).iterator()
         text, level = RETRY.describe(RETRY.apply_logged(request, ids))
         label = _label(error_type, agent, reason)
-        model_admin.message_user(request, f"Dead letters of class {label}: {text}", level)
+        model_admin.message_user(request, _("Dead letters of class %(label)s: %(text)s")
+                                 % {"label": label, "text": text}, level)
         return HttpResponseRedirect(_url("overview"))
 
     return view
@@ -200,21 +212,23 @@ def fork_run(model_admin: Any) -> Any:
         if replay and not number:
             return _replay(model_admin, request, run_id, agent)
         if not (number.isascii() and number.isdigit() and len(number) < 10):
-            model_admin.message_user(request, "Malformed checkpoint number: nothing was "
-                                     "forked.", messages.ERROR)
+            model_admin.message_user(request, _("Malformed checkpoint number: nothing was "
+                                                "forked."), messages.ERROR)
             return HttpResponseRedirect(_url("change", run_id))
         try:
             run = api.fork(run_id, checkpoint=int(number), by=username(request))
         except RunNotFoundError:
-            model_admin.message_user(request, f"Run #{run_id} no longer exists.",
-                                     messages.ERROR)
+            model_admin.message_user(request, _("Run #%(id)s no longer exists.")
+                                     % {"id": run_id}, messages.ERROR)
             return HttpResponseRedirect(_url("changelist"))
         except AgentRunsError as exc:
-            model_admin.message_user(request, f"Run #{run_id} was not forked: {exc}",
-                                     messages.ERROR)
+            model_admin.message_user(request, _("Run #%(id)s was not forked: %(error)s")
+                                     % {"id": run_id, "error": exc}, messages.ERROR)
             return HttpResponseRedirect(_url("change", run_id))
-        model_admin.message_user(request, f"Run #{run.pk} forked from run #{run_id} at "
-                                 f"checkpoint {number}.", messages.SUCCESS)
+        model_admin.message_user(request, _("Run #%(id)s forked from run #%(source)s at "
+                                           "checkpoint %(number)s.")
+                                 % {"id": run.pk, "source": run_id, "number": number},
+                                 messages.SUCCESS)
         return HttpResponseRedirect(_url("change", run.pk))
 
     return view
@@ -227,14 +241,17 @@ def _replay(model_admin: Any, request: HttpRequest, run_id: int,
     try:
         run = api.fork(run_id, replay=True, agent=agent, by=username(request))
     except RunNotFoundError:
-        model_admin.message_user(request, f"Run #{run_id} no longer exists.", messages.ERROR)
+        model_admin.message_user(request, _("Run #%(id)s no longer exists.") % {"id": run_id},
+                                 messages.ERROR)
         return HttpResponseRedirect(_url("changelist"))
     except AgentRunsError as exc:
-        model_admin.message_user(request, f"Run #{run_id} was not replayed: {exc}",
-                                 messages.ERROR)
+        model_admin.message_user(request, _("Run #%(id)s was not replayed: %(error)s")
+                                 % {"id": run_id, "error": exc}, messages.ERROR)
         return HttpResponseRedirect(_url("change", run_id))
-    model_admin.message_user(request, f"Run #{run.pk} replays run #{run_id} with "
-                             f"{run.agent!r}.", messages.SUCCESS)
+    model_admin.message_user(request, _("Run #%(id)s replays run #%(source)s with "
+                                       "%(agent)r.")
+                             % {"id": run.pk, "source": run_id, "agent": run.agent},
+                             messages.SUCCESS)
     return HttpResponseRedirect(_url("change", run.pk))
 
 
@@ -254,12 +271,41 @@ def pause_or_resume(model_admin: Any, pause: bool) -> Any:
         except InvalidInputError as exc:
             model_admin.message_user(request, str(exc), messages.ERROR)
             return HttpResponseRedirect(_url("overview"))
-        verb = "paused" if pause else "resumed"
-        model_admin.message_user(
-            request, f"Queue {name!r} {verb}." if done else
-            f"Queue {name!r} was {'paused already' if pause else 'not paused'}.",
-            messages.SUCCESS if done else messages.WARNING)
+        if done:
+            text = _("Queue %(name)r paused.") if pause else _("Queue %(name)r resumed.")
+        else:
+            text = _("Queue %(name)r was paused already.") if pause \
+                else _("Queue %(name)r was not paused.")
+        model_admin.message_user(request, text % {"name": name},
+                                 messages.SUCCESS if done else messages.WARNING)
         return HttpResponseRedirect(_url("overview"))
 
     return view
 
+
+
+def reap_now(model_admin: Any) -> Any:
+    """The run page's and the overview's "Reap now": take back one stuck run at once,
+    through the reaper (requeued, or dead-lettered with no requeue left), when nothing
+    else reaps. Retry permission: it puts the run back in the queue, as a retry does."""
+
+    @require_POST
+    def view(request: HttpRequest, run_id: int) -> HttpResponse:
+        if not has_permission(model_admin, request, RETRY):
+            raise PermissionDenied
+        back = _url("overview") if request.POST.get("back") == "overview" \
+            else _url("change", run_id)
+        report = reaper.reap(run_ids=[run_id])
+        done = {"requeued": report.requeued, "dead-lettered": report.dead_lettered,
+                "cancelled": report.cancelled}
+        what = next((name for name, ids in done.items() if run_id in ids), None)
+        if what is None:
+            model_admin.message_user(
+                request, f"Run #{run_id} was not reaped: its lease holds (or it is no longer "
+                "running).", messages.WARNING)
+        else:
+            model_admin.message_user(request, f"Run #{run_id} reaped: {what}.",
+                                     messages.SUCCESS)
+        return HttpResponseRedirect(back)
+
+    return view

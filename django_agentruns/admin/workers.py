@@ -13,6 +13,7 @@ from django.http import HttpRequest
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
+from django.utils.translation import gettext_lazy as _
 
 from ..models import AgentRun, WorkerRecord
 from ..ops import workers
@@ -35,6 +36,8 @@ class WorkerRecordAdmin(WorkerAdminBase):
     readonly_fields = ("worker_id", "state", "host", "pid", "queue_list", "concurrency",
                        "agent_list", "version", "started", "last_seen")
     fields = readonly_fields
+    change_list_template = "django_agentruns/admin/plain_change_list.html"
+    change_form_template = "django_agentruns/admin/plain_change_form.html"
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return bool(request.user.has_perm(VIEW))
@@ -51,7 +54,7 @@ class WorkerRecordAdmin(WorkerAdminBase):
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
-    @admin.display(description="state")
+    @admin.display(description=_("state"))
     def state(self, record: WorkerRecord) -> SafeString:
         if workers.is_live(record):
             return format_html('<span class="agentruns-badge" style="background:{}">{}</span>',
@@ -59,23 +62,23 @@ class WorkerRecordAdmin(WorkerAdminBase):
         return format_html('<span class="agentruns-badge" style="background:{}">{}</span>',
                            "#c62828", "gone (stopped beating)")
 
-    @admin.display(description="queues")
+    @admin.display(description=_("queues"))
     def queue_list(self, record: WorkerRecord) -> str:
         return ", ".join(record.queues)
 
-    @admin.display(description="agents")
+    @admin.display(description=_("agents"))
     def agent_count(self, record: WorkerRecord) -> int:
         return len(record.agents)
 
-    @admin.display(description="agents")
+    @admin.display(description=_("agents"))
     def agent_list(self, record: WorkerRecord) -> str:
         return ", ".join(record.agents)
 
-    @admin.display(description="started", ordering="started_at")
+    @admin.display(description=_("started"), ordering="started_at")
     def started(self, record: WorkerRecord) -> str:
         return show.timestamp(record.started_at)
 
-    @admin.display(description="last seen", ordering="last_seen_at")
+    @admin.display(description=_("last seen"), ordering="last_seen_at")
     def last_seen(self, record: WorkerRecord) -> str:
         ago = (timezone.now() - record.last_seen_at).total_seconds()
         return f"{show.short_duration(ago)} ago"

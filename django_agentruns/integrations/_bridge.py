@@ -23,7 +23,7 @@ from django.db import connections
 
 from ..exceptions import InvalidInputError
 from ..runtime.context import RunContext, current_context
-from ..wait_results import Approval
+from ..outcomes import Approval
 
 try:
     from opentelemetry import trace

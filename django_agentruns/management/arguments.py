@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import getpass
 
 from django_agentruns.exceptions import InvalidInputError
 from django_agentruns.registry import QUEUE_RULE, check_worker_names, is_queue_name
@@ -63,3 +64,11 @@ def queue_list(text: str) -> list[str]:
         if not is_queue_name(queue):
             raise argparse.ArgumentTypeError(f"a queue name is {QUEUE_RULE}, not {queue!r}")
     return queues
+
+
+def os_user() -> str:
+    """Who ran the command, as the OS knows them: recorded when nobody says (`--by`)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container): say so, not nothing
+        return "unknown OS user"

@@ -1,4 +1,4 @@
-"""Issue 18: schedules, dedupe keys, paused queues, checkpoint history and forks.
+"""Schedules, dedupe keys, paused queues, checkpoint history and forks.
 
 Numbered 0004 and depending on 0002: the worker registry (0003) is merged first and
 this is re-pointed at it then."""

@@ -37,6 +37,8 @@ class Backlog:
     dead_letters: dict[str, int] = field(default_factory=dict)
     closed_keys: dict[str, float] = field(default_factory=dict)
     """Limit keys closed by a 429, with the seconds until they reopen."""
+    window_fill: dict[tuple[str, str], float] = field(default_factory=dict)
+    """How full each window of each limit key with windows is, by (key, window): 1 is full."""
     unknown_agents: dict[tuple[str, str], int] = field(default_factory=dict)
     """Due runs of agents not registered in this process, by (queue, agent): a worker
     claims only runs of agents it has, so its workers leave these to others."""
@@ -54,7 +56,9 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     """
     from ..models import AgentLimit, AgentRun, PausedQueue
     from ..registry import all_agents, scope_policy
-    from .visibility import due_elsewhere
+    from ..transitions import window_fill
+    from ..windows import FIELDS
+    from .visibility import count_due_elsewhere
 
     at = at or timezone.now()
     backlog = Backlog()
@@ -92,8 +96,10 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     dead = (AgentRun.objects.dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
-    backlog.unknown_agents.update(due_elsewhere(None, frozenset(all_agents()), at))
-    closed = AgentLimit.objects.filter(closed_until__gt=at).values_list("key", "closed_until")
-    backlog.closed_keys.update((key, (until - at).total_seconds()) for key, until in closed
-                               if until is not None)
+    backlog.unknown_agents.update(count_due_elsewhere(None, frozenset(all_agents()), at))
+    limits = list(AgentLimit.objects.values("key", "closed_until", *FIELDS))
+    backlog.closed_keys.update((row["key"], (row["closed_until"] - at).total_seconds())
+                               for row in limits
+                               if row["closed_until"] is not None and row["closed_until"] > at)
+    backlog.window_fill.update(window_fill(at, limits))
     return backlog

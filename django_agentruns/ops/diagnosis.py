@@ -6,7 +6,9 @@ so that a dead letter is explained in the same words wherever it is looked at.
 
 from __future__ import annotations
 
+from ..limits import Budget, effective_budget
 from ..models import AgentRun, Reason, Status
+from ..registry import find_agent
 
 ABANDONED = "AbandonedAttempt"  # the error_type transitions record for an abandoned attempt
 SHORT_ERROR = 90
@@ -31,11 +33,37 @@ def advice(run: AgentRun) -> str:
         return (f"Retries exhausted after {run.requeue_count} requeue"
                 f"{'' if run.requeue_count == 1 else 's'}: read the last error and the "
                 "timeline's run.requeued events; retry once the cause is gone.")
-    if run.status == Status.FAILED:
+    if run.status == Status.FAILED and run.reason == Reason.BUDGET_EXHAUSTED:
+        return budget_advice(run)
+    if run.status == Status.FAILED and run.reason == Reason.ERROR:
         return "Failed in an interactive call (run_now): its caller saw the error."
+    if run.status == Status.FAILED:
+        return f"Failed ({run.reason or 'no reason recorded'}): read the error below, then retry."
     if run.status == Status.CANCELLED:
         return "Cancelled" + (f": {run.cancel_reason}" if run.cancel_reason else "") + \
             ". Retry it to run it again."
     if run.status == Status.RUNNING and run.cancel_requested_at is not None:
         return "A cancel was requested: it is cancelled once its worker notices."
     return ""
+
+
+def run_budget(run: AgentRun) -> Budget | None:
+    """The budget the run ran under: its own (an operator's retry set it), else its agent's."""
+    spec = find_agent(run.agent)
+    return effective_budget(run.budget, None if spec is None else spec.budget)
+
+
+def spent(run: AgentRun) -> str:
+    return f"{run.input_tokens + run.output_tokens} tokens, cost {run.cost:g}"
+
+
+def budget_advice(run: AgentRun) -> str:
+    """A budget dead letter: what it spent against what it was allowed, and the one retry
+    that helps (a raised budget: the same one stops it again at once)."""
+    budget = run_budget(run)
+    allowed = "no budget known here" if budget is None else \
+        ", ".join(f"{k} {v:g}" for k, v in budget.as_dict().items()) or "no bound"
+    return (f"Budget exhausted: it recorded {spent(run)} against its budget ({allowed}). "
+            f"Retry it with a raised budget (the admin's Retry, or "
+            f"retry({run.pk}, budget={{\"tokens\": ..., \"cost\": ...}})); a retry without "
+            f"one stops again at once, as its usage already passed the budget.")

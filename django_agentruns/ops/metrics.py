@@ -252,6 +252,14 @@ class BacklogCollector:
         for key, seconds in sorted(backlog.closed_keys.items()):
             closed.add_metric([key], seconds)
         yield closed
+        fill = GaugeMetricFamily(
+            "agentruns_limit_window_fill",
+            "How full each window of a limit key is, by key and window (per_minute, "
+            "tokens_per_minute, cost_per_day): at 1 no run of the key starts.",
+            labels=["key", "window"])
+        for (key, window), ratio in sorted(backlog.window_fill.items()):
+            fill.add_metric([key, window], ratio)
+        yield fill
 
 
 def _agent_queues() -> set[str]:

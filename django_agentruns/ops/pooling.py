@@ -90,14 +90,11 @@ def check_wakeups(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
 
 def probe(alias: str) -> bool:
     """One self-check from this process, on a channel of its own."""
-    import psycopg
-
-    from ..db import connect_params, probe_channel, self_check
+    from ..db import listening, probe_channel, self_check
 
     channel = probe_channel(f"check:{uuid.uuid4().hex}")
-    with psycopg.connect(**connect_params(alias), autocommit=True) as listening:
-        listening.execute(f"LISTEN {channel}")
-        return self_check(listening, channel)
+    with listening(alias, channel) as conn:
+        return self_check(conn, channel)
 
 
 def pooler_warnings(why: str) -> list[CheckMessage]:

@@ -21,7 +21,17 @@ from django.db.models.deletion import Collector
 from django.utils import timezone
 
 from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
-from ..models import TERMINAL, AgentRun, RunCheckpoint, RunEvent, RunStep, RunWait, StreamChunk
+from ..models import (
+    TERMINAL,
+    AgentRun,
+    KeyWindowEntry,
+    RunCheckpoint,
+    RunEvent,
+    RunStep,
+    RunUsage,
+    RunWait,
+    StreamChunk,
+)
 from ..queries import dead_letter
 
 logger = logging.getLogger("django_agentruns.retention")
@@ -43,8 +53,11 @@ OWNED_BY_RUN: tuple[tuple[type[models.Model], str, tuple[str, ...]], ...] = (
     (RunWait, "run", ("prompt", "payload")),  # waits and the deliveries stored on them
     (StreamChunk, "run", ("text",)),  # SQLite's live output on its way to the readers
     (RunStep, "run", ("result", "error")),  # durable steps (a fork keeps its own copies)
+    # A limit key's window entries: a run deleted within its window leaves that room free.
+    (KeyWindowEntry, "run", ()),
+    (RunUsage, "run", ()),  # each recorded model call (the totals are the run's columns)
 )
-"""Every table whose rows belong to one run. Usage totals are columns of the run itself."""
+"""Every table whose rows belong to one run."""
 
 CHUNK_GRACE = timedelta(seconds=60)
 """How long a finished run's live-output rows stay for readers before a prune takes them."""

@@ -15,9 +15,10 @@ from django.db.models import Count
 from django.utils import timezone
 
 from .. import transitions
-from ..limits import effective_limit
 from ..models import AgentLimit, AgentRun, PausedQueue, Status
 from ..registry import claimable_version, find_agent
+from ..windows import KeyLimits, resolve, row_limits
+from . import workers
 
 NOT_QUEUED = "not_queued"
 UNKNOWN_AGENT = "unknown_agent"
@@ -27,6 +28,7 @@ BLOCKED = "blocked"
 PAUSED = "paused"
 KEY_CLOSED = "key_closed"
 KEY_FULL = "key_full"
+KEY_WINDOW = "key_window"
 VERSION = "version"
 
 
@@ -99,7 +101,16 @@ def key_hold(run: AgentRun, at: datetime) -> Hold | None:
         return Hold(KEY_CLOSED, f"its limit key {row.key!r} is closed until "
                                 f"{_when(row.closed_until)} ({seconds:.1f}s from now"
                                 f"{_because(row.closed_reason)})")
-    cap = effective_limit(row.key, row.max_running)
+    limits = key_limits(row)
+    if limits.windowed:
+        full = transitions.full_window(limits, transitions.window_use([row.key], at).get(
+            row.key, transitions.WindowUse()), at)
+        if full is not None:
+            when = "" if full.room_at is None else \
+                f"; it has room at {_when(full.room_at)}"
+            return Hold(KEY_WINDOW, f"waiting for the {full.window} window of its limit key "
+                                    f"{row.key!r}: {full.text}{when}")
+    cap = limits.max_running
     if cap is None:
         return None
     running = AgentRun.objects.filter(status=Status.RUNNING, limit_key=row.key).count()
@@ -108,7 +119,7 @@ def key_hold(run: AgentRun, at: datetime) -> Hold | None:
     return Hold(KEY_FULL, f"waiting for its limit key {row.key!r}: {running} of its runs are "
                           f"running, its limit is {cap}")
 
-def due_elsewhere(
+def count_due_elsewhere(
     queues: Iterable[str] | None, agents: frozenset[str], at: datetime | None = None
 ) -> dict[tuple[str, str], int]:
     """Due runs a worker with only `agents` leaves queued, by (queue, agent): of any queue,
@@ -156,7 +167,7 @@ def _blocked(run: AgentRun, blocker: AgentRun, at: datetime) -> Hold:
         text += f"; it is waiting until {_when(blocker.available_at)}"
     elif blocker.status == Status.RUNNING and blocker.lease_expires is not None \
             and blocker.lease_expires < at:
-        text += "; its lease lapsed, so the reaper or a worker's claim will take it back"
+        text += f"; it is stuck ({_stuck(blocker, at)})"
     return Hold(BLOCKED, text, blocker=blocker.pk, blocker_status=blocker.status)
 
 
@@ -167,7 +178,7 @@ def _not_queued(run: AgentRun, at: datetime) -> str:
         if run.lease_expires is None:
             text += ", interactive: no lease)"
         elif run.lease_expires < at:
-            text += f", lease lapsed at {_when(run.lease_expires)}: it will be taken back)"
+            text += f", {_stuck(run, at)})"
         else:
             text += f", lease until {_when(run.lease_expires)})"
         if run.cancel_requested_at is not None:
@@ -177,9 +188,21 @@ def _not_queued(run: AgentRun, at: datetime) -> str:
     return text
 
 
+def _stuck(run: AgentRun, at: datetime) -> str:
+    """A lapsed lease: taken back only if a live worker (or a cron reap) will do it."""
+    lapsed = workers.lapse(run, workers.live_ids(at), at) or "lease lapsed"
+    return f"{lapsed}; {workers.rescuer(run, workers.Coverage.read(at)) or workers.NOBODY_REAPS}"
+
+
 def _when(value: datetime) -> str:
     return value.isoformat(timespec="milliseconds")
 
 
 def _because(reason: str) -> str:
     return f": {reason}" if reason else ""
+
+
+def key_limits(row: AgentLimit) -> KeyLimits:
+    """A limits row's limits in force (its own, its pattern's, the setting's)."""
+    patterns = {r.key: row_limits(r) for r in AgentLimit.objects.filter(key__endswith="*")}
+    return resolve(row.key, row_limits(row), patterns)

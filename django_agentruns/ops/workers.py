@@ -123,3 +123,35 @@ class Coverage:
                     "in development)")
         return None
 
+
+def live_ids(at: datetime | None = None) -> set[str]:
+    """The ids of the live workers: one read, for a page of runs."""
+    return set(live(at).values_list("worker_id", flat=True))
+
+
+def lapse(run: AgentRun, live_workers: set[str], at: datetime | None = None) -> str | None:
+    """A stuck run in words, "lease lapsed 42 s ago, worker w-1 gone"; None if its lease
+    holds (or it is not running, or interactive: no lease)."""
+    at = at or timezone.now()
+    if run.status != "running" or run.lease_expires is None or run.lease_expires >= at:
+        return None
+    ago = (at - run.lease_expires).total_seconds()
+    worker = run.claimed_by or "?"
+    fate = "gone" if worker not in live_workers else "live but not renewing"
+    return f"lease lapsed {ago:.0f} s ago, worker {worker} {fate}"
+
+
+def rescuer(run: AgentRun, coverage: Coverage) -> str | None:
+    """Who will take a stuck run back, as far as worker records say; None: nobody will
+    (only a `manage.py reap` from cron, which leaves no record, or an operator)."""
+    if coverage.workers and float(app_settings.REAP_INTERVAL) > 0:
+        return (f"a live worker's own reap (every {float(app_settings.REAP_INTERVAL):g} s) "
+                "will take it back")
+    if coverage.queues.get(run.queue):
+        return f"a live worker serving queue {run.queue!r} will take it back when it claims"
+    return None
+
+
+NOBODY_REAPS = ("no live worker will take it back, so it stays running until `manage.py "
+                "reap` runs (from cron, or now) or an operator clicks Reap now in the admin")
+

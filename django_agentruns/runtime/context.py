@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import transitions
 from ..conf import app_settings
-from ..exceptions import InvalidInputError
+from ..outcomes import Approval, RunResult
 from ..streaming import chunks
-from ..validation import capped_json, unstorable_text
-from ..wait_results import Approval, RunResult
+from ..validation import capped_json, check_short_text
 from . import receiving, steps, usage
 
 if TYPE_CHECKING:
@@ -52,7 +51,7 @@ class RunContext:
 
     def __init__(
         self, *, run_id: int, agent: str, input: Any, attempt: int, state: Any,
-        scope: str, control: AttemptControl,
+        scope: str, control: AttemptControl, limit_key: str = "",
     ) -> None:
         self.run_id = run_id
         self.agent = agent
@@ -60,6 +59,8 @@ class RunContext:
         self.attempt = attempt
         self.state = state
         self.scope = scope
+        # The limit key this attempt was started under: with failover keys, the one taken.
+        self.limit_key = limit_key
         self._control = control
 
     @property
@@ -68,8 +69,12 @@ class RunContext:
 
     @property
     def stop_requested(self) -> bool:
-        """True once the attempt must stop; the next context call will raise."""
-        return self._control.stop_reason is not None or self._control.timed_out()
+        """True once the attempt must stop (a cancel, a lost lease, its timeout, a shutdown,
+        or its run's budget spent by `record_usage`); the next context call will raise.
+        An agent checks it before a paid call it can skip."""
+        control = self._control
+        return control.stop_reason is not None or control.timed_out() \
+            or control.over_budget is not None
 
     def emit(self, type: str, payload: dict[str, Any] | None = None) -> None:
         """Append an event to the run's stream (a step boundary)."""
@@ -180,10 +185,12 @@ class RunContext:
         return receiving.request_approval(self, key, proposal, timeout=timeout)
 
     def spawn(self, agent: str, input: Any = None, *, key: str, queue: str | None = None,
-              scope: str | None = None, priority: int | None = None) -> int:
-        """Enqueue a child run once per `key`, whatever attempt asks; return its id."""
+              scope: str | None = None, priority: int | None = None,
+              budget: dict[str, Any] | None = None) -> int:
+        """Enqueue a child run once per `key`, whatever attempt asks; return its id. The
+        child has its own budget (`budget`, else its agent's), not a share of this run's."""
         return receiving.spawn(self, agent, input, key=key, queue=queue, scope=scope,
-                               priority=priority)
+                               priority=priority, budget=budget)
 
     def wait_for_runs(self, ids: Iterable[int], *,
                       timeout: float | None = None) -> dict[int, RunResult]:
@@ -203,9 +210,11 @@ class RunContext:
 
     async def aspawn(self, agent: str, input: Any = None, *, key: str,
                      queue: str | None = None, scope: str | None = None,
-                     priority: int | None = None) -> int:
+                     priority: int | None = None,
+                     budget: dict[str, Any] | None = None) -> int:
         return await storage_call(self, functools.partial(
-            self.spawn, agent, input, key=key, queue=queue, scope=scope, priority=priority))
+            self.spawn, agent, input, key=key, queue=queue, scope=scope, priority=priority,
+            budget=budget))
 
     async def await_runs(self, ids: Iterable[int], *,
                          timeout: float | None = None) -> dict[int, RunResult]:
@@ -216,9 +225,7 @@ class RunContext:
         """The write of one event, checked (the checks cost no database)."""
         control = self._control
         control.check()
-        if not isinstance(type, str) or not type or len(type) > 100 or unstorable_text(type):
-            raise InvalidInputError(f"Event type must be a string of 1-100 characters with no "
-                                    f"NUL or surrogate, not {type!r:.120}")
+        check_short_text(type, "Event type", 100)
         payload = {} if payload is None else payload
         capped_json(payload, f"Payload of event {type!r}", "MAX_EVENT_BYTES")
         event_id = transitions.emitted_event_id(self.run_id, control.checkpoints, control.position)

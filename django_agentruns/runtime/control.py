@@ -17,9 +17,14 @@ from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import DatabaseError, close_old_connections, connection
+from django.db import close_old_connections, connection
 
-from ..db import close_all_connections, storage_unreachable
+from ..db import (
+    aretry_for_half_lease,
+    close_all_connections,
+    retry_for_half_lease,
+    storage_unreachable,
+)
 from ..exceptions import AttemptStopped
 from ..limits import Budget
 from ..outcomes import AttemptRef, Renewal, StopReason
@@ -53,6 +58,7 @@ class AttemptControl:
         self.over_budget: str | None = None
         # Durable steps (runtime.steps): the last occurrence of each step name called.
         self.step_counts: dict[str, int] = {}
+        self.usage_calls = 0  # record_usage calls so far: each write's key (run, attempt, n)
 
     def request_stop(self, reason: StopReason) -> None:
         """Ask the attempt to stop; the first reason wins."""
@@ -100,21 +106,23 @@ class AttemptControl:
         one guarded, idempotent transaction, so a retry after a lost commit adds nothing.
         Interactive runs (no lease, maybe in the caller's transaction) are not retried.
         """
-        wait, deadline = 0.05, self._retry_deadline()
-        while True:
+        raw = None
+
+        def attempt() -> T:
+            nonlocal raw
             raw = connection.connection
-            try:
-                with self.storage():
-                    return write(*args)
-            except DatabaseError as exc:
-                if self.ref.lease_ttl is None or connection.in_atomic_block \
-                        or not storage_unreachable(exc, raw):
-                    raise
-                with suppress(Exception):
-                    connection.close()  # broken: the next try opens a fresh one
-                self._unreachable(exc, wait, deadline)
-            time.sleep(wait)
-            wait = min(1.0, wait * 2)
+            with self.storage():
+                return write(*args)
+
+        def on_error(exc: Exception, wait: float, spent: bool) -> None:
+            if self.ref.lease_ttl is None or connection.in_atomic_block \
+                    or not storage_unreachable(exc, raw):
+                raise exc
+            with suppress(Exception):
+                connection.close()  # broken: the next try opens a fresh one
+            self._unreachable(exc, wait, spent)
+
+        return retry_for_half_lease(self.ref.lease_ttl, attempt, on_error)
 
     def write(self, write: Write) -> Result:
         """One write of the attempt, from its thread: through the worker's attempt store
@@ -128,38 +136,33 @@ class AttemptControl:
         """
         if self.store is None or connection.in_atomic_block:
             return self.call(apply_alone, write)
-        wait, deadline = 0.05, self._retry_deadline()
-        while True:
-            try:
-                with self.storage():
-                    return self.store.call(write)
-            except StoreUnreachable as exc:
-                self._unreachable(exc, wait, deadline)
-            time.sleep(wait)
-            wait = min(1.0, wait * 2)
+        store = self.store
+
+        def attempt() -> Result:
+            with self.storage():
+                return store.call(write)
+
+        return retry_for_half_lease(self.ref.lease_ttl, attempt, self._unreachable,
+                                    (StoreUnreachable,))
 
     async def awrite(self, write: Write) -> Result:
         """`write`, awaited on the event loop: no thread, no executor hop."""
         if self.store is None:
             return await in_thread(self, self.write, write)
-        wait, deadline = 0.05, self._retry_deadline()
-        while True:
-            try:
-                with self.storage():
-                    return await self.store.acall(write)
-            except StoreUnreachable as exc:
-                self._unreachable(exc, wait, deadline)
-            await asyncio.sleep(wait)
-            wait = min(1.0, wait * 2)
+        store = self.store
 
-    def _retry_deadline(self) -> float:
-        return time.monotonic() + (self.ref.lease_ttl or 0.0) / 2
+        async def attempt() -> Result:
+            with self.storage():
+                return await store.acall(write)
 
-    def _unreachable(self, exc: BaseException, wait: float, deadline: float) -> None:
+        return await aretry_for_half_lease(self.ref.lease_ttl, attempt, self._unreachable,
+                                           (StoreUnreachable,))
+
+    def _unreachable(self, exc: Exception, wait: float, spent: bool) -> None:
         """After a write the store could not make: stop, or let the caller wait `wait`."""
         if self.stop_reason is not None:
             raise AttemptStopped(self.stop_reason) from exc
-        if time.monotonic() + wait > deadline:
+        if spent:
             self.request_stop(StopReason.INTERRUPTED)
             raise AttemptStopped(StopReason.INTERRUPTED) from exc
         logger.warning("run %s: storage call failed (%s); retrying in %.2fs",

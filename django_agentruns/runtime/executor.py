@@ -21,8 +21,9 @@ from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from asgiref.sync import async_to_sync, sync_to_async
-from django.db import DatabaseError, close_old_connections, connection
+from django.db import close_old_connections, connection
 
+from ..db import aretry_for_half_lease, retry_for_half_lease
 from ..exceptions import (
     AttemptStopped,
     AttemptTimeout,
@@ -107,12 +108,12 @@ class Executor:
                 await chunks.afinish(control, store=chunks.stores_at_finish(outcome.stop_reason))
                 settlement = await self.arecord(spec, control.ref, outcome)
                 span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
-            reason = ""
-            if settlement is Settlement.DEAD_LETTERED:
+            facts: dict[str, str] = {}
+            if settlement in recording.TOLD:
                 # The ORM must not run on the loop; its thread keeps no connection.
-                reason = await sync_to_async(recording.dead_letter_reason,
-                                             thread_sensitive=False)(control.ref, close=True)
-            self._settled(run, control, settlement, outcome, began, reason)
+                facts = await sync_to_async(recording.settlement_facts, thread_sensitive=False)(
+                    control.ref, settlement, close=True)
+            self._settled(run, control, settlement, outcome, began, facts)
             return settlement
         except Exception:
             logger.exception("run %s: could not record the attempt's outcome", run.pk,
@@ -164,17 +165,15 @@ class Executor:
             return Settlement.LOST
         if self.store is None:
             return await sync_to_async(self.record, thread_sensitive=False)(spec, ref, outcome)
-        deadline = time.monotonic() + (ref.lease_ttl or 0.0) / 2
-        wait = 0.05
-        while True:
-            try:
-                return recording.settled(await self.store.acall(step))
-            except DatabaseError as exc:
-                if time.monotonic() + wait > deadline:
-                    raise
-                _log_retry(ref, exc, wait)
-            await asyncio.sleep(wait)
-            wait = min(1.0, wait * 2)
+        store = self.store
+
+        def on_error(exc: Exception, wait: float, spent: bool) -> None:
+            if spent:
+                raise exc
+            _log_retry(ref, exc, wait)
+
+        return recording.settled(
+            await aretry_for_half_lease(ref.lease_ttl, lambda: store.acall(step), on_error))
 
     def interactive(self, spec: AgentSpec, run: AgentRun, control: AttemptControl) -> Outcome:
         """`run_now`'s attempt, in the caller's thread (and transaction, if one is open)."""
@@ -184,10 +183,11 @@ class Executor:
         return outcome
 
     def _settled(self, run: AgentRun, control: AttemptControl, settlement: Settlement,
-                 outcome: Outcome, began: float, reason: str | None = None) -> None:
-        if reason is None and settlement is Settlement.DEAD_LETTERED:
-            reason = recording.dead_letter_reason(control.ref)
-        recording.log_settlement(control.ref, run.agent, settlement, outcome, reason or "")
+                 outcome: Outcome, began: float,
+                 facts: dict[str, str] | None = None) -> None:
+        if facts is None:
+            facts = recording.settlement_facts(control.ref, settlement)
+        recording.log_settlement(control.ref, run.agent, settlement, outcome, facts)
         metrics.observe_settlement(run.agent, settlement.value, metrics.queue_wait(run),
                                    time.monotonic() - began)
 
@@ -206,18 +206,13 @@ class Executor:
 
 
 def _retrying(ref: AttemptRef, write: Callable[[], T]) -> T:
-    deadline = time.monotonic() + (ref.lease_ttl or 0.0) / 2
-    wait = 0.05
-    while True:
-        try:
-            return write()
-        except DatabaseError as exc:
-            if time.monotonic() + wait > deadline:
-                raise
-            _log_retry(ref, exc, wait)
-            connection.close()
-            time.sleep(wait)
-            wait = min(1.0, wait * 2)
+    def on_error(exc: Exception, wait: float, spent: bool) -> None:
+        if spent:
+            raise exc
+        _log_retry(ref, exc, wait)
+        connection.close()
+
+    return retry_for_half_lease(ref.lease_ttl, write, on_error)
 
 
 def _log_retry(ref: AttemptRef, exc: BaseException, wait: float) -> None:
@@ -232,7 +227,8 @@ def finish_stream(control: AttemptControl, outcome: Outcome) -> None:
 
 def make_context(run: AgentRun, control: AttemptControl) -> RunContext:
     return RunContext(run_id=run.pk, agent=run.agent, input=run.input, attempt=run.attempt,
-                      state=run.checkpoint_state, scope=run.scope, control=control)
+                      state=run.checkpoint_state, scope=run.scope, control=control,
+                      limit_key=run.limit_key)
 
 
 def call_agent(spec: AgentSpec, ctx: RunContext, control: AttemptControl) -> Outcome:

@@ -9,6 +9,7 @@ import logging
 import time
 from typing import Any
 
+from ..db import close_all_connections
 from ..ops import workers
 from ..ops.workers import Serving
 
@@ -19,7 +20,10 @@ class Presence:
     """The worker's side: register at start, beat from the lease keeper, leave at stop.
 
     Every call logs and swallows its database errors: presence is for operators, and a
-    worker must not stop serving because its record could not be written.
+    worker must not stop serving because its record could not be written. But it closes
+    its thread's connections after one: a connection the database killed
+    (`pg_terminate_backend`, a failover) stays broken until closed, and the next beat must
+    open a fresh one, not fail on the dead one for ever.
     """
 
     def __init__(self, worker: Serving) -> None:
@@ -46,4 +50,5 @@ class Presence:
         except Exception:
             logger.warning("could not write worker record (%s)", call.__name__, exc_info=True,
                            extra={"worker_id": self.worker.worker_id})
+            close_all_connections()  # a dead one would fail every beat after it
             return None

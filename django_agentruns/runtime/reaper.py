@@ -34,15 +34,22 @@ class ReapReport:
         return len(self.requeued) + len(self.dead_lettered) + len(self.cancelled)
 
 
-def reap(at: datetime | None = None, *, limit: int = 1000, dry_run: bool = False) -> ReapReport:
+def reap(at: datetime | None = None, *, limit: int = 1000, dry_run: bool = False,
+         run_ids: list[int] | None = None) -> ReapReport:
     """Requeue, dead-letter or cancel (if asked) each run whose lease lapsed before `at`;
-    queue again each waiting run whose wait's deadline passed (never a waiting run else)."""
+    queue again each waiting run whose wait's deadline passed (never a waiting run else).
+
+    `run_ids`: only these runs' lapsed leases (an operator's "reap now" on a stuck run,
+    when nothing else reaps); waits are left to the next full reap."""
     at = at or transitions.now()
     report = ReapReport()
-    _expire_waits(report, at, limit, dry_run)
-    if not dry_run:
-        report.chunks_pruned = prune_finished_chunks(limit)
-    for row in transitions.find_stale(at, limit):
+    if run_ids is None:
+        _expire_waits(report, at, limit, dry_run)
+        if not dry_run:
+            report.chunks_pruned = prune_finished_chunks(limit)
+    rows = transitions.find_stale(at, limit) if run_ids is None \
+        else transitions.find_stale(at, limit, run_ids)
+    for row in rows:
         report.stale.append(row["id"])
         if dry_run:
             continue

@@ -16,9 +16,8 @@ from django.utils import timezone
 
 from ..api import RunRequest, build_new_run, run_id_of
 from ..exceptions import AttemptStopped, InvalidInputError, WaitTimedOut
-from ..outcomes import Renewal, StopReason
+from ..outcomes import Approval, Renewal, RunResult, StopReason, Waited, WaitState
 from ..validation import capped_json, check_key, deadline_after
-from ..wait_results import Approval, RunResult, Waited, WaitState
 
 if TYPE_CHECKING:
     from .context import RunContext
@@ -84,19 +83,30 @@ def request_approval(ctx: RunContext, key: str, proposal: Any, *,
 
 def spawn(ctx: RunContext, agent: str, input: Any = None, *, key: str,
           queue: str | None = None, scope: str | None = None,
-          priority: int | None = None) -> int:
+          priority: int | None = None, budget: dict[str, Any] | None = None) -> int:
     """Enqueue a child run in the attempt's fenced write; the same `key` returns the same
-    child in any later attempt of this run, never a second one."""
+    child in any later attempt of this run, never a second one.
+
+    The child has its own budget (`budget`, else its agent's): what it spends does not
+    count against the parent's. Past MAX_CHILDREN_PER_RUN children of this run, or
+    MAX_SPAWN_DEPTH levels below the root run, a new child is refused (LimitExceeded)."""
+    from ..conf import app_settings
+    from ..limits import check_budget
     from ..transitions import waiting
 
     key = check_key(key, "spawn key")
+    checked = check_budget(budget)
     # No scope by default: the parent's own would hold an ordered child behind the parent.
     request = RunRequest(agent, input, scope="" if scope is None else scope,
                              queue=queue, priority=priority)
     new = build_new_run(request, timezone.now(), {})
     control = _control(ctx)
     call = cast(Any, control.call)
-    renewal, child = call(functools.partial(waiting.spawn, control.ref, key, new))
+    renewal, child = call(functools.partial(
+        waiting.spawn, control.ref, key, new,
+        budget=None if checked is None else checked.as_dict(),
+        max_depth=int(app_settings.MAX_SPAWN_DEPTH),
+        max_children=int(app_settings.MAX_CHILDREN_PER_RUN)))
     control.apply(renewal)
     assert child is not None
     return int(child)

@@ -138,19 +138,32 @@ def error_text(error: BaseException) -> str:
         return f"<{type(error).__name__}: str() raised {type(exc).__name__}>"
 
 
-def dead_letter_reason(ref: AttemptRef, *, close: bool = False) -> str:
-    """Why a dead-lettered run will not be retried, as written (one read; dead letters
-    are rare). `close`: the read ran on a thread that keeps no connection (off the loop)."""
+FACT_FIELDS = ("reason", "cancel_reason", "wait_key")
+TOLD = (Settlement.DEAD_LETTERED, Settlement.CANCELLED, Settlement.WAITING)
+
+
+def settlement_facts(ref: AttemptRef, settlement: Settlement, *,
+                     close: bool = False) -> dict[str, str]:
+    """What the log line of a dead letter, a cancel or a wait names: the run's reason, its
+    cancel's reason, the key it waits on (one read; these settlements are rare). Empty for
+    any other settlement. `close`: the read ran on a thread that keeps no connection."""
+    if settlement not in TOLD:
+        return {}
     try:
-        return AgentRun.objects.filter(pk=ref.run_id).values_list(
-            "reason", flat=True).first() or ""
+        row = AgentRun.objects.filter(pk=ref.run_id).values(*FACT_FIELDS).first()
+        return {k: str(v or "") for k, v in (row or {}).items()}
     finally:
         if close:
             connection.close()
 
 
 def log_settlement(ref: AttemptRef, agent: str, settlement: Settlement, outcome: Outcome,
-                   reason: str = "") -> None:
+                   facts: dict[str, str] | str | None = None) -> None:
+    """One line per settled attempt. The reason is said once (a budget stop's reason is the
+    dead letter's too); a cancel names its reason, a wait its key."""
+    if isinstance(facts, str):
+        facts = {"reason": facts}
+    facts = facts or {}
     extra = {"run_id": ref.run_id, "agent": agent, "attempt": ref.attempt,
              "worker_id": ref.worker_id, "outcome": settlement.value}
     if settlement is Settlement.LOST:
@@ -158,16 +171,25 @@ def log_settlement(ref: AttemptRef, agent: str, settlement: Settlement, outcome:
                        ref.run_id, agent, ref.attempt, outcome.stop_reason or outcome.kind,
                        extra=extra)
         return
-    detail = ""
+    parts: list[str] = []
     level = logging.INFO
+    reason = facts.get("reason", "")
+    if settlement is Settlement.DEAD_LETTERED and reason:
+        extra["reason"] = reason
+        parts.append(reason)
+    if outcome.stop_reason and outcome.stop_reason not in parts \
+            and outcome.stop_reason != settlement.value \
+            and not (settlement is Settlement.WAITING and outcome.stop_reason == "waiting"):
+        parts.append(str(outcome.stop_reason))
+    if settlement is Settlement.CANCELLED and facts.get("cancel_reason"):
+        parts.append(f"cancel reason: {facts['cancel_reason']}")
+    if settlement is Settlement.WAITING and facts.get("wait_key"):
+        extra["wait_key"] = facts["wait_key"]
+        parts.append(f"wait key {facts['wait_key']!r}")
+    detail = f" ({'; '.join(parts)})" if parts else ""
     if outcome.error is not None:
-        detail = f": {type(outcome.error).__name__}: {error_text(outcome.error)}"
+        detail += f": {type(outcome.error).__name__}: {error_text(outcome.error)}"
         if not isinstance(outcome.error, Exception):
             level = logging.WARNING  # SystemExit, KeyboardInterrupt: rarely meant
-    elif outcome.stop_reason:
-        detail = f" ({outcome.stop_reason})"
-    if settlement is Settlement.DEAD_LETTERED:
-        extra["reason"] = reason
-        detail = f" ({reason}){detail}"
     logger.log(level, "run %s %s attempt %s %s%s", ref.run_id, agent, ref.attempt,
                settlement.value, detail, extra=extra)

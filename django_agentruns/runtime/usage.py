@@ -17,7 +17,7 @@ from ..exceptions import InvalidInputError
 from ..limits import effective_budget
 from ..ops import metrics
 from ..outcomes import Renewal, UsageTotals
-from ..validation import unstorable_text
+from ..validation import is_short_text
 from .control import AttemptControl
 
 MODEL_MAX = 100
@@ -45,12 +45,14 @@ def usage_write(control: AttemptControl, input_tokens: Any, output_tokens: Any, 
             or cost < 0:
         raise InvalidInputError(f"record_usage: cost must be a finite number >= 0, "
                                 f"not {cost!r:.60}")
-    if not isinstance(model, str) or len(model) > MODEL_MAX or unstorable_text(model):
+    if not is_short_text(model, MODEL_MAX, empty=True):
         raise InvalidInputError(f"record_usage: model must be a string of at most {MODEL_MAX} "
                                 f"characters with no NUL or surrogate, not {model!r:.60}")
     control.check()
+    control.usage_calls += 1  # the write's key: retried as it is, it adds nothing again
     return transitions.UsageWrite(control.ref, input_tokens, output_tokens, float(cost), model,
-                                  max_events=int(app_settings.MAX_EVENTS_PER_RUN))
+                                  max_events=int(app_settings.MAX_EVENTS_PER_RUN),
+                                  seq=control.usage_calls)
 
 
 def recorded(control: AttemptControl, agent: str, write: transitions.UsageWrite,

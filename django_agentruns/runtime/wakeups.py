@@ -30,8 +30,9 @@ from ..db import (
     DEGRADED_HINT,
     PROBE_RETRY,
     PROBE_TIMEOUT,
-    connect_params,
+    Reconnects,
     listen_alias,
+    listening,
     probe_channel,
     self_check,
 )
@@ -72,15 +73,11 @@ class Listener:
         self.thread.start()
 
     def _run(self) -> None:
-        import psycopg
-
-        failures = 0
+        reconnects = Reconnects(logger, "LISTEN connection", 0.2, 30.0)
         while not self.stopping.is_set():
             try:
-                with psycopg.connect(**connect_params(self.alias), autocommit=True) as conn:
-                    conn.execute(f"LISTEN {CHANNEL}")
-                    conn.execute(f"LISTEN {self.channel}")
-                    failures = 0
+                with listening(self.alias, CHANNEL, self.channel) as conn:
+                    reconnects.connected()
                     if not self_check(conn, self.channel):
                         self._warn_degraded()
                         self.stopping.wait(PROBE_RETRY)
@@ -91,11 +88,8 @@ class Listener:
                     self._listen(conn)
             except Exception:  # any failure: reconnect; polling covers the gap
                 self._set_degraded(True)
-                failures += 1
-                logger.warning("LISTEN connection failed (%s in a row); polling every %.3g s "
-                               "until it is back", failures, self.poll_interval,
-                               exc_info=failures == 1)
-                self.stopping.wait(min(30.0, 0.2 * 2 ** min(failures, 8)))
+                self.stopping.wait(reconnects.failed("; polling every %.3g s until it is back",
+                                                     self.poll_interval))
         self.connected.clear()
 
     def _listen(self, conn: Any) -> None:

@@ -258,7 +258,7 @@ class Worker:
         at = timezone.now()
         if transitions.awaited(self.queues, at, self._scopes, self._known).exists():
             return True
-        left = visibility.due_elsewhere(self.queues, self._known, at)
+        left = visibility.count_due_elsewhere(self.queues, self._known, at)
         if left:
             logger.warning("leaving %s due runs of agents this worker does not have (%s): "
                            "a worker that has them will claim them", sum(left.values()),

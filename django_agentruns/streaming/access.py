@@ -52,8 +52,18 @@ def refusal(request: HttpRequest, run_id: int) -> HttpResponse | None:
         rule = stream_access_rule()
         if rule is not None and rule(request, run):
             return None
-    reason = {Signed.EXPIRED: EXPIRED, Signed.INVALID: INVALID}.get(signed, NOT_ALLOWED)
+    reason = {Signed.EXPIRED: EXPIRED, Signed.INVALID: INVALID}.get(signed) or \
+        f"{NOT_ALLOWED} {_who(user)}"
     return HttpResponse(reason + "\n", status=403, content_type="text/plain")
+
+
+def _who(user: Any) -> str:
+    """Why a plain request was refused, in words: an EventSource only sees "error", so
+    the body is for the person who opens the URL to find out."""
+    if not user.is_authenticated:
+        return (f"You are not logged in: log in (with {VIEW_PERMISSION}), or use a signed "
+                "link (stream_url).")
+    return f"User {user.get_username()!r} lacks {VIEW_PERMISSION} for it."
 
 
 def _exists(run_id: int) -> bool:

@@ -29,7 +29,7 @@ from ..conf import app_settings
 from ..exceptions import InvalidInputError, LimitExceeded
 from ..outcomes import Renewal, StopReason
 from ..transitions import EmitWrite, Result
-from ..validation import json_text, unstorable_text
+from ..validation import check_short_text, json_text, unstorable_text
 from .transport import sender
 
 STREAM = "stream"
@@ -56,10 +56,7 @@ def stream_event_id(run_id: int, attempt: int, checkpoints: int, channel: str,
 
 def check_chunk(text: Any, channel: Any) -> None:
     """A chunk is text and a channel a short name; anything else is a clear error."""
-    if not isinstance(channel, str) or not channel or len(channel) > MAX_CHANNEL \
-            or unstorable_text(channel):
-        raise InvalidInputError(f"A stream channel must be a string of 1-{MAX_CHANNEL} "
-                                f"characters with no NUL or surrogate, not {channel!r:.120}")
+    check_short_text(channel, "A stream channel", MAX_CHANNEL)
     if not isinstance(text, str):
         raise InvalidInputError(f"ctx.stream() takes text (str), not {type(text).__name__}: "
                                 f"{text!r:.80}")

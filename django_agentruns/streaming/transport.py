@@ -26,7 +26,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, close_old_connections, connection, connections
 from django.db.models import Q
 
-from ..db import retry_on_lock
+from ..db import Reconnects, retry_on_lock, serve_on_demand
 from ..models import AgentRun, StreamChunk
 from ..outcomes import AttemptRef
 
@@ -317,42 +317,31 @@ class Listener:
         self._thread.start()
 
     def _run(self) -> None:
-        failures = 0
-        while True:
-            if not self._watched():
-                self.changed.wait()
-                self.changed.clear()
-                continue
-            try:
-                self._serve()
-                failures = 0
-            except Exception:  # the database is away: chunks wait for the coalesced event
-                failures += 1
-                logger.warning("live-chunk LISTEN connection failed (%s in a row)", failures,
-                               exc_info=failures == 1)
-                self.connected = False
-                time.sleep(min(5.0, 0.1 * 2 ** failures))
+        # While the database is away, chunks wait for the coalesced event.
+        serve_on_demand(lambda: bool(self._watched()), self.changed, self._serve,
+                        Reconnects(logger, "live-chunk LISTEN connection", 0.1, 5.0),
+                        after=self._disconnected)
+
+    def _disconnected(self) -> None:
+        self.connected = False
 
     def _serve(self) -> None:
         """LISTEN to what is watched, until nothing is."""
-        import psycopg
+        from ..db import listen_alias, listening
 
-        from ..db import connect_params, listen_alias
-
-        listening: set[int] = set()
-        alias = self.alias or listen_alias()
-        with psycopg.connect(**connect_params(alias), autocommit=True) as conn:
+        subscribed: set[int] = set()
+        with listening(self.alias or listen_alias()) as conn:
             self.connected = True
             try:
                 while True:
                     wanted = self._watched()
                     self.changed.clear()
-                    for run_id in wanted - listening:
+                    for run_id in wanted - subscribed:
                         conn.execute(f"LISTEN {run_channel(run_id)}")
-                    for run_id in listening - wanted:
+                    for run_id in subscribed - wanted:
                         conn.execute(f"UNLISTEN {run_channel(run_id)}")
-                    listening = set(wanted)
-                    if not listening:
+                    subscribed = set(wanted)
+                    if not subscribed:
                         return
                     for note in conn.notifies(timeout=0.05):
                         self._hear(note.channel, note.payload)

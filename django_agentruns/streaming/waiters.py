@@ -26,6 +26,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ from asgiref.sync import sync_to_async
 from django.db import connection
 
 from ..conf import SETTING_NAME, app_settings
-from ..db import is_postgres
+from ..db import Reconnects, is_postgres, serve_on_demand
 from ..exceptions import InvalidInputError, RunNotFoundError, TooManyWaitersError
 from ..models import TERMINAL, AgentRun
 
@@ -41,6 +42,12 @@ logger = logging.getLogger("django_agentruns.waiters")
 
 FINISHED_CHANNEL = "agentruns_finished"
 """PostgreSQL channel a trigger (migration 0004) NOTIFYs with the id of a run that finished."""
+WATCH_TABLE = "agentruns_finish_watch"
+"""The runs some process waits for (migration 0011): the finish trigger NOTIFYs only for
+these, since every NOTIFY costs each LISTENing session of the database (every worker) a
+transaction. A row per (run, listener), deleted once answered or when nobody waits."""
+STALE_WATCH = "1 day"
+"""Rows of a listener that died are deleted by the next one to start, after this long."""
 
 POLL_START, POLL_MAX = 0.02, 0.5
 """SQLite: the first and the longest pause between two looks at the run."""
@@ -117,60 +124,67 @@ class FinishedListener:
         self._changed.set()
 
     def _run(self) -> None:
-        failures = 0
-        while True:
-            with self._lock:
-                idle = not self._waiters
-            if idle:
-                self._changed.wait()
-                self._changed.clear()
-                continue
-            try:
-                self._serve()
-                failures = 0
-            except Exception:  # the database is away: waiters keep waiting, or time out
-                failures += 1
-                logger.warning("the waiters' LISTEN connection failed (%s in a row)",
-                               failures, exc_info=failures == 1)
-                time.sleep(min(5.0, 0.1 * 2 ** failures))
-            finally:
-                self.connected = False
-                connection.close()
+        # While the database is away, waiters keep waiting, or time out.
+        serve_on_demand(self._wanted, self._changed, self._serve,
+                        Reconnects(logger, "the waiters' LISTEN connection", 0.1, 5.0),
+                        after=self._disconnected)
+
+    def _wanted(self) -> bool:
+        with self._lock:
+            return bool(self._waiters)
+
+    def _disconnected(self) -> None:
+        self.connected = False
+        connection.close()
 
     def _serve(self) -> None:
         """LISTEN, then read the awaited runs as they register or are heard of, until
         nobody waits."""
-        import psycopg
+        from ..db import listen_alias, listening
 
-        from ..db import connect_params, listen_alias
-
-        with psycopg.connect(**connect_params(listen_alias()), autocommit=True) as conn:
-            conn.execute(f"LISTEN {FINISHED_CHANNEL}")
+        watcher = uuid.uuid4().hex
+        with listening(listen_alias(), FINISHED_CHANNEL) as conn:
+            conn.execute(f"DELETE FROM {WATCH_TABLE} WHERE created_at < now() - interval "
+                         f"'{STALE_WATCH}'")
             self.connected = True
             with self._lock:
                 self._fresh = set(self._waiters)  # all are read after LISTEN
             heard: set[int] = set()
             recheck_at = time.monotonic() + LISTEN_RECHECK
-            while True:
-                self._changed.clear()
-                with self._lock:
-                    if not self._waiters:
-                        return
-                    due = self._fresh | (heard & set(self._waiters))
-                    self._fresh = set()
-                    if time.monotonic() >= recheck_at:
-                        due, recheck_at = set(self._waiters), time.monotonic() + LISTEN_RECHECK
-                if due:
-                    self._answer(due)
-                heard = set()
-                for note in conn.notifies(timeout=SLICE):
-                    if note.payload.isdigit():
-                        heard.add(int(note.payload))
-                    if self._changed.is_set():
-                        break
+            try:
+                while True:
+                    self._changed.clear()
+                    with self._lock:
+                        if not self._waiters:
+                            return
+                        fresh, self._fresh = self._fresh, set()
+                        due = fresh | (heard & set(self._waiters))
+                        if time.monotonic() >= recheck_at:
+                            due = set(self._waiters)
+                            recheck_at = time.monotonic() + LISTEN_RECHECK
+                    if fresh:  # watched before they are read: a finish after is heard
+                        conn.execute(f"INSERT INTO {WATCH_TABLE} (run_id, watcher) SELECT "
+                                     "unnest(%s::bigint[]), %s ON CONFLICT DO NOTHING",
+                                     [sorted(fresh), watcher])
+                    answered = self._answer(due) if due else []
+                    if answered:
+                        conn.execute(f"DELETE FROM {WATCH_TABLE} WHERE watcher = %s AND "
+                                     "run_id = ANY(%s::bigint[])", [watcher, answered])
+                    heard = set()
+                    for note in conn.notifies(timeout=SLICE):
+                        if note.payload.isdigit():
+                            heard.add(int(note.payload))
+                        if self._changed.is_set():
+                            break
+            finally:
+                if not conn.closed:
+                    with contextlib.suppress(Exception):
+                        conn.execute(f"DELETE FROM {WATCH_TABLE} WHERE watcher = %s",
+                                     [watcher])
 
-    def _answer(self, run_ids: set[int]) -> None:
-        """One read for these runs: answer the waiters of those finished or gone."""
+    def _answer(self, run_ids: set[int]) -> list[int]:
+        """One read for these runs: answer the waiters of those finished or gone (their
+        ids are returned)."""
         found = {run.pk: run for run in AgentRun.objects.filter(pk__in=run_ids)}
         with self._lock:
             answered = [(run_id, self._waiters.pop(run_id)) for run_id in run_ids
@@ -181,6 +195,7 @@ class FinishedListener:
             for answer in answers:
                 answer(copy.copy(run) if run is not None else
                        RunNotFoundError(f"No run with id {run_id!r}"))
+        return [run_id for run_id, _ in answered]
 
 
 listener = FinishedListener()

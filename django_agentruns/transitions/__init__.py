@@ -63,7 +63,14 @@ from .events import (
     lifecycle_event_id,
     now,
 )
-from .limited import claim_limited, close_key, limits_in_use, seed_settings_limits, write_limit
+from .limited import (
+    claim_limited,
+    close_key,
+    limits_in_use,
+    open_key,
+    seed_settings_limits,
+    write_limit,
+)
 from .operators import cancel, operator_retry, start_interactive
 from .settling import (
     abandon,
@@ -77,19 +84,21 @@ from .settling import (
 )
 from .snoozing import exhaust_budget, record_usage, snooze
 from .steps import STEP, StepEndWrite, StepStartWrite, end_step, start_step
+from .superseding import enqueue_debounced, enqueue_superseding
+from .windows import FullWindow, WindowUse, full_window, window_fill, window_use
 
 __all__ = [
     "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "FORKED",
     "INTERRUPTED", "RETRIED", "RETRYING", "SNOOZED", "STARTED", "STEP", "SUCCEEDED", "USAGE",
-    "AttemptRef", "CancelResult", "CheckpointWrite", "EmitWrite", "ErrorInfo", "NewRun",
-    "RenewWrite", "Renewal", "Result", "ScopePolicy", "SettleWrite", "Settlement",
-    "StepEndWrite", "StepStartWrite", "SucceedWrite", "UsageWrite", "Write", "abandon",
-    "apply_alone", "apply_writes", "awaited", "cancel", "checkpoint", "claim",
+    "AttemptRef", "CancelResult", "CheckpointWrite", "EmitWrite", "ErrorInfo", "FullWindow",
+    "NewRun", "RenewWrite", "Renewal", "Result", "ScopePolicy", "SettleWrite", "Settlement",
+    "StepEndWrite", "StepStartWrite", "SucceedWrite", "UsageWrite", "WindowUse", "Write",
+    "abandon", "apply_alone", "apply_writes", "awaited", "cancel", "checkpoint", "claim",
     "claim_limited", "close_key", "due_elsewhere", "due_queued", "emit", "emitted_event_id",
-    "end_step", "exhaust_budget", "find_stale", "insert_fork", "insert_runs", "interrupt",
-    "lapsed", "lifecycle_event_id", "limits_in_use", "migrate_version", "now",
-    "operator_retry", "policy", "reap_one", "record_usage", "renew", "renew_many",
-    "seed_settings_limits", "settle_cancelled", "settle_failed", "settle_succeeded",
-    "settle_succeeded_many", "snooze", "start_interactive", "start_step", "waiting",
-    "write_limit",
+    "end_step", "enqueue_debounced", "enqueue_superseding", "exhaust_budget", "find_stale",
+    "full_window", "insert_fork", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id",
+    "limits_in_use", "migrate_version", "now", "open_key", "operator_retry", "policy", "reap_one",
+    "record_usage", "renew", "renew_many", "seed_settings_limits", "settle_cancelled",
+    "settle_failed", "settle_succeeded", "settle_succeeded_many", "snooze",
+    "start_interactive", "start_step", "waiting", "window_fill", "window_use", "write_limit",
 ]

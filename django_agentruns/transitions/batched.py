@@ -99,6 +99,7 @@ class UsageWrite:
     cost: float
     model: str
     max_events: int | None = None
+    seq: int | None = None  # the call's number in its attempt: a retried write adds nothing
 
 
 Write = (RenewWrite | EmitWrite | CheckpointWrite | SucceedWrite | SettleWrite | UsageWrite
@@ -333,7 +334,7 @@ def _succeed(writes: Sequence[Write], positions: list[int], results: list[Result
 def _usage(write: UsageWrite, at: datetime) -> UsageTotals:
     """One usage write, in the batch's transaction (rarer than emits: no shared UPDATE)."""
     return record_usage_in(write.ref, write.input_tokens, write.output_tokens, write.cost,
-                           write.model, at, max_events=write.max_events)
+                           write.model, at, max_events=write.max_events, seq=write.seq)
 
 
 def apply_alone(write: Write) -> Result:
@@ -350,7 +351,7 @@ def apply_alone(write: Write) -> Result:
         return settle_succeeded(write.ref, write.output)
     if isinstance(write, UsageWrite):
         return record_usage(write.ref, write.input_tokens, write.output_tokens, write.cost,
-                            write.model, max_events=write.max_events)
+                            write.model, max_events=write.max_events, seq=write.seq)
     if isinstance(write, StepStartWrite):
         return start_step(write)
     if isinstance(write, StepEndWrite):

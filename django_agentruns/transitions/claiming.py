@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from django.db import connection, transaction
-from django.db.models import F, Q, QuerySet
+from django.db.models import Case, F, Q, QuerySet, Value, When
 
 from .. import signals
 from ..conf import app_settings
@@ -18,6 +18,10 @@ from . import rawsql
 from .due import claim_row, compiled_due, recheck_order
 from .events import STARTED, append_events, lifecycle, now
 from .settling import abandon_locked
+from .windows import carry_entries
+
+RELEASED_DEDUPE_KEY = Case(When(release_dedupe_at_start=True, then=Value("")),
+                           default=F("dedupe_key"))
 
 
 @retry_on_lock()
@@ -95,8 +99,10 @@ def _claim_lapsed(
                                    why="lease lapsed", apply_backoff=False)
         if decision is not None and decision.action is DecisionAction.RETRY:
             ids.append(run.pk)
-    return _start(worker_id, ids, {r.pk: r.agent for r in locked}, lease_ttls, default_ttl,
-                  at, read_back=None)
+    reclaimed = _start(worker_id, ids, {r.pk: r.agent for r in locked}, lease_ttls,
+                       default_ttl, at, read_back=None)
+    carry_entries(reclaimed, at)
+    return reclaimed
 
 
 def _claim_due_returning(
@@ -153,6 +159,7 @@ def _start(
         updated += AgentRun.objects.filter(pk__in=group, status=Status.QUEUED).update(
             status=Status.RUNNING, claimed_by=worker_id, attempt=F("attempt") + 1,
             lease_expires=at + timedelta(seconds=ttl), started_at=at,
+            dedupe_key=RELEASED_DEDUPE_KEY,  # a debounced run gives up its key as it starts
         )
     if read_back is not None and updated == len(ids):
         # Every locked row was updated as read: no need to read them back.
@@ -204,4 +211,6 @@ def _as_claimed(
     run.attempt += 1
     run.lease_expires = at + timedelta(seconds=ttl)
     run.started_at = at
+    if run.release_dedupe_at_start:
+        run.dedupe_key = ""
     return run

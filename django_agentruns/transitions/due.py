@@ -14,10 +14,11 @@ from typing import Any
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
 
-from ..limits import settings_limits
 from ..models import AgentLimit, AgentRun, Status
 from ..outcomes import ScopePolicy
+from ..windows import settings_limits
 from . import rawsql
+from .windows import full_window_keys
 
 
 def due_queued(
@@ -37,8 +38,10 @@ def awaited(
     """Queued runs due by time that a worker will get to without outside help (see
     `RunQuerySet.awaited`); given `agents`, all but runs of other agents (a worker that
     has them takes those)."""
-    return AgentRun.objects.of_agents(agents).awaited(queues, at, scopes).unpaused().exclude(
+    qs = AgentRun.objects.of_agents(agents).awaited(queues, at, scopes).unpaused().exclude(
         Exists(stopped_keys(at).filter(key=OuterRef("limit_key"))))
+    full = full_window_keys(at)
+    return qs.exclude(limit_key__in=full) if full else qs
 
 
 def stopped_keys(at: datetime) -> QuerySet[AgentLimit]:

@@ -12,9 +12,10 @@ from django.db import OperationalError, connection, transaction
 
 from ..conf import app_settings
 from ..exceptions import InvalidInputError
-from ..models import AgentRun, RunCheckpoint, RunStep, Status
+from ..models import AgentLimit, AgentRun, RunCheckpoint, RunStep, Status
 from . import rawsql
 from .events import FORKED, append_events, lifecycle
+from .windows import give_pattern_keys_rows
 
 
 class NewRun(NamedTuple):
@@ -31,6 +32,8 @@ class NewRun(NamedTuple):
     available_at: datetime
     dedupe_key: str = ""  # "": none; else an unfinished run of the agent with it is returned
     limit_key: str = ""  # resolved by api (django_agentruns.limits)
+    # Failover (django_agentruns.limits): the run takes the first of them that is open.
+    limit_keys: tuple[str, ...] = ()
     agent_version: int = 1  # the agent's version the run starts under
 
 
@@ -63,14 +66,40 @@ def insert_runs(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
     waits for a concurrent insert of the same key to commit or roll back): that run is
     read and returned in its place, with `deduplicated` True.
     """
+    new = pick_open_keys(new, at)
+    give_pattern_keys_rows({r.limit_key for r in new}, at)
     runs: list[AgentRun | None] = [None] * len(new)
     pending = list(range(len(new)))
     for _ in range(DEDUPE_ROUNDS):
         inserted = _insert_rows([new[i] for i in pending], at)
         pending = _place(new, pending, inserted, at, runs)
         if not pending:
+            store_failover_keys([(r, n.limit_keys) for r, n in zip(runs, new, strict=True)])
             return [r for r in runs if r is not None]
     raise OperationalError("dedupe keys kept changing hands while enqueueing; try again")
+
+
+def pick_open_keys(new: Sequence[NewRun], at: datetime) -> Sequence[NewRun]:
+    """Each run with failover keys takes the first that is not closed at `at` (all closed:
+    the first). One read of the limits table, only when a run has more than one key."""
+    listed = {k for r in new if len(r.limit_keys) > 1 for k in r.limit_keys}
+    closed = set(AgentLimit.objects.filter(key__in=sorted(listed), closed_until__gt=at)
+                 .values_list("key", flat=True)) if listed else set()
+
+    def pick(r: NewRun) -> NewRun:
+        if not r.limit_keys:
+            return r
+        key = next((k for k in r.limit_keys if k not in closed), r.limit_keys[0])
+        return r._replace(limit_key=key)
+
+    return [pick(r) for r in new]
+
+
+def store_failover_keys(placed: list[tuple[AgentRun | None, tuple[str, ...]]]) -> None:
+    """The failover list of each new run that has one (deduplicated runs keep theirs)."""
+    for run, keys in placed:
+        if run is not None and len(keys) > 1 and not run.deduplicated:
+            AgentRun.objects.filter(pk=run.pk).update(limit_keys=list(keys))
 
 
 def _insert_rows(rows: Sequence[NewRun], at: datetime) -> list[tuple[int, str, str]]:
@@ -105,7 +134,8 @@ def _place(new: Sequence[NewRun], pending: list[int], inserted: list[tuple[int, 
         pk = by_key.get((r.agent, r.dedupe_key)) if r.dedupe_key else next(keyless)
         if pk is not None and pk not in taken:
             taken.add(pk)
-            values = {**shared, **r._asdict(), "id": pk}
+            values = {**shared, **r._asdict(), "id": pk,
+                      "limit_keys": list(r.limit_keys) if len(r.limit_keys) > 1 else None}
             runs[i] = AgentRun.from_db(alias, names, [values[n] for n in names])
             continue
         # An earlier row of this call holds the key, or an unfinished run does.
@@ -184,10 +214,11 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
 def insert_fork(
     origin_id: int, number: int | None, input: Any, by: str, at: datetime, *,
     replay: bool = False, agent: str | None = None, queue: str | None = None,
-    version: int | None = None,
+    version: int | None = None, limit_key: str | None = None,
 ) -> AgentRun | None:
     """Queue a new run of `origin_id`'s agent starting from its checkpoint `number` (None:
-    its last; with none saved, from the start), with `input` (None: the origin's).
+    its last; with none saved, from the start), with `input` (None: the origin's) and
+    `limit_key` (None: the origin's).
 
     One transaction: the new run, a copy of the origin's checkpoints 1..N (so the fork's
     own numbers go on from N, as its `checkpoint_count` does, and a fork of the fork can
@@ -217,7 +248,8 @@ def insert_fork(
             state = saved[0]
         run = AgentRun.objects.create(
             agent=agent or origin.agent, queue=queue or origin.queue, priority=origin.priority,
-            limit_key=origin.limit_key, agent_version=version or origin.agent_version,
+            limit_key=origin.limit_key if limit_key is None else limit_key,
+            agent_version=version or origin.agent_version,
             scope=origin.scope, fired_seq=origin.fired_seq,
             input=origin.input if input is None else input, max_requeues=origin.max_requeues,
             status=Status.QUEUED, available_at=at, created_at=at, checkpoint_state=state,

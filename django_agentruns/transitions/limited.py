@@ -17,17 +17,27 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 from django.db import transaction
 from django.db.models import Count, Exists, OuterRef, Q
 
 from ..db import is_postgres, retry_on_lock
-from ..limits import effective_limit, settings_limits
-from ..models import AgentLimit, AgentRun, Status
+from ..models import AgentLimit, AgentRun, KeyWindowEntry, Status
 from ..outcomes import ScopePolicy
+from ..windows import FIELDS, is_pattern, resolve, row_limits, settings_table
 from .claiming import _announce_started, _start
 from .due import claim_row, due_queued, recheck_order
 from .events import STARTED, append_events, lifecycle, now
+from .windows import (
+    Admission,
+    WindowUse,
+    entries_for,
+    estimate_of,
+    start_room,
+    window_use,
+    write_entries,
+)
 
 
 def open_at(at: datetime) -> Q:
@@ -58,31 +68,50 @@ def claim_limited(
     if limit <= 0 or (agents is not None and not agents):
         return []
     due = AgentRun.objects.due(queues, at).of_agents(agents)
-    keys = list(AgentLimit.objects.filter(open_at(at)).filter(
-        Exists(due.filter(limit_key=OuterRef("key")))).values_list("key", flat=True))
+    # One statement: the keys with a due run, and the pattern rows ("tenant:*") whose
+    # fields a matching key without its own takes.
+    found = list(AgentLimit.objects.filter(
+        Q(open_at(at), Exists(due.filter(limit_key=OuterRef("key")))) | Q(key__endswith="*"))
+        .values("key", *FIELDS))
+    patterns = {r["key"]: row_limits(r) for r in found if is_pattern(r["key"])}
+    keys = [r["key"] for r in found if not is_pattern(r["key"])]
     if not keys:
         return []  # the common case: no transaction at all
     claimed: list[AgentRun] = []
+    table = settings_table()
     with transaction.atomic():
         rows = AgentLimit.objects.filter(key__in=keys).order_by("key")
         if is_postgres():
             rows = rows.select_for_update()  # in key order: claimers never deadlock
-        locked = list(rows.values_list("key", "max_running", "closed_until"))
+        locked = [(r["key"], resolve(r["key"], row_limits(r), patterns, table),
+                   r["closed_until"]) for r in rows.values("key", "closed_until", *FIELDS)]
         # After the locks: a fresh snapshot, which sees what other claimers committed.
         running = dict(AgentRun.objects.filter(status=Status.RUNNING, limit_key__in=keys)
                        .values_list("limit_key").annotate(n=Count("id")).order_by())
-        for key, max_running, closed_until in locked:
+        windowed = [key for key, limits, _ in locked if limits.windowed]
+        uses = window_use(windowed, at)
+        entries: list[KeyWindowEntry] = []
+        for key, limits, closed_until in locked:
             if closed_until is not None and closed_until > at:
                 continue  # closed since the keys were read
-            cap = effective_limit(key, max_running)
             room = limit - len(claimed)
-            if cap is not None:
-                room = min(room, cap - running.get(key, 0))
+            if limits.max_running is not None:
+                room = min(room, limits.max_running - running.get(key, 0))
+            use = uses.get(key, WindowUse())
+            starts = start_room(limits, use)
+            if starts is not None:
+                room = min(room, starts)
             if room > 0:
-                claimed += _start_key(worker_id, key, queues, room, scopes, lease_ttls,
-                                      default_ttl, at, agents)
+                started, reserved = _start_key(worker_id, key, queues, room, scopes,
+                                               lease_ttls, default_ttl, at, agents,
+                                               Admission(limits, use) if limits.windowed
+                                               else None)
+                claimed += started
+                if limits.windowed:
+                    entries += entries_for(key, started, reserved, at)
             if len(claimed) >= limit:
                 break
+        write_entries(entries)
         append_events([lifecycle(r.pk, STARTED, r.attempt, worker=worker_id)
                        for r in claimed], at)
         _announce_started(claimed, worker_id)
@@ -92,25 +121,49 @@ def claim_limited(
 def _start_key(
     worker_id: str, key: str, queues: Sequence[str], room: int, scopes: ScopePolicy,
     lease_ttls: dict[str, float], default_ttl: float, at: datetime,
-    agents: frozenset[str] | None,
-) -> list[AgentRun]:
+    agents: frozenset[str] | None, admission: Admission | None,
+) -> tuple[list[AgentRun], dict[int, tuple[int, float]]]:
+    """Start up to `room` due runs of `key`, in claim order; with `admission`, only while
+    their estimates fit the key's token and cost windows (the reservations returned)."""
     qs = due_queued(queues, at, scopes, agents).filter(limit_key=key)
     if is_postgres():
         qs = qs.select_for_update(skip_locked=True, of=("self",))
     picked = list(qs[:room])
     ids = [c["id"] for c in recheck_order([claim_row(r) for r in picked], scopes)]
-    return _start(worker_id, ids, {r.pk: r.agent for r in picked}, lease_ttls, default_ttl,
-                  at, read_back=picked)
+    reserved: dict[int, tuple[int, float]] = {}
+    if admission is not None:
+        agent_of = {r.pk: r.agent for r in picked}
+        for run_id in ids:
+            estimate = estimate_of(agent_of[run_id], admission.use)
+            if not admission.admit(*estimate):
+                break
+            reserved[run_id] = estimate
+        ids = [run_id for run_id in ids if run_id in reserved]
+    started = _start(worker_id, ids, {r.pk: r.agent for r in picked}, lease_ttls,
+                     default_ttl, at, read_back=picked)
+    return started, reserved
 
 
 # --------------------------------------------------------------------------- the table
 
 
-def write_limit(key: str, max_running: int | None, at: datetime | None = None) -> None:
-    """Set (or, with None, clear) a key's limit; its row stays, so its closure too."""
+def write_limit(key: str, fields: dict[str, Any], at: datetime | None = None) -> None:
+    """Set the given fields of a key's limits (None: back to the setting); the others and
+    its closure stay."""
     at = at or now()
-    AgentLimit.objects.update_or_create(key=key, defaults={"max_running": max_running,
-                                                           "updated_at": at})
+    AgentLimit.objects.update_or_create(key=key, defaults={**fields, "updated_at": at})
+
+
+def failover_key(keys: Any, closed: str, at: datetime) -> str | None:
+    """The key a run of failover `keys` moves to when `closed` closes: the next in the list
+    (round the end) that is open at `at`; None without one."""
+    if not isinstance(keys, list) or closed not in keys:
+        return None
+    i = keys.index(closed)
+    others = [k for k in keys[i + 1:] + keys[:i] if isinstance(k, str)]
+    shut = set(AgentLimit.objects.filter(key__in=others, closed_until__gt=at)
+               .values_list("key", flat=True))
+    return next((k for k in others if k not in shut), None)
 
 
 def close_key(key: str, until: datetime, reason: str, at: datetime | None = None) -> None:
@@ -123,10 +176,18 @@ def close_key(key: str, until: datetime, reason: str, at: datetime | None = None
                                               updated_at=at)
 
 
+def open_key(key: str, at: datetime | None = None) -> bool:
+    """End a key's closure now (an operator who knows the provider is back): its runs may
+    start at the next claim. False if it was not closed."""
+    at = at or now()
+    return AgentLimit.objects.filter(key=key, closed_until__gt=at).update(
+        closed_until=None, closed_reason="", updated_at=at) > 0
+
+
 def seed_settings_limits() -> None:
     """A row for each key of the LIMITS setting, so that its runs go through the limited
     claim (a row's own `max_running` stays: set_limit overrides the setting)."""
-    keys = settings_limits()
+    keys = [k for k in settings_table() if not is_pattern(k)]
     if keys:
         AgentLimit.objects.bulk_create([AgentLimit(key=k) for k in keys], ignore_conflicts=True)
 

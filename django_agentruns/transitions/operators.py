@@ -10,7 +10,7 @@ from django.db import IntegrityError, transaction
 from .. import signals
 from ..db import is_postgres, retry_on_lock
 from ..exceptions import InvalidInputError
-from ..models import AgentRun, Reason, Status
+from ..models import AgentRun, Reason, RunWait, Status
 from ..outcomes import CancelResult
 from ..signals import send_after_commit
 from . import waiting
@@ -21,15 +21,25 @@ from .events import CANCEL_REQUESTED, CANCELLED, RETRIED, STARTED, append_events
 def cancel(run_id: int, reason: str = "", at: datetime | None = None) -> CancelResult | None:
     """Cancel a queued or waiting run now, or ask a running one to stop. None: no such run.
 
-    Its unfinished child runs (`ctx.spawn`) are cancelled with it, in the same transaction.
+    Its unfinished descendants (`ctx.spawn`) are cancelled with it, in the same
+    transaction, a level of the tree at a time (one read per level, no recursion: a tree
+    of any depth is cancelled whole).
     """
     at = at or now()
     with transaction.atomic():
         result = _cancel_one(run_id, reason, at)
-        if result in (CancelResult.CANCELLED, CancelResult.REQUESTED):
-            for child in waiting.unfinished_children(run_id):
-                cancel(child, reason or f"parent run {run_id} cancelled", at)
+        level = [run_id] if result in _CASCADES else []
+        while level:
+            below = []
+            for parent, child in waiting.unfinished_children_of(level):
+                if _cancel_one(child, reason or f"parent run {parent} cancelled", at) \
+                        in _CASCADES:
+                    below.append(child)
+            level = below
         return result
+
+
+_CASCADES = (CancelResult.CANCELLED, CancelResult.REQUESTED)
 
 
 def _cancel_one(run_id: int, reason: str, at: datetime) -> CancelResult | None:
@@ -95,6 +105,11 @@ def operator_retry(
                 f"held by unfinished run {holder}") from None
         if not updated:
             return False
+        # A wait that timed out unanswered is opened afresh: the retried attempt, reaching
+        # the same `receive`, waits again (with its timeout from now) instead of failing
+        # with WaitTimedOut at once, as it would for ever.
+        RunWait.objects.filter(run_id=run_id, timed_out_at__isnull=False,
+                               delivered_at__isnull=True).update(timed_out_at=None)
         extra = {} if budget is None else {"budget": budget}
         append_events([lifecycle(run_id, RETRIED, row["attempt"], by=by,
                                    previous=row["reason"], **extra)], at)

@@ -293,7 +293,9 @@ def claim_returning(
                started, prep(RunEvent, "payload", {"worker": worker_id}), at]
     sql = (f"WITH picked AS ({due.sql}), "
            f"claimed AS (UPDATE {table} SET status = %s, claimed_by = %s, "
-           f"attempt = {table}.attempt + 1, lease_expires = {lease}, started_at = %s "
+           f"attempt = {table}.attempt + 1, lease_expires = {lease}, started_at = %s, "
+           f"dedupe_key = CASE WHEN {table}.release_dedupe_at_start THEN '' "
+           f"ELSE {table}.dedupe_key END "
            f"FROM picked WHERE {table}.id = picked.id AND {table}.status = %s "
            f"RETURNING {table}.*, picked.started_at AS previous_started_at), "
            f"started AS ({_events_from('claimed', 'gen_random_uuid()')}) "

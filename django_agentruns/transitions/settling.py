@@ -4,7 +4,7 @@ by the reaper, for a lease that lapsed)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -109,39 +109,28 @@ def settle_failed(
     at: datetime | None = None, *, interactive: bool = False,
 ) -> Settlement:
     """A failed attempt: retried with backoff, dead-lettered, or cancelled if one was asked."""
-    at = at or now()
-    with transaction.atomic():
-        row = locked_row(ref.guard())
-        if row is None:
-            return Settlement.LOST
+    def settle(row: dict[str, Any], at: datetime) -> Settlement:
         if interactive:
             decision = policy.Decision(DecisionAction.DEAD_LETTER, reason=Reason.ERROR)
         else:
             decision = _decide(row, failure)
         return _apply(row, ref.guard(), decision, error, at, events=[])
 
+    return settle_fenced(ref, at, settle)
+
 
 @retry_on_lock()
 def settle_cancelled(ref: AttemptRef, at: datetime | None = None) -> Settlement:
     """The attempt stopped because a cancel was requested."""
-    at = at or now()
-    with transaction.atomic():
-        row = locked_row(ref.guard())
-        if row is None:
-            return Settlement.LOST
-        return _apply(row, ref.guard(), policy.Decision(DecisionAction.CANCEL), None, at, events=[])
+    return settle_fenced(ref, at, lambda row, at: _apply(
+        row, ref.guard(), policy.Decision(DecisionAction.CANCEL), None, at, events=[]))
 
 
 @retry_on_lock()
 def abandon(ref: AttemptRef, why: str, at: datetime | None = None) -> Settlement:
     """The worker gave up its own attempt (graceful stop): a failed attempt, as if it died."""
-    at = at or now()
-    with transaction.atomic():
-        row = locked_row(ref.guard())
-        if row is None:
-            return Settlement.LOST
-        decision = abandon_locked(row, ref.guard(), at, why=why, apply_backoff=True)
-    return _settlement(decision)
+    return settle_fenced(ref, at, lambda row, at: _settlement(
+        abandon_locked(row, ref.guard(), at, why=why, apply_backoff=True)))
 
 
 # Interruptions a run gets free; past them one counts as an abandoned attempt, so a run
@@ -153,11 +142,7 @@ FREE_INTERRUPTIONS = 10
 def interrupt(ref: AttemptRef, why: str, at: datetime | None = None) -> Settlement:
     """The engine, not the agent, failed (its database stayed out of reach): requeue the
     run at once without spending its budget. A requested cancel still wins."""
-    at = at or now()
-    with transaction.atomic():
-        row = locked_row(ref.guard())
-        if row is None:
-            return Settlement.LOST
+    def settle(row: dict[str, Any], at: datetime) -> Settlement:
         if row["cancel_requested_at"] is not None:
             return _apply(row, ref.guard(), policy.Decision(DecisionAction.CANCEL), None, at,
                           events=[])
@@ -172,7 +157,22 @@ def interrupt(ref: AttemptRef, why: str, at: datetime | None = None) -> Settleme
                                  worker=ref.worker_id)], at)
         send_after_commit(signals.run_requeued, run_id=ref.run_id, agent=row["agent"],
                           attempt=ref.attempt, delay=0.0, error_type="")
-    return Settlement.REQUEUED
+        return Settlement.REQUEUED
+
+    return settle_fenced(ref, at, settle)
+
+
+def settle_fenced(ref: AttemptRef, at: datetime | None,
+                  settle: Callable[[dict[str, Any], datetime], Settlement]) -> Settlement:
+    """The opening every settle of an attempt shares: one transaction, the run's row
+    locked while this attempt still holds it, then `settle(row, at)`; LOST, with nothing
+    written, when the fence matches nothing (the lease lapsed, another attempt took it)."""
+    at = at or now()
+    with transaction.atomic():
+        row = locked_row(ref.guard())
+        if row is None:
+            return Settlement.LOST
+        return settle(row, at)
 
 
 def locked_row(guard: Q) -> dict[str, Any] | None:
@@ -275,10 +275,13 @@ _SETTLEMENTS = {DecisionAction.RETRY: Settlement.REQUEUED,
 # --------------------------------------------------------------------------- reaper
 
 
-def find_stale(at: datetime, limit: int) -> list[dict[str, Any]]:
-    """Running runs whose lease lapsed (interactive runs hold none and never appear)."""
-    return list(lapsed(None, at).order_by("lease_expires")
-                .values(*CLAIM_FIELDS)[:limit])
+def find_stale(at: datetime, limit: int, run_ids: list[int] | None = None) -> list[dict[str, Any]]:
+    """Running runs whose lease lapsed (interactive runs hold none and never appear); of
+    `run_ids` only, if given (an operator's "reap now")."""
+    stale = lapsed(None, at)
+    if run_ids is not None:
+        stale = stale.filter(pk__in=run_ids)
+    return list(stale.order_by("lease_expires").values(*CLAIM_FIELDS)[:limit])
 
 
 @retry_on_lock()

@@ -19,11 +19,19 @@ from django.db import transaction
 
 from .. import signals
 from ..db import is_postgres, retry_on_lock
+from ..exceptions import LimitExceeded
 from ..models import TERMINAL, AgentRun, RunWait, Status
-from ..outcomes import AttemptRef, Renewal
-from ..wait_results import RESERVED_PREFIX, DeliverResult, RunResult, Waited, WaitState
+from ..outcomes import (
+    RESERVED_PREFIX,
+    AttemptRef,
+    DeliverResult,
+    Renewal,
+    RunResult,
+    Waited,
+    WaitState,
+)
 from .enqueue import NewRun, insert_runs
-from .events import append_events, lifecycle, now
+from .events import append_events, append_one, lifecycle, now
 
 WAITING = "run.waiting"
 DELIVERED = "run.delivered"
@@ -140,8 +148,12 @@ def _children(parent_id: int, ids: list[int]) -> dict[int, RunResult]:
 
 @retry_on_lock()
 def deliver(run_id: int, key: str, payload: Any, by: str,
-            at: datetime | None = None, *, answers_approval: bool = False) -> DeliverResult:
+            at: datetime | None = None, *, answers_approval: bool = False,
+            max_unread: int | None = None, max_events: int | None = None) -> DeliverResult:
     """Store the payload for `key` and, if the run waits for it, queue it again.
+
+    A key the run has not waited for is stored for its later `receive`, up to
+    `max_unread` of them (then `LimitExceeded`); their events count against `max_events`.
 
     In the caller's transaction when there is one (like `enqueue`): roll back and the
     delivery never happened. An answer to an approval (`answers_approval`) needs the run
@@ -162,15 +174,32 @@ def deliver(run_id: int, key: str, payload: Any, by: str,
         if row["status"] in TERMINAL:
             return DeliverResult.FINISHED
         given = {"payload": payload, "delivered_at": at, "delivered_by": by}
+        answers = row["status"] == Status.WAITING and row["wait_key"] == key
         if wait is None:
+            _check_unread(run_id, max_unread)
             RunWait.objects.create(run_id=run_id, key=key, **given)
         else:
             RunWait.objects.filter(pk=wait["pk"]).update(**given)
-        append_events([lifecycle(run_id, DELIVERED, row["attempt"], key=key, by=by)], at)
-        if row["status"] == Status.WAITING and row["wait_key"] == key:
+        delivered = lifecycle(run_id, DELIVERED, row["attempt"], key=key, by=by)
+        if answers:
+            append_events([delivered], at)
             _resume(run_id, row["attempt"], at, key=key, by=by)
             return DeliverResult.DELIVERED
+        # Stored for later: its event counts against the run's events cap, as an emit does.
+        append_one(delivered, at, below=max_events)
     return DeliverResult.STORED
+
+
+def _check_unread(run_id: int, most: int | None) -> None:
+    """Refuse a payload for a key the run has not waited for once it holds `most` of them
+    (setting MAX_DELIVERIES_PER_RUN): each is a row, and nobody may have to read them."""
+    if most is None:
+        return
+    unread = RunWait.objects.filter(run_id=run_id, waited_at__isnull=True,
+                                    delivered_at__isnull=False).count()
+    if unread >= most:
+        raise LimitExceeded(f"run {run_id} already holds {unread} deliveries for keys it has "
+                            f"not waited for: MAX_DELIVERIES_PER_RUN is {most}")
 
 
 def _not_asked(run_id: int, key: str, row: dict[str, Any]) -> Exception:
@@ -221,10 +250,13 @@ def expire(run_id: int, at: datetime | None = None) -> bool:
 
 
 @retry_on_lock()
-def spawn(ref: AttemptRef, key: str, new: NewRun,
-          at: datetime | None = None) -> tuple[Renewal, int | None]:
+def spawn(ref: AttemptRef, key: str, new: NewRun, at: datetime | None = None, *,
+          budget: dict[str, Any] | None = None, max_depth: int | None = None,
+          max_children: int | None = None) -> tuple[Renewal, int | None]:
     """Enqueue a child run in the attempt's fenced write; the same key gives the same child
-    in any later attempt (the unique constraint agentruns_spawn_key backs it)."""
+    in any later attempt (the unique constraint agentruns_spawn_key backs it). A new child
+    past `max_children` of this run, or deeper than `max_depth`, is refused
+    (`LimitExceeded`); `budget` is the child's own."""
     at = at or now()
     with transaction.atomic():
         row = _locked(ref.guard())
@@ -237,11 +269,39 @@ def spawn(ref: AttemptRef, key: str, new: NewRun,
             "pk", flat=True).first()
         if known is not None:
             return Renewal.OK, known
+        _check_tree(ref.run_id, max_depth, max_children)
         (child,) = insert_runs([new], at)
-        AgentRun.objects.filter(pk=child.pk).update(parent_id=ref.run_id, spawn_key=key)
+        AgentRun.objects.filter(pk=child.pk).update(parent_id=ref.run_id, spawn_key=key,
+                                                    budget=budget)
         append_events([lifecycle(ref.run_id, SPAWNED, ref.attempt, key=key, run=child.pk,
                                  agent=child.agent)], at)
     return Renewal.OK, child.pk
+
+
+def _check_tree(run_id: int, max_depth: int | None, max_children: int | None) -> None:
+    """Refuse a child that would pass the caps (settings MAX_SPAWN_DEPTH and
+    MAX_CHILDREN_PER_RUN): a run spawning itself would otherwise grow without end."""
+    if max_children is not None:
+        count = AgentRun.objects.filter(parent_id=run_id).count()
+        if count >= max_children:
+            raise LimitExceeded(f"run {run_id} already has {count} child runs: "
+                                f"MAX_CHILDREN_PER_RUN is {max_children}")
+    if max_depth is not None:
+        depth = _depth(run_id, max_depth)
+        if depth + 1 > max_depth:
+            raise LimitExceeded(f"a child of run {run_id} would be {depth + 1} levels below "
+                                f"its root run: MAX_SPAWN_DEPTH is {max_depth}")
+
+
+def _depth(run_id: int, most: int) -> int:
+    """How many ancestors run `run_id` has (counted up to `most`, then it stops)."""
+    depth, current = 0, run_id
+    while depth < most:
+        parent = AgentRun.objects.filter(pk=current).values_list("parent_id", flat=True).first()
+        if parent is None:
+            break
+        depth, current = depth + 1, parent
+    return depth
 
 
 def children_settled(run_ids: Iterable[int], at: datetime) -> None:
@@ -290,20 +350,48 @@ def _resume_if_children_done(parent_id: int, at: datetime) -> bool:
     return _resume(parent_id, row["attempt"], at, key=row["wait_key"], runs=len(ids))
 
 
-def parents_behind(limit: int) -> list[int]:
-    """Waiting parents whose children are all finished: none, unless a worker died between
-    a one-statement settle and `resume_parents` (the reaper resumes them)."""
-    unfinished = AgentRun.objects.exclude(status__in=TERMINAL).filter(parent_id__isnull=False)
-    waiting = AgentRun.objects.filter(status=Status.WAITING,
-                                      wait_key__startswith=RUNS_PREFIX)
-    stuck = waiting.exclude(pk__in=unfinished.values("parent_id"))
-    return list(stuck.order_by("pk").values_list("pk", flat=True)[:limit])
+def parents_behind(limit: int, *, scan: int = 1000) -> list[int]:
+    """Waiting parents whose awaited children are all finished: none, unless a worker died
+    between a one-statement settle and `resume_parents` (the reaper resumes them).
+
+    Judged by the children the wait names (its prompt's `runs`), not by every child: a
+    parent may have spawned others it does not wait for, still unfinished. Candidates are
+    parents with at least one finished child, at most `scan` of them per call."""
+    finished = AgentRun.objects.filter(status__in=TERMINAL, parent_id__isnull=False)
+    candidates = list(AgentRun.objects.filter(
+        status=Status.WAITING, wait_key__startswith=RUNS_PREFIX,
+        pk__in=finished.values("parent_id")).order_by("pk").values_list("pk", "wait_key")[:scan])
+    if not candidates:
+        return []
+    waits = set(candidates)
+    awaited: dict[int, list[int]] = {}
+    for run_id, key, prompt in RunWait.objects.filter(
+            run_id__in=[pk for pk, _ in candidates],
+            key__in={key for _, key in candidates}).values_list("run_id", "key", "prompt"):
+        if (run_id, key) in waits:
+            awaited[run_id] = list((prompt or {}).get("runs", []))
+    children = {c for ids in awaited.values() for c in ids}
+    unfinished = set(AgentRun.objects.filter(pk__in=children).exclude(status__in=TERMINAL)
+                     .values_list("pk", flat=True)) if children else set()
+    stuck = [pk for pk, _ in candidates if pk in awaited and not unfinished & set(awaited[pk])]
+    return stuck[:limit]
 
 
 @retry_on_lock()
 def resume_parent(parent_id: int, at: datetime | None = None) -> bool:
     with transaction.atomic():
         return _resume_if_children_done(parent_id, at or now())
+
+
+def unfinished_children_of(run_ids: list[int]) -> list[tuple[int, int]]:
+    """(parent, child) of every unfinished child of `run_ids`, in chunks of ids a query
+    takes on any engine."""
+    found: list[tuple[int, int]] = []
+    for i in range(0, len(run_ids), 500):
+        found.extend(AgentRun.objects.filter(parent_id__in=run_ids[i:i + 500])
+                     .exclude(status__in=TERMINAL).order_by("pk")
+                     .values_list("parent_id", "pk"))
+    return found
 
 
 def unfinished_children(run_id: int) -> list[int]:

@@ -8,8 +8,10 @@ until every run has settled (or the chaos phase is over):
   its attempts wake up after another worker took their runs over;
 - runs ``manage.py reap`` in a loop, as cron would;
 - SIGTERMs one busy worker (graceful stop) and expects it to exit 0;
-- restarts PostgreSQL once (``pg_ctlcluster ... restart``), closing this process's own
-  connections around it and waiting until the server answers again; or, in "pgbouncer"
+- once, ends every session of the test database ("terminate", the default), closing this
+  process's own connections around it and waiting until the server answers again; or, in
+  "cluster" mode, restarts a private PostgreSQL server the test started for itself
+  (`tests.chaos.private`; the machine's server is never restarted); or, in "pgbouncer"
   mode, restarts the PgBouncer the workers connect through (`tests.pgbouncer`);
 - cancels a few runs, queued, running or waiting;
 - runs a deliverer process (`manage.py chaos_deliver`) that sends the waiting runs
@@ -35,7 +37,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, InterfaceError, connection, connections
@@ -47,6 +48,7 @@ from django_agentruns.registry import get_agent
 from tests import helpers
 from tests.chaos.invariants import Checker, PlannedRun, check_all
 from tests.pgbouncer import PgBouncer
+from tests.private_postgres import PrivateServer
 from tests.testapp.chaos_agents import (
     CHAOS,
     CHAOS_ASYNC,
@@ -74,7 +76,7 @@ class ChaosConfig:
     kill_every: float = 1.0  # mean seconds between SIGKILLs
     freeze_every: float = 6.0  # mean seconds between freezes; 0: none
     cancel_every: float = 4.0  # mean seconds between cancels; 0: none
-    pg_restart: str = "cluster"  # cluster | terminate | pgbouncer | none (PostgreSQL only)
+    pg_restart: str = "terminate"  # terminate | cluster (a private server) | pgbouncer | none
     sigterm: bool = True
     trickle: float = 0.25  # fraction of the runs enqueued during the chaos, not up front
     drain_workers: int = 2
@@ -238,11 +240,16 @@ def guarded(func: Callable[[], T], default: T) -> T:
 class Chaos:
     def __init__(self, config: ChaosConfig, env: dict[str, str],
                  log: Callable[[str], None] | None = None,
-                 bouncer: PgBouncer | None = None) -> None:
+                 bouncer: PgBouncer | None = None,
+                 server: PrivateServer | None = None) -> None:
         if (config.pg_restart == "pgbouncer") != (bouncer is not None):
             raise ValueError("pg_restart='pgbouncer' goes with a bouncer, and only it")
+        if config.pg_restart == "cluster" and server is None:
+            raise ValueError("pg_restart='cluster' restarts a private server only, never the "
+                             "machine's: pass the PrivateServer the chaos runs on")
         self.config = config
         self.bouncer = bouncer
+        self.server = server
         self.rng = random.Random(config.seed)
         self.env = {**env, "AGENTRUNS_TEST_SETTINGS": json.dumps(config.worker_settings())}
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -534,9 +541,10 @@ class Chaos:
         params = _connection_params()
         connections.close_all()  # this process's own sessions die with the server
         if self.config.pg_restart == "cluster":
-            version = postgres_version()
-            subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, "main",
-                            "restart"], check=True, timeout=120, capture_output=True)
+            if self.server is None:
+                raise ValueError("pg_restart='cluster' restarts a private server only: "
+                                 "run the chaos on one (tests.chaos.private)")
+            self.server.restart()
         else:
             import psycopg
 
@@ -620,18 +628,6 @@ def _connection_params() -> dict[str, Any]:
     return params
 
 
-def postgres_version() -> str:
-    """The local cluster's major version, from /etc/postgresql (the newest if several)."""
-    root = Path("/etc/postgresql")
-    versions = sorted((p.name for p in root.iterdir() if p.is_dir()),
-                      key=lambda v: [int(x) for x in v.split(".") if x.isdigit()]) \
-        if root.is_dir() else []
-    if not versions:
-        raise RuntimeError("no PostgreSQL cluster in /etc/postgresql to restart; "
-                           "use pg_restart='terminate' against a remote server")
-    return versions[-1]
-
-
 def wait_for_postgres(params: dict[str, Any], timeout: float = 60) -> None:
     import psycopg
 
@@ -647,13 +643,14 @@ def wait_for_postgres(params: dict[str, Any], timeout: float = 60) -> None:
 
 
 def default_restart_mode() -> str:
-    """``CHAOS_PG_RESTART`` = cluster (default) | terminate | none ("pgbouncer" is chosen by
+    """``CHAOS_PG_RESTART`` = terminate (default) | cluster | none ("pgbouncer" is chosen by
     the test that puts a PgBouncer in front, not by this variable).
 
-    "terminate" ends only this database's sessions instead of restarting the server: use
-    it on a server shared with other work, where a restart would break that work too.
+    "terminate" ends only this database's sessions: the machine's server, shared with other
+    work, is never restarted. "cluster" restarts a real server: a private one the test
+    starts itself (tests/private_postgres.py), never the machine's.
     """
-    mode = os.environ.get("CHAOS_PG_RESTART", "cluster")
+    mode = os.environ.get("CHAOS_PG_RESTART", "terminate")
     if mode not in ("cluster", "terminate", "none"):
         raise ValueError(f"CHAOS_PG_RESTART must be cluster, terminate or none, not {mode!r}")
     return mode

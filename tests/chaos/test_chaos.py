@@ -11,6 +11,7 @@ import pytest
 from django.db import connection
 
 from tests.chaos.harness import Chaos, ChaosConfig, ChaosReport, default_restart_mode
+from tests.chaos.private import on_private_server
 from tests.pgbouncer import PgBouncer
 
 
@@ -25,9 +26,16 @@ def assert_no_violations(report: ChaosReport) -> None:
 @pytest.mark.slow
 @pytest.mark.postgres_only
 def test_chaos_on_postgresql(worker_env: dict[str, str]) -> None:
+    """The test database's sessions are ended mid-run (CHAOS_PG_RESTART=terminate, the
+    default); with CHAOS_PG_RESTART=cluster, a real server restart of a private server
+    this test starts (never the machine's)."""
     config = ChaosConfig(runs=500, workers=3, concurrency=4, seed=1,
                          pg_restart=default_restart_mode(), drain_workers=3)
-    report = Chaos(config, worker_env).run()
+    if config.pg_restart == "cluster":
+        with on_private_server() as (env, server):
+            report = Chaos(config, env, server=server).run()
+    else:
+        report = Chaos(config, worker_env).run()
     assert_no_violations(report)
     # The faults happened, and hit busy workers: otherwise this proves nothing.
     assert report.runs == 500
@@ -36,6 +44,22 @@ def test_chaos_on_postgresql(worker_env: dict[str, str]) -> None:
     assert report.sigterms == 1, report.summary()
     assert report.abandoned >= 10, report.details()
     assert report.waited >= 10, report.details()
+
+
+@pytest.mark.slow
+@pytest.mark.postgres_only
+def test_chaos_with_a_real_restart_of_a_private_server(transactional_db: None) -> None:
+    """A real server restart mid-run ("cluster"), of a server this test starts itself: the
+    machine's server, shared with other work, is never restarted."""
+    # Small, and no SIGTERM (too few runs to be sure a worker is busy): the restart is the
+    # point here; test_chaos_on_postgresql has the rest.
+    config = ChaosConfig(runs=80, workers=2, concurrency=3, seed=4, pg_restart="cluster",
+                         chaos_seconds=30.0, drain_workers=2, sigterm=False)
+    with on_private_server() as (env, server):
+        report = Chaos(config, env, server=server).run()
+    assert_no_violations(report)
+    assert report.runs == 80
+    assert report.restarts == 1, report.summary()
 
 
 @pytest.mark.slow

@@ -316,6 +316,7 @@ from . import (  # noqa: E402,F401
     failure_agents,
     flow_agents,
     framework_agents,
+    provider_agents,
     step_agents,
     stream_agents,
     waiting_agents,

@@ -84,3 +84,51 @@ def _broken_key(input: Any) -> str:
 @agent("tests.keyed_broken", limit_key=_broken_key)
 def keyed_broken(ctx: RunContext) -> None:
     """Its limit_key callable raises: enqueue refuses the run."""
+
+
+@agent("tests.asks_a_delay", max_requeues=2)
+def asks_a_delay(ctx: RunContext) -> None:
+    """Fails with `Retryable(delay=input["delay"])` (a float; "inf"/"nan" as strings), or
+    with a 429 whose Retry-After is input["retry_after"]."""
+    from django_agentruns import Retryable
+
+    if "retry_after" in ctx.input:
+        raise RateLimitError(429, str(ctx.input["retry_after"]))
+    raise Retryable("later", delay=float(ctx.input["delay"]))
+
+
+@agent("tests.polite_spender", budget={"tokens": 1000})
+def polite_spender(ctx: RunContext) -> dict[str, Any]:
+    """Checks `ctx.stop_requested` before each (paid) model call, as an agent should: each
+    call is a SideEffect row, then 400 tokens recorded. At most 10 calls."""
+    from .agents import record
+
+    calls = 0
+    while not ctx.stop_requested and calls < 10:
+        record(ctx, step=calls, note="model call")
+        calls += 1
+        ctx.record_usage(input_tokens=400, model="m")
+    return {"calls": calls}
+
+
+@agent("tests.estimated", limit_key=_key, estimate={"tokens": 1000, "cost": 0.5})
+def estimated(ctx: RunContext) -> dict[str, Any]:
+    """Reserves 1000 tokens and 0.5 at claim; records input["tokens"] (default 1000) and
+    input["cost"] (default 0), after input["seconds"] (default 0; on its first attempt
+    input["first_seconds"] if given)."""
+    seconds = ctx.input.get("first_seconds") if ctx.attempt == 1 else None
+    deadline = time.monotonic() + float(seconds or ctx.input.get("seconds", 0))
+    while time.monotonic() < deadline:
+        ctx.heartbeat()
+        time.sleep(0.02)
+    ctx.record_usage(input_tokens=int(ctx.input.get("tokens", 1000)), output_tokens=0,
+                     cost=float(ctx.input.get("cost", 0.0)), model="m")
+    return {"key": ctx.input.get("key")}
+
+
+@agent("tests.failover", limit_key=["prov:a", "prov:b"], max_requeues=0)
+def failover(ctx: RunContext) -> dict[str, Any]:
+    """A 429 (Retry-After: 120) while it runs under input["fail_on"]; says which key it got."""
+    if ctx.limit_key == ctx.input.get("fail_on"):
+        raise RateLimitError(429, "120")
+    return {"key": ctx.limit_key, "attempt": ctx.attempt}

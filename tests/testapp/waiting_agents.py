@@ -91,3 +91,24 @@ async def async_parent(ctx: RunContext) -> dict[str, Any]:
     answer = await ctx.arequest_approval("ship", {"children": len(results)})
     return {"statuses": sorted(r.status for r in results.values()),
             "approved": answer.approved, "by": answer.by}
+
+
+@agent("tests.spawns_itself", queue="waiting")
+def spawns_itself(ctx: RunContext) -> dict[str, Any]:
+    """Spawns one more of itself (up to input["levels"] levels) and waits for it; with
+    input["fan"], spawns that many children of tests.child instead and waits for them.
+    input["child_budget"] is passed as the child's budget (children then: tests.spender)."""
+    if "fan" in ctx.input:
+        ids = [ctx.spawn("tests.child", {"n": i}, key=f"c{i}")
+               for i in range(int(ctx.input["fan"]))]
+    elif "child_budget" in ctx.input:
+        ids = [ctx.spawn("tests.spender", {"steps": 5}, key="spender", queue="waiting",
+                         budget=ctx.input["child_budget"])]
+    else:
+        level = int(ctx.input.get("level", 0))
+        if level >= int(ctx.input.get("levels", 50)):
+            return {"level": level}
+        ids = [ctx.spawn("tests.spawns_itself", {**ctx.input, "level": level + 1},
+                         key="next")]
+    results = ctx.wait_for_runs(ids)
+    return {"children": [[r.status, r.reason] for r in results.values()]}

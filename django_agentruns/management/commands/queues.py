@@ -7,6 +7,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db.models import Count
 
 from django_agentruns.exceptions import InvalidInputError
+from django_agentruns.management.arguments import os_user
 from django_agentruns.models import AgentRun, Status
 from django_agentruns.queues import pause_queue, paused_queues, resume_queue
 from django_agentruns.registry import all_agents
@@ -19,7 +20,8 @@ class Command(BaseCommand):
         parser.add_argument("action", nargs="?", default="list",
                             choices=("list", "pause", "resume"))
         parser.add_argument("name", nargs="?", help="The queue (pause and resume).")
-        parser.add_argument("--by", default="", help="Who pauses or resumes (recorded).")
+        parser.add_argument("--by", default=os_user(),
+                            help="Who pauses or resumes (recorded; default: the OS user).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         action, name = options["action"], options["name"]

@@ -1,14 +1,18 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
+import uuid
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
 from django_agentruns.checks import check_worker_connections, server_max_connections
+from django_agentruns.conf import app_settings
+from django_agentruns.exceptions import InvalidInputError
 from django_agentruns.management import logs, reloading
 from django_agentruns.management.arguments import (
     non_negative_float,
@@ -18,8 +22,11 @@ from django_agentruns.management.arguments import (
     worker_id,
 )
 from django_agentruns.ops import metrics
-from django_agentruns.registry import all_agents
+from django_agentruns.registry import all_agents, check_worker_names
+from django_agentruns.runtime.supervisor import Supervisor
 from django_agentruns.runtime.worker import Worker
+
+MOST_PROCESSES = 256
 
 
 class Command(BaseCommand):
@@ -32,6 +39,12 @@ class Command(BaseCommand):
         parser.add_argument("--concurrency", type=positive_int, default=1,
                             help="Attempts run at once (sync in threads, async on a loop; "
                                  "default 1).")
+        parser.add_argument("--processes", type=lambda text: positive_int(text, MOST_PROCESSES),
+                            default=1,
+                            help="Worker processes, each with its own --concurrency slots and "
+                                 "connections, under one supervisor that restarts a child that "
+                                 "dies and passes SIGTERM on (default 1: this process is the "
+                                 "worker). Use about one per core.")
         parser.add_argument("--burst", action="store_true",
                             help="Exit once nothing is due (for scripts and tests; default: "
                                  "serve until stopped).")
@@ -60,40 +73,84 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         logs.configure(options["verbosity"])
+        if options["processes"] > 1:
+            self._supervise(options)
+            return
         if options["reload"]:
-            reloading.run(lambda: self._serve(options))
+            reloading.run(functools.partial(self._serve_alone, options))
             return
         self._serve(options)
 
-    def _serve(self, options: dict[str, Any]) -> None:
+    def _serve_alone(self, options: dict[str, Any]) -> None:
+        self._serve(options)
+
+    def _supervise(self, options: dict[str, Any]) -> None:
+        """N children under `runtime.supervisor`; each serves as `_serve` does."""
+        processes = options["processes"]
+        if options["reload"]:
+            raise CommandError("--reload runs one worker process: drop --processes")
+        if options["worker_id"] is not None:
+            try:  # each child's id is the given one plus a suffix: it must still fit
+                check_worker_names([], self._child_id(options["worker_id"], processes))
+            except InvalidInputError as exc:
+                raise CommandError(f"--worker-id with --processes: {exc}") from exc
+        own = Worker.connections()
+        if options["verbosity"] > 0:
+            self.stdout.write(f"{processes} worker processes, each: concurrency "
+                              f"{options['concurrency']}, {own} database connections "
+                              f"({processes * own} in all), however many attempts run")
+        self._warn_connections(options["concurrency"], own, processes)
+        grace = options["grace"] if options["grace"] is not None else float(app_settings.GRACE)
+        supervisor = Supervisor(processes, lambda index: self._serve(options, index),
+                                grace=float(grace), burst=options["burst"])
+        supervisor.run()
+
+    @staticmethod
+    def _child_id(given: str, index: int) -> str:
+        """Unique per child start, as a lone worker's default id is per process start."""
+        return f"{given}.{index}.{uuid.uuid4().hex[:8]}"
+
+    def _warn_connections(self, concurrency: int, own: int, processes: int) -> None:
+        sync_agents = any(not spec.is_async for spec in all_agents().values())
+        for warning in check_worker_connections(concurrency, own, sync_agents,
+                                                server_max_connections(), processes):
+            self.stderr.write(str(warning))
+
+    def _serve(self, options: dict[str, Any], child: int | None = None) -> int:
+        """Serve as one worker (`child`: its index under a supervisor)."""
+        worker_id = options["worker_id"]
+        if child is not None and worker_id is not None:
+            worker_id = self._child_id(worker_id, child)
         try:
             worker = Worker(options["queues"], options["concurrency"], burst=options["burst"],
-                            worker_id=options["worker_id"],
+                            worker_id=worker_id,
                             poll_interval=options["poll_interval"], grace=options["grace"])
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
         if options["metrics_port"] is not None:
+            # Children: one port each, from the given one up (0: any free port each).
+            port = options["metrics_port"] + (child or 0) if options["metrics_port"] else 0
             try:
-                metrics.serve(options["metrics_port"], options["metrics_addr"])
+                metrics.serve(port, options["metrics_addr"])
             except metrics.MetricsUnavailable as exc:
                 raise CommandError(f"--metrics-port: {exc}") from exc
             except OSError as exc:
                 raise CommandError(f"--metrics-port: cannot serve on "
-                                   f"{options['metrics_addr']}:{options['metrics_port']}: "
-                                   f"{exc}") from exc
+                                   f"{options['metrics_addr']}:{port}: {exc}") from exc
         own = worker.connections()
-        if options["verbosity"] > 0:
+        if child is None and options["verbosity"] > 0:  # (the supervisor says it for all)
             self.stdout.write(f"worker {worker.worker_id}: concurrency {worker.concurrency}, "
                               f"{own} database connections (writers, claim, lease keeper, "
                               f"listener, live-chunk sender while agents stream), however "
                               f"many attempts run")
-        sync_agents = any(not spec.is_async for spec in all_agents().values())
-        for warning in check_worker_connections(worker.concurrency, own, sync_agents,
-                                                server_max_connections()):
-            self.stderr.write(str(warning))
+        if child is None:
+            self._warn_connections(worker.concurrency, own, 1)
         stats = worker.run() if not options["reload"] else reloading.serve(worker)
         if options["verbosity"] > 0:
-            self.stdout.write(f"claimed {stats.claimed} runs; settled {stats.settled or {}}")
+            self.stdout.write(f"{'' if child is None else f'worker process {child}: '}"
+                              f"claimed {stats.claimed} runs; settled {stats.settled or {}}")
+        if child is not None:
+            return 0  # the child leaves with os._exit: stuck agent threads do not hold it
         if worker.stuck_attempts:
             # Agent code stuck in a call cannot be interrupted; its run was recorded as
             # abandoned. Leave without waiting for those threads.
@@ -101,3 +158,4 @@ class Command(BaseCommand):
             sys.stderr.flush()
             logging.shutdown()
             os._exit(0)
+        return 0

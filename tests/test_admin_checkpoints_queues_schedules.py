@@ -1,4 +1,4 @@
-"""The console's part in issue 18: checkpoints and "fork from here" on the run page, paused
+"""The console's checkpoints and "fork from here" on the run page, paused
 queues on the overview with Pause / Resume, and the schedules' admin."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('django_agentruns', '0010_steps'),
+        ('django_agentruns', '0014_translatable_labels'),
     ]
 
     operations = [
