@@ -22,8 +22,8 @@ from typing import Any
 from django.db import connections
 
 from ..exceptions import InvalidInputError
-from ..runtime.context import RunContext, current_context
 from ..outcomes import Approval
+from ..runtime.context import RunContext, current_context
 
 try:
     from opentelemetry import trace
