@@ -507,3 +507,7 @@ class RunStep(models.Model):
 
 def step_key(run_id: int, name: str, occurrence: int) -> str:
     return f"run-{run_id}/{name}/{occurrence}"
+
+
+# LangGraph's checkpoint tables, in a module of their own, registered with the app here.
+from .graph_models import GraphCheckpoint, GraphWrite  # noqa: E402, F401

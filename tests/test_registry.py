@@ -242,7 +242,7 @@ def test_autodiscovery_registers_the_testapp_agents_at_setup() -> None:
         "tests.testapp.agents", "tests.testapp.chaos_agents", "tests.testapp.failure_agents",
         "tests.testapp.waiting_agents", "tests.testapp.writer_agents",
         "tests.testapp.stream_agents", "tests.testapp.flow_agents", "tests.testapp.step_agents",
-        "tests.testapp.provider_agents"}
+        "tests.testapp.provider_agents", "tests.testapp.framework_agents"}
     assert "tests.testapp.agents" in {module for module, _ in discovered.values()}
     # Compared on the agents this process knows too (agents.py may grow meanwhile).
     ours = {name: spec.is_async for name, spec in all_agents().items()

@@ -8,8 +8,10 @@ deadline, stop switch) is the executor's `AttemptControl`.
 
 from __future__ import annotations
 
+import contextvars
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import transitions
@@ -23,6 +25,25 @@ if TYPE_CHECKING:
     from .control import AttemptControl
 
 T = TypeVar("T")
+
+_current: contextvars.ContextVar[RunContext | None] = contextvars.ContextVar(
+    "agentruns_context", default=None)
+
+
+def current_context() -> RunContext | None:
+    """The context of the agent run executing here (None outside one), for code that runs
+    inside an agent without being handed `ctx`: a framework integration's model wrapper."""
+    return _current.get()
+
+
+@contextmanager
+def entered(ctx: RunContext) -> Iterator[None]:
+    """Make `ctx` the one `current_context()` answers while the agent's code runs."""
+    token = _current.set(ctx)
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 class RunContext:

@@ -38,7 +38,7 @@ from ..streaming import chunks
 from ..validation import capped_json
 from . import recording, versions
 from .attempt_store import AttemptStore
-from .context import RunContext
+from .context import RunContext, entered
 from .control import AttemptControl, in_thread
 
 logger = logging.getLogger("django_agentruns.worker")
@@ -239,7 +239,8 @@ def call_agent(spec: AgentSpec, ctx: RunContext, control: AttemptControl) -> Out
         if spec.is_async:
             result = async_to_sync(_with_timeout)(spec, ctx, control)
         else:
-            result = spec.func(ctx)
+            with entered(ctx):
+                result = spec.func(ctx)
     except BaseException as exc:
         return _raised(control, exc)
     return _returned(spec, control, result)
@@ -312,7 +313,8 @@ class _Escaped(Exception):
 
 async def _contained(spec: AgentSpec, ctx: RunContext) -> Any:
     try:
-        return await spec.func(ctx)
+        with entered(ctx):
+            return await spec.func(ctx)
     except (SystemExit, KeyboardInterrupt) as exc:
         raise _Escaped(exc) from None
 

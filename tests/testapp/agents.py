@@ -315,6 +315,7 @@ from . import (  # noqa: E402,F401
     chaos_agents,
     failure_agents,
     flow_agents,
+    framework_agents,
     provider_agents,
     step_agents,
     stream_agents,

@@ -1,0 +1,1 @@
+"""Agents written with Pydantic AI, the OpenAI Agents SDK or LangGraph, run as agent runs."""
