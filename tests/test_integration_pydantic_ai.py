@@ -26,6 +26,7 @@ from django_agentruns.streaming import transport as chunk_transport
 from tests import helpers
 from tests.fakeprovider import ENV_VAR, FakeProvider, Fault, Reply, ToolCall
 from tests.test_tracing import _exporter, spans  # noqa: F401 (fixtures)
+from tests.testapp.agents import FRAMEWORKS_ENV
 from tests.testapp.models import SideEffect
 
 if TYPE_CHECKING:
@@ -46,7 +47,8 @@ def fake_provider() -> Iterator[FakeProvider]:
 
 
 def env_for(worker_env: dict[str, str], provider: FakeProvider) -> dict[str, str]:
-    return {**worker_env, **provider.env(), "AGENTRUNS_TEST_SETTINGS": json.dumps(SETTINGS)}
+    return {**worker_env, **provider.env(), "AGENTRUNS_TEST_SETTINGS": json.dumps(SETTINGS),
+            FRAMEWORKS_ENV: "1"}
 
 
 def run(run_id: int) -> AgentRun:

@@ -11,6 +11,9 @@ from django_agentruns import NotRetryable, Retryable, RunContext, agent
 
 from .models import SideEffect
 
+FRAMEWORKS_ENV = "AGENTRUNS_TEST_FRAMEWORKS"
+"""Set (to 1) in a worker subprocess's environment to load the agent frameworks' agents."""
+
 
 def record(ctx: RunContext, step: int = 0, note: str = "") -> None:
     SideEffect.objects.create(run_id=ctx.run_id, step=step, attempt=ctx.attempt,
@@ -315,13 +318,17 @@ from . import (  # noqa: E402,F401
     chaos_agents,
     failure_agents,
     flow_agents,
-    framework_agents,
     provider_agents,
     step_agents,
     stream_agents,
     waiting_agents,
     writer_agents,
 )
+
+# The agent frameworks take about 5 s to import: a worker subprocess loads their agents only
+# when its test asks for them (the integration tests do); the test process always does.
+if os.environ.get(FRAMEWORKS_ENV) or not os.environ.get("AGENTRUNS_TEST_SUBPROCESS"):
+    from . import framework_agents  # noqa: F401
 
 
 @agent("tests.sized", max_requeues=1)
