@@ -21,6 +21,7 @@ from django.db.models.deletion import Collector
 from django.utils import timezone
 
 from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
+from ..graph_models import GraphCheckpoint
 from ..models import (
     TERMINAL,
     AgentRun,
@@ -66,6 +67,8 @@ LINKS_TO_RUN: tuple[tuple[type[models.Model], str], ...] = (
     # Other runs that point at a deleted run outlive it, with the link cleared.
     (AgentRun, "parent"),  # a child, finished or not, carries on as a run of its own
     (AgentRun, "forked_from"),  # a fork keeps its copied checkpoints, not the link
+    # A graph's checkpoints belong to its thread, which outlives the run that wrote them.
+    (GraphCheckpoint, "run"),
 )
 
 
