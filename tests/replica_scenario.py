@@ -24,8 +24,8 @@ from django.test import Client  # noqa: E402
 from django.test.utils import CaptureQueriesContext  # noqa: E402
 from django.urls import reverse  # noqa: E402
 
-from django_agentruns import enqueue, transitions  # noqa: E402
-from django_agentruns.models import AgentRun, Status  # noqa: E402
+from django_agentruns import api, enqueue, transitions  # noqa: E402
+from django_agentruns.models import AgentRun, RunEvent, Status  # noqa: E402
 from django_agentruns.ops import replica  # noqa: E402
 from django_agentruns.ops.backlog import read_backlog  # noqa: E402
 from django_agentruns.ops.visibility import why_not_started  # noqa: E402
@@ -178,6 +178,22 @@ def main() -> None:
         assert row.cancel_requested_at is not None
         assert AgentRun.objects.for_reading().get(pk=other.pk).status == Status.QUEUED
     ok("a cancel follows the primary's state")
+
+    # Retry: cancelled on the replica, already retried (queued) on the primary by someone
+    # else: the admin's Retry does not requeue it a second time.
+    again = enqueue("tests.noop")
+    api.cancel(again.pk)
+    wait_for_replica()
+    with replay_paused():
+        assert api.retry(again.pk, by="someone else")
+        assert AgentRun.objects.for_reading().get(pk=again.pk).status == Status.CANCELLED
+        retry = reverse("admin:django_agentruns_agentrun_retry", args=[again.pk])
+        done = client.post(retry, {"post": "yes"}, follow=True).content.decode()
+        assert "was not retried: it is not failed or cancelled" in done, done
+        assert AgentRun.objects.get(pk=again.pk).status == Status.QUEUED
+        retried = RunEvent.objects.filter(run_id=again.pk, type=transitions.RETRIED)
+        assert retried.count() == 1  # one retry, not two
+    ok("a retry follows the primary's state")
 
 
 if __name__ == "__main__":

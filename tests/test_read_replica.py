@@ -4,8 +4,9 @@ starts: a private primary and a `pg_basebackup` of it streaming from a replicati
 whose `default` is the primary and `replica` the standby: the admin's list and overview,
 `why`, the gauges and the event stream's catch-up read follow the replica (a run written to
 the primary shows only once replayed, checked with replay paused), no list read touches the
-primary's run table, and an action on a run the replica shows in a stale state acts on the
-primary's state. SQLite has no replica: the setting's check is tested in test_checks."""
+primary's run table, and an action (Cancel, bulk cancel, Retry) on a run the replica shows
+in a stale state acts on the primary's state. SQLite has no replica: the setting's check
+and the named reads are tested in test_read_database on both."""
 
 from __future__ import annotations
 
@@ -57,4 +58,5 @@ def test_reads_go_to_the_replica_and_actions_to_the_primary(
         "ok", "the", "list", "reads", "from", "the", "replica",
         "ok", "reads", "follow", "replication",
         "ok", "an", "action", "re-reads", "the", "run", "on", "the", "primary",
-        "ok", "a", "cancel", "follows", "the", "primary's", "state"], done.stdout
+        "ok", "a", "cancel", "follows", "the", "primary's", "state",
+        "ok", "a", "retry", "follows", "the", "primary's", "state"], done.stdout
