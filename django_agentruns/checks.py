@@ -55,7 +55,9 @@ _AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRIT
                  "WAITERS_PER_PROCESS")
 _SIZES = ("MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES")
 _CAPS = (*_SIZES, "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP", "MAX_STEPS_PER_RUN",
-         "MAX_SPAWN_DEPTH", "MAX_CHILDREN_PER_RUN", "MAX_DELIVERIES_PER_RUN")
+         "MAX_SPAWN_DEPTH", "MAX_CHILDREN_PER_RUN", "MAX_DELIVERIES_PER_RUN",
+         "CHECKPOINT_HISTORY")
+_NONE_ALLOWED = ("CHECKPOINT_HISTORY",)  # None: no cap
 _FLAGS = ("UNKNOWN_ERRORS_RETRYABLE", "PREPARED_STATEMENTS")
 
 
@@ -90,7 +92,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                             hint=f"Known settings: {', '.join(sorted(AppSettings.known()))}.",
                             id=E002_UNKNOWN_SETTING))
     for key in _POSITIVE + _NON_NEGATIVE + _INTEGERS + _CAPS + ("BACKOFF_JITTER",):
-        if key in raw:
+        if key in raw and not (key in _NONE_ALLOWED and raw[key] is None):
             problem = _number_problem(key, raw[key])
             if problem:
                 errors.append(Error(f"{SETTING_NAME}[{key!r}] {problem}, not {raw[key]!r}.",

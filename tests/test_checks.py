@@ -104,6 +104,10 @@ BAD_SETTINGS: list[tuple[str, Any, str, str]] = [
      "6-character string"),
     ("metrics-token-int", {"METRICS_TOKEN": 1234567890123456789}, checks.E007_BAD_METRICS_TOKEN,
      "not a value of type int"),
+    ("checkpoint-history-zero", {"CHECKPOINT_HISTORY": 0}, checks.E003_BAD_NUMBER,
+     "'CHECKPOINT_HISTORY'"),
+    ("checkpoint-history-string", {"CHECKPOINT_HISTORY": "20"}, checks.E003_BAD_NUMBER,
+     "'CHECKPOINT_HISTORY'"),
     ("snoozes-negative", {"MAX_SNOOZES": -1}, checks.E003_BAD_NUMBER, "'MAX_SNOOZES'"),
     ("snoozes-float", {"MAX_SNOOZES": 2.5}, checks.E003_BAD_NUMBER, "'MAX_SNOOZES'"),
     ("limits-list", {"LIMITS": [("openai", 2)]}, checks.E011_BAD_LIMITS, "must be a dict"),
@@ -214,8 +218,11 @@ def test_every_setting_at_its_default_passes() -> None:
         {"BACKOFF_BASE": 5, "BACKOFF_CAP": 5, "BACKOFF_JITTER": 1, "LEASE_TTL": 600},
         {"CLASSIFIER": None},
         {"LIMITS": {"openai": 20, "tenant:42": 0}, "MAX_SNOOZES": 0},
+        {"CHECKPOINT_HISTORY": None},
+        {"CHECKPOINT_HISTORY": 1},
     ],
-    ids=["none", "empty", "edges", "equal-backoff", "no-classifier", "limits"],
+    ids=["none", "empty", "edges", "equal-backoff", "no-classifier", "limits",
+         "all-checkpoints", "one-checkpoint"],
 )
 def test_good_settings_pass(value: Any) -> None:
     assert with_agentruns(value) == []
