@@ -57,7 +57,7 @@ def caught_up() -> bool:
 
 
 def wait_for_replica() -> None:
-    helpers.wait_until(caught_up, timeout=30, interval=0.05,
+    helpers.wait_until(caught_up, timeout=60, interval=0.05,
                        message="the replica to replay the primary's writes")
 
 

@@ -132,7 +132,7 @@ def test_a_tool_that_needs_approval_waits_streams_first_and_runs_once_approved(
         helpers.wait_until(lambda: run(pk).status == Status.WAITING, timeout=60,
                            message="the run to wait for the approval")
         # The model's text was streamed live and stored, the tool not run.
-        helpers.wait_until(lambda: "".join(live) == "Let me refund that.", timeout=20,
+        helpers.wait_until(lambda: "".join(live) == "Let me refund that.", timeout=60,
                            message="the streamed text through stream_chunks, before the end")
         assert stored_text(pk) == "Let me refund that."
         assert tool_runs(pk) == []
