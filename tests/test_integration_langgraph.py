@@ -94,6 +94,10 @@ def test_an_interrupt_waits_streams_first_and_the_approval_resumes_the_graph_onc
     with helpers.start_manage(["runworker"], env_for(worker_env, fake_provider)) as worker:
         helpers.wait_until(lambda: run(pk).status == Status.WAITING, timeout=60,
                            message="the run to wait for the interrupt's answer")
+        # The model's text before the interrupt was streamed live (the wait let the
+        # sender deliver it first) and stored.
+        helpers.wait_until(lambda: live.text == "Let me refund that.", timeout=20,
+                           message="the streamed text through stream_chunks, before the wait")
         assert stored_text(pk) == "Let me refund that."
         assert tool_runs(pk) == []
         # The key is the one the interrupt's value names.
@@ -103,10 +107,8 @@ def test_an_interrupt_waits_streams_first_and_the_approval_resumes_the_graph_onc
         helpers.wait_until(lambda: finished(pk), timeout=60, message="the run to finish")
         assert worker.returncode is None, worker.output()
     live.join()
-    # stream_chunks yields live chunks only, while the run goes on: the resumed graph's
-    # answer reached it before the run ended. (The first answer's live chunks, streamed
-    # before the wait, are not always seen by a reader started on the queued run.)
-    assert live.text.endswith("Refunded 5."), live
+    # Every live chunk, both answers': the one before the wait, then the resumed graph's.
+    assert live.text == "Let me refund that.Refunded 5.", live.chunks
     done = run(pk)
     assert done.status == Status.SUCCEEDED, done.error_message
     assert done.output["output"] == "Refunded 5."
