@@ -115,6 +115,10 @@ class Defaults:
     """Most runs of a limit key running at once across all workers, e.g. {"openai": 20}.
     `set_limit(key, n)` (or the admin) overrides a key at run time; keys in neither are
     unlimited."""
+    MODEL_PRICES: dict[str, dict[str, float]] | None = None
+    """Prices per million tokens by model, e.g. {"gpt-4o-mini": {"input": 0.15, "output":
+    0.6}} (a key ending in `*` is a prefix): `record_usage` prices a call given no cost, and
+    the framework integrations use it before their framework's own price list."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

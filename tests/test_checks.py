@@ -116,6 +116,22 @@ BAD_SETTINGS: list[tuple[str, Any, str, str]] = [
     ("limit-none", {"LIMITS": {"openai": None}}, checks.E011_BAD_LIMITS, "not None"),
     ("limit-key-empty", {"LIMITS": {"": 3}}, checks.E011_BAD_LIMITS, "1-200 characters"),
     ("limit-key-int", {"LIMITS": {5: 3}}, checks.E011_BAD_LIMITS, "1-200 characters"),
+    ("prices-list", {"MODEL_PRICES": [("gpt-4o", 1)]}, checks.E016_BAD_MODEL_PRICES,
+     "must be a dict"),
+    ("price-number", {"MODEL_PRICES": {"gpt-4o": 2.5}}, checks.E016_BAD_MODEL_PRICES,
+     '{"input": X, "output": Y}'),
+    ("price-missing-output", {"MODEL_PRICES": {"gpt-4o": {"input": 2.5}}},
+     checks.E016_BAD_MODEL_PRICES, "'gpt-4o'"),
+    ("price-negative", {"MODEL_PRICES": {"gpt-4o": {"input": -1, "output": 1}}},
+     checks.E016_BAD_MODEL_PRICES, "input must be a finite number >= 0"),
+    ("price-nan", {"MODEL_PRICES": {"gpt-4o": {"input": 1, "output": float("nan")}}},
+     checks.E016_BAD_MODEL_PRICES, "output must be"),
+    ("price-text", {"MODEL_PRICES": {"gpt-4o": {"input": "0.15", "output": 1}}},
+     checks.E016_BAD_MODEL_PRICES, "input must be"),
+    ("price-star-inside", {"MODEL_PRICES": {"gpt-*-mini": {"input": 1, "output": 1}}},
+     checks.E016_BAD_MODEL_PRICES, "one '*' at its end"),
+    ("price-key-empty", {"MODEL_PRICES": {"": {"input": 1, "output": 1}}},
+     checks.E016_BAD_MODEL_PRICES, "1-100 characters"),
 ]
 
 
