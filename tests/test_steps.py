@@ -257,6 +257,9 @@ def test_a_sigkill_inside_a_step_repeats_it_once_with_the_same_key(
     run = enqueue("tests.step_chain", {"n": 3, "hang_in": 1})
     worker = helpers.start_manage(["runworker"], worker_env)
     helpers.wait_until(lambda: len(executions(run.pk)) == 2, message="inside step 2")
+    # A step running past START_HELD has its start written by the lease keeper.
+    helpers.wait_until(lambda: steps_of(run)[-1:] == [("call", 2, "started", 1)],
+                       message="step 2's start written while it runs")
     run = kill_and_finish(worker, run, worker_env)
     key = f"run-{run.pk}/call/"
     assert executions(run.pk) == [key + "1", key + "2", key + "2", key + "3"]
