@@ -132,3 +132,32 @@ def test_a_sigkill_inside_a_step_whose_start_was_held_repeats_it_with_the_same_k
     assert executions(run.pk) == [key + "1", key + "2", key + "2", key + "3"]
     assert steps_of(run) == [("call", 1, "done", 1), ("call", 2, "done", 2),
                              ("call", 3, "done", 2)]
+
+
+def test_a_write_inside_a_step_in_the_agents_transaction_takes_the_held_start_with_it(
+        transactional_db: None, written: list[Any]) -> None:
+    from django.db import transaction
+
+    from django_agentruns import RunContext, agent
+    from django_agentruns.registry import unregister
+
+    @agent("tests.step_atomic_emit")
+    def step_atomic_emit(ctx: RunContext) -> str:
+        def inside() -> str:
+            with transaction.atomic():  # the agent's own writes and its emit, together
+                ctx.emit("note", {"inside": True})
+            return "ok"
+
+        return ctx.step("inside", inside)
+
+    try:
+        run = enqueue("tests.step_atomic_emit")
+        burst()
+    finally:
+        unregister("tests.step_atomic_emit")
+    run.refresh_from_db()
+    assert (run.status, run.output) == (Status.SUCCEEDED, "ok"), run.error_message
+    # The start and the emit went in the agent's transaction, the end through the store.
+    assert kinds(written, run.pk) == {"StepEndWrite": 1, "SucceedWrite": 1}
+    assert steps_of(run) == [("inside", 1, "done", 1)]
+    assert RunEvent.objects.filter(run=run, type="note").count() == 1

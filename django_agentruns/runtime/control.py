@@ -112,12 +112,18 @@ class AttemptControl:
     def flush_step(self, wait: bool = False) -> None:
         """Submit the held start of the step executing, if any, to the store, ahead of
         the attempt's writes that follow (the store keeps one run's writes in order).
-        `wait`: until it has committed, for a write that does not go through the store."""
+        `wait`: until it has committed, for a write that does not go through the store.
+        Inside the agent's own transaction it joins that transaction instead, as the
+        write that follows does (a store writer could wait on the transaction's locks)."""
         with self._lock:
             held, self.pending_step = self.pending_step, None
             if held is None or self.store is None:
                 return
-            future = self.store.submit(held[0])  # under the lock: ahead of the step's end
+            future = None if connection.in_atomic_block else self.store.submit(held[0])
+        if future is None:
+            started = self.call(apply_alone, held[0])
+            self.apply(getattr(started, "renewal", Renewal.OK))
+            return
         future.add_done_callback(self._flushed)
         if wait:
             with suppress(Exception):

@@ -9,6 +9,11 @@ result, the usage recorded inside it, and one `run.step` event. A worker that lo
 run records nothing, so the step's next execution is the new owner's, under the same
 idempotency key (`ctx.step_key`, e.g. "run-42/draft/1").
 
+A fresh run's first attempt has nothing to ask: its start is held (`_held`) and written
+by its end, one row, unless a write inside the step or the lease keeper writes it first.
+A crash while it is held re-executes the step with the same key, as after a recorded
+start; only an end, always awaited, makes a step done (docs/steps.md).
+
 An attempt resuming from a checkpoint does not call the steps before it again: the first
 call of each name counts the run's steps of that name started before the checkpoint
 (`transitions.steps`), so the occurrences go on where they were.

@@ -4,7 +4,9 @@ A step's start renews the lease and answers whether the step is done already (th
 stored result is the answer, and the step is not executed); its end stores the result
 (or the error) with the usage recorded inside it and one `run.step` event. Both are
 fenced like an emit: a worker that lost the run records nothing, so a step it finished
-after losing the lease is executed again by the run's new owner, never half-recorded.
+after losing the lease is executed again by the run's new owner, never half-recorded. An
+end whose start was never written (a fresh run's step, `runtime.steps`) inserts the
+record whole.
 """
 
 from __future__ import annotations
