@@ -333,7 +333,8 @@ def test_steps_are_counted_by_outcome_and_traced(transactional_db: None) -> None
     before = {o: count(o) for o in ("done", "replayed", "failed")}
     from unittest import mock
 
-    with mock.patch("opentelemetry.trace.get_tracer", provider.get_tracer):
+    with mock.patch("opentelemetry.trace.get_tracer", provider.get_tracer), \
+            mock.patch("opentelemetry.trace.get_tracer_provider", return_value=provider):
         run = enqueue("tests.step_loop", {"n": 3, "fail": True})
         burst()
     assert {o: count(o) - before[o] for o in before} == {"done": 3, "replayed": 3, "failed": 0}

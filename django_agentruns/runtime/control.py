@@ -109,17 +109,19 @@ class AttemptControl:
             held, self.pending_step = self.pending_step, None
         return held is not None
 
-    def flush_step(self, wait: bool = False) -> None:
+    def flush_step(self, wait: bool = False, on_loop: bool = False) -> None:
         """Submit the held start of the step executing, if any, to the store, ahead of
         the attempt's writes that follow (the store keeps one run's writes in order).
         `wait`: until it has committed, for a write that does not go through the store.
         Inside the agent's own transaction it joins that transaction instead, as the
-        write that follows does (a store writer could wait on the transaction's locks)."""
+        write that follows does (a store writer could wait on the transaction's locks).
+        `on_loop`: called on the event loop, where no transaction is open (nor asked)."""
         with self._lock:
             held, self.pending_step = self.pending_step, None
             if held is None or self.store is None:
                 return
-            future = None if connection.in_atomic_block else self.store.submit(held[0])
+            joins = not on_loop and connection.in_atomic_block
+            future = None if joins else self.store.submit(held[0])
         if future is None:
             started = self.call(apply_alone, held[0])
             self.apply(getattr(started, "renewal", Renewal.OK))
@@ -191,7 +193,7 @@ class AttemptControl:
         """`write`, awaited on the event loop: no thread, no executor hop."""
         if self.store is None:
             return await in_thread(self, self.write, write)
-        self.flush_step()
+        self.flush_step(on_loop=True)
         store = self.store
 
         async def attempt() -> Result:

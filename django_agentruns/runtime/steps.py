@@ -128,7 +128,8 @@ async def arun_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tu
     writes awaited through the attempt store; a timeout cancels the execution."""
     control = _checked(ctx, name, fn, retries, timeout)
     start = _start_write(control, name)
-    started = _held(control, start) or _took(control, await control.awrite(start), name)
+    started = _held(control, start, on_loop=True) or \
+        _took(control, await control.awrite(start), name)
     if started.done:
         return _replayed(ctx, started)
     failures = 0
@@ -206,7 +207,8 @@ def _restart(start: transitions.StepStartWrite,
                                       start.max_steps)
 
 
-def _held(control: AttemptControl, start: transitions.StepStartWrite) -> StepStart | None:
+def _held(control: AttemptControl, start: transitions.StepStartWrite,
+          on_loop: bool = False) -> StepStart | None:
     """The start of a fresh run's step, held by the attempt instead of written (None: it
     must be written, and its answer awaited).
 
@@ -216,8 +218,10 @@ def _held(control: AttemptControl, start: transitions.StepStartWrite) -> StepSta
     step's end (one row, done or failed), or ahead of the attempt's next write, or by the
     lease keeper once the step has run `START_HELD` seconds; a crash before then leaves
     no record, and the step is executed again with the same key, as one whose start was
-    recorded would be."""
-    if not control.fresh_steps or control.store is None or connection.in_atomic_block:
+    recorded would be. `on_loop`: an async step's, where no transaction is open (and
+    Django's `connection` would be made anew for each task)."""
+    if not control.fresh_steps or control.store is None or \
+            (not on_loop and connection.in_atomic_block):
         return None
     occurrence = start.occurrence or 1
     if sum(control.step_counts.values()) >= start.max_steps:
