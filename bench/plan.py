@@ -34,7 +34,7 @@ class Plan:
     worker_warmup: float = 2.5
     """Seconds an idle worker gets to start (and LISTEN) before the latency producer."""
     llm_configs: tuple[tuple[str, int, int, int], ...] = (
-        ("llm_sync", 200, 1, 1500), ("llm_steps_sync", 200, 1, 800),
+        ("llm_sync", 200, 1, 1500), ("llm_steps_sync", 200, 1, 1500),
         ("llm_async", 200, 1, 1000), ("llm_async", 1000, 1, 4000),
         ("llm_steps_async", 1000, 1, 4000), ("llm_async", 500, 2, 4000))
     """The LLM-shaped rows: (agent, --concurrency per process, --processes, runs). Each is

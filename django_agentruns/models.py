@@ -80,6 +80,9 @@ class AgentRun(models.Model):
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="forks",
         help_text=_("The run this one was forked from (`fork`), starting at one of its "
                   "checkpoints."))
+    steps_copied = models.BooleanField(
+        default=False, help_text=_("A fork given step records of its origin: its first "
+                                   "attempt looks its steps up like any later one."))
 
     limit_keys = models.JSONField(
         null=True, blank=True, help_text="Failover: the limit keys the run may take, in order; "

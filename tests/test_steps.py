@@ -257,6 +257,9 @@ def test_a_sigkill_inside_a_step_repeats_it_once_with_the_same_key(
     run = enqueue("tests.step_chain", {"n": 3, "hang_in": 1})
     worker = helpers.start_manage(["runworker"], worker_env)
     helpers.wait_until(lambda: len(executions(run.pk)) == 2, message="inside step 2")
+    # A step running past START_HELD has its start written by the lease keeper.
+    helpers.wait_until(lambda: steps_of(run)[-1:] == [("call", 2, "started", 1)],
+                       message="step 2's start written while it runs")
     run = kill_and_finish(worker, run, worker_env)
     key = f"run-{run.pk}/call/"
     assert executions(run.pk) == [key + "1", key + "2", key + "2", key + "3"]
@@ -324,16 +327,20 @@ def test_steps_are_counted_by_outcome_and_traced(transactional_db: None) -> None
         return prometheus_client.REGISTRY.get_sample_value(
             "agentruns_steps_total", {"agent": "tests.step_loop", "outcome": outcome}) or 0.0
 
+    from opentelemetry import trace
+
+    # The global provider can be set once per process; reuse one another test set.
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     before = {o: count(o) for o in ("done", "replayed", "failed")}
-    from unittest import mock
-
-    with mock.patch("opentelemetry.trace.get_tracer", provider.get_tracer):
-        run = enqueue("tests.step_loop", {"n": 3, "fail": True})
-        burst()
+    run = enqueue("tests.step_loop", {"n": 3, "fail": True})
+    burst()
     assert {o: count(o) - before[o] for o in before} == {"done": 3, "replayed": 3, "failed": 0}
     steps = [s for s in exporter.get_finished_spans() if s.name == "step draft"]
+    exporter.shutdown()
     assert [s.attributes["agentruns.step.key"] for s in steps] == [
         f"run-{run.pk}/draft/{n}" for n in (1, 2, 3)]  # executions only, not replays

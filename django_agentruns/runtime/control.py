@@ -58,6 +58,12 @@ class AttemptControl:
         self.over_budget: str | None = None
         # Durable steps (runtime.steps): the last occurrence of each step name called.
         self.step_counts: dict[str, int] = {}
+        # A fresh run (its first attempt, not a fork) holds no step records but this
+        # attempt's, so a step's start need not ask storage whether it is done: it is held
+        # here (`pending_step`, with when it began) until the step's end, which writes
+        # both, or the attempt's next write or the lease keeper flush it (`flush_step`).
+        self.fresh_steps = False
+        self.pending_step: tuple[Write, float] | None = None
         self.usage_calls = 0  # record_usage calls so far: each write's key (run, attempt, n)
 
     def request_stop(self, reason: StopReason) -> None:
@@ -97,6 +103,42 @@ class AttemptControl:
             self.request_stop(StopReason.CANCELLED)
         self.check()
 
+    def take_step_start(self) -> bool:
+        """The step's end is here: its start, if still held, is written with it (True)."""
+        with self._lock:
+            held, self.pending_step = self.pending_step, None
+        return held is not None
+
+    def flush_step(self, wait: bool = False, on_loop: bool = False) -> None:
+        """Submit the held start of the step executing, if any, to the store, ahead of
+        the attempt's writes that follow (the store keeps one run's writes in order).
+        `wait`: until it has committed, for a write that does not go through the store.
+        Inside the agent's own transaction it joins that transaction instead, as the
+        write that follows does (a store writer could wait on the transaction's locks).
+        `on_loop`: called on the event loop, where no transaction is open (nor asked)."""
+        with self._lock:
+            held, self.pending_step = self.pending_step, None
+            if held is None or self.store is None:
+                return
+            joins = not on_loop and connection.in_atomic_block
+            future = None if joins else self.store.submit(held[0])
+        if future is None:
+            started = self.call(apply_alone, held[0])
+            self.apply(getattr(started, "renewal", Renewal.OK))
+            return
+        future.add_done_callback(self._flushed)
+        if wait:
+            with suppress(Exception):
+                future.result()
+
+    def _flushed(self, future: Any) -> None:
+        """A flushed start's answer (in a writer thread): a lost lease stops the attempt.
+        A start that could not be written is not retried: the step's end writes it whole."""
+        with suppress(Exception):
+            result = future.result()
+            if getattr(result, "renewal", None) is Renewal.LOST:
+                self.request_stop(StopReason.LEASE_LOST)
+
     def call(self, write: Callable[..., T], *args: Any) -> T:
         """One storage call of the attempt, retried on a fresh connection while the
         database is out of reach (a restart, a killed session, lock contention).
@@ -107,6 +149,7 @@ class AttemptControl:
         Interactive runs (no lease, maybe in the caller's transaction) are not retried.
         """
         raw = None
+        self.flush_step(wait=True)
 
         def attempt() -> T:
             nonlocal raw
@@ -136,6 +179,7 @@ class AttemptControl:
         """
         if self.store is None or connection.in_atomic_block:
             return self.call(apply_alone, write)
+        self.flush_step()
         store = self.store
 
         def attempt() -> Result:
@@ -149,6 +193,7 @@ class AttemptControl:
         """`write`, awaited on the event loop: no thread, no executor hop."""
         if self.store is None:
             return await in_thread(self, self.write, write)
+        self.flush_step(on_loop=True)
         store = self.store
 
         async def attempt() -> Result:

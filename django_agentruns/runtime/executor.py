@@ -36,7 +36,7 @@ from ..outcomes import AttemptRef, Outcome, OutcomeKind, Settlement, StopReason
 from ..registry import AgentSpec
 from ..streaming import chunks
 from ..validation import capped_json
-from . import recording, versions
+from . import recording, steps, versions
 from .attempt_store import AttemptStore
 from .context import RunContext, entered
 from .control import AttemptControl, in_thread
@@ -226,6 +226,7 @@ def finish_stream(control: AttemptControl, outcome: Outcome) -> None:
 
 
 def make_context(run: AgentRun, control: AttemptControl) -> RunContext:
+    control.fresh_steps = steps.fresh(run)
     return RunContext(run_id=run.pk, agent=run.agent, input=run.input, attempt=run.attempt,
                       state=run.checkpoint_state, scope=run.scope, control=control,
                       limit_key=run.limit_key)

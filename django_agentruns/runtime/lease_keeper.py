@@ -19,6 +19,7 @@ from django.db import close_old_connections
 from .. import transitions
 from ..db import close_all_connections
 from ..outcomes import Renewal, StopReason
+from . import steps
 from .running import Live, LiveAttempts
 
 logger = logging.getLogger("django_agentruns.worker")
@@ -72,6 +73,7 @@ class LeaseKeeper:
         due: list[Live] = []
         for lv in lives:
             control, ttl = lv.control, lv.control.ref.lease_ttl or 0.0
+            steps.flush_held(control, now)  # a long step's start, held until now
             if control.timed_out():
                 control.request_stop(StopReason.TIMEOUT)
                 if control.deadline is not None and now > control.deadline + ttl / 3:

@@ -9,6 +9,11 @@ result, the usage recorded inside it, and one `run.step` event. A worker that lo
 run records nothing, so the step's next execution is the new owner's, under the same
 idempotency key (`ctx.step_key`, e.g. "run-42/draft/1").
 
+A fresh run's first attempt has nothing to ask: its start is held (`_held`) and written
+by its end, one row, unless a write inside the step or the lease keeper writes it first.
+A crash while it is held re-executes the step with the same key, as after a recorded
+start; only an end, always awaited, makes a step done (docs/steps.md).
+
 An attempt resuming from a checkpoint does not call the steps before it again: the first
 call of each name counts the run's steps of that name started before the checkpoint
 (`transitions.steps`), so the occurrences go on where they were.
@@ -25,16 +30,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from django.db import connection
+from django.utils import timezone
+
 from .. import policy, transitions
-from ..conf import app_settings
+from ..conf import SETTING_NAME, app_settings
 from ..db import close_all_connections
-from ..exceptions import AttemptStopped, InvalidInputError, StepTimeout
-from ..models import step_key
+from ..exceptions import AttemptStopped, InvalidInputError, LimitExceeded, StepTimeout
+from ..models import AgentRun, step_key
 from ..ops import metrics, tracing
-from ..outcomes import StepStart
+from ..outcomes import Renewal, StepStart
 from ..registry import NAME_PATTERN, find_agent
 from ..validation import capped_json
 from .recording import classify_for
@@ -42,6 +51,9 @@ from .recording import classify_for
 if TYPE_CHECKING:
     from .context import RunContext
     from .control import AttemptControl
+
+START_HELD = 1.0
+"""Seconds a fresh run's step runs before the lease keeper writes its start (`_held`)."""
 
 
 @dataclass
@@ -54,6 +66,8 @@ class ActiveStep:
     input_tokens: int = 0
     output_tokens: int = 0
     cost: float = 0.0
+    checkpoint: int = 0
+    started_at: datetime = field(default_factory=timezone.now)
 
 
 _active: contextvars.ContextVar[ActiveStep | None] = contextvars.ContextVar(
@@ -80,15 +94,16 @@ def run_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any
     """`ctx.step`: the stored result, or `fn`'s, executed and stored."""
     control = _checked(ctx, name, fn, retries, timeout)
     start = _start_write(control, name)
-    started = _took(control, control.write(start), name)
+    started = _held(control, start) or _took(control, control.write(start), name)
     if started.done:
         return _replayed(ctx, started)
     failures = 0
     while True:
-        step = ActiveStep(name, started.occurrence, step_key(ctx.run_id, name, started.occurrence))
+        step = ActiveStep(name, started.occurrence, step_key(ctx.run_id, name, started.occurrence),
+                          checkpoint=start.checkpoint)
         began = time.monotonic()
         try:
-            with _executing(ctx, step):
+            with _executing(ctx, step, control):
                 result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
         except (AttemptStopped, asyncio.CancelledError):
             raise  # the attempt stops: the step stays started, the next attempt runs it
@@ -113,15 +128,17 @@ async def arun_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tu
     writes awaited through the attempt store; a timeout cancels the execution."""
     control = _checked(ctx, name, fn, retries, timeout)
     start = _start_write(control, name)
-    started = _took(control, await control.awrite(start), name)
+    started = _held(control, start, on_loop=True) or \
+        _took(control, await control.awrite(start), name)
     if started.done:
         return _replayed(ctx, started)
     failures = 0
     while True:
-        step = ActiveStep(name, started.occurrence, step_key(ctx.run_id, name, started.occurrence))
+        step = ActiveStep(name, started.occurrence, step_key(ctx.run_id, name, started.occurrence),
+                          checkpoint=start.checkpoint)
         began = time.monotonic()
         try:
-            with _executing(ctx, step):
+            with _executing(ctx, step, control):
                 result = _stored_form(name, await _acall(fn, args, kwargs, timeout, step))
         except (AttemptStopped, asyncio.CancelledError):
             raise
@@ -190,6 +207,49 @@ def _restart(start: transitions.StepStartWrite,
                                       start.max_steps)
 
 
+def _held(control: AttemptControl, start: transitions.StepStartWrite,
+          on_loop: bool = False) -> StepStart | None:
+    """The start of a fresh run's step, held by the attempt instead of written (None: it
+    must be written, and its answer awaited).
+
+    A fresh run (its first attempt, not a fork: `control.fresh_steps`) holds no step
+    records but this attempt's, so none of its steps can be done already, its occurrence
+    is this attempt's count, and its cap is checked here. The start is written with the
+    step's end (one row, done or failed), or ahead of the attempt's next write, or by the
+    lease keeper once the step has run `START_HELD` seconds; a crash before then leaves
+    no record, and the step is executed again with the same key, as one whose start was
+    recorded would be. `on_loop`: an async step's, where no transaction is open (and
+    Django's `connection` would be made anew for each task)."""
+    if not control.fresh_steps or control.store is None or \
+            (not on_loop and connection.in_atomic_block):
+        return None
+    occurrence = start.occurrence or 1
+    if sum(control.step_counts.values()) >= start.max_steps:
+        raise LimitExceeded(f"run {control.ref.run_id} holds {start.max_steps} steps, the "
+                            f"most {SETTING_NAME}['MAX_STEPS_PER_RUN'] allows; the step "
+                            f"{start.name!r} was not started")
+    write = transitions.StepStartWrite(start.ref, start.name, occurrence, start.checkpoint,
+                                       start.max_steps)
+    control.step_counts[start.name] = occurrence
+    control.pending_step = (write, time.monotonic())
+    return StepStart(Renewal.OK, occurrence)
+
+
+def fresh(run: AgentRun) -> bool:
+    """Whether `run` holds no step records yet: its first attempt, and not a fork given
+    its origin's. Asked of the claimed row (a field not loaded answers False)."""
+    return run.attempt == 1 and run.__dict__.get("steps_copied") is False
+
+
+def flush_held(control: AttemptControl, now: float) -> None:
+    """The lease keeper's pass: write the held start of a step running `START_HELD`
+    seconds, so the run's page shows it (and a step's start costs a row of its own only
+    when the step is long)."""
+    held = control.pending_step
+    if held is not None and now - held[1] >= START_HELD:
+        control.flush_step()
+
+
 def _took(control: AttemptControl, result: transitions.Result, name: str) -> StepStart:
     assert isinstance(result, StepStart), result
     control.apply(result.renewal)
@@ -210,7 +270,8 @@ def _end_write(control: AttemptControl, step: ActiveStep, began: float,
         error=described.replace("\x00", ""), input_tokens=step.input_tokens,
         output_tokens=step.output_tokens, cost=step.cost,
         duration_ms=int((time.monotonic() - began) * 1000),
-        max_events=int(app_settings.MAX_EVENTS_PER_RUN))
+        max_events=int(app_settings.MAX_EVENTS_PER_RUN), checkpoint=step.checkpoint,
+        started_at=step.started_at)
 
 
 def _replayed(ctx: RunContext, started: StepStart) -> Any:
@@ -222,13 +283,16 @@ def _replayed(ctx: RunContext, started: StepStart) -> Any:
 
 
 @contextmanager
-def _executing(ctx: RunContext, step: ActiveStep) -> Iterator[None]:
+def _executing(ctx: RunContext, step: ActiveStep, control: AttemptControl) -> Iterator[None]:
+    """The step's execution; after it, a start still held is the end's to write (or, for
+    an attempt stopping, nobody's: the next attempt executes the step again)."""
     token = _active.set(step)
     try:
         with tracing.step_span(ctx.agent, step.name, step.occurrence, step.key):
             yield
     finally:
         _active.reset(token)
+        control.take_step_start()
 
 
 def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -258,7 +258,7 @@ def insert_fork(
             scope=origin.scope, fired_seq=origin.fired_seq,
             input=origin.input if input is None else input, max_requeues=origin.max_requeues,
             status=Status.QUEUED, available_at=at, created_at=at, checkpoint_state=state,
-            checkpoint_count=n, forked_from=origin)
+            checkpoint_count=n, forked_from=origin, steps_copied=replay or bool(n))
         if n:
             table = connection.ops.quote_name(RunCheckpoint._meta.db_table)
             with connection.cursor() as cursor:  # copied in the database: no state loaded

@@ -4,7 +4,9 @@ A step's start renews the lease and answers whether the step is done already (th
 stored result is the answer, and the step is not executed); its end stores the result
 (or the error) with the usage recorded inside it and one `run.step` event. Both are
 fenced like an emit: a worker that lost the run records nothing, so a step it finished
-after losing the lease is executed again by the run's new owner, never half-recorded.
+after losing the lease is executed again by the run's new owner, never half-recorded. An
+end whose start was never written (a fresh run's step, `runtime.steps`) inserts the
+record whole.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class StepEndWrite:
     cost: float = 0.0
     duration_ms: int = 0
     max_events: int | None = None
+    checkpoint: int = 0
+    started_at: datetime | None = None
+    """For a step whose start was never written (see `close_steps`): its record's
+    checkpoint count and start time."""
 
 
 def start_step_in(write: StepStartWrite, at: datetime) -> StepStart:
@@ -115,7 +121,9 @@ _STEP_START = (("run_id", "bigint"), ("name", "varchar"), ("occurrence", "intege
 _STEP_END = (("run_id", "bigint"), ("name", "varchar"), ("occurrence", "integer"),
              ("attempt", "integer"), ("status", "varchar"), ("result", "jsonb"),
              ("error", "text"), ("input_tokens", "bigint"), ("output_tokens", "bigint"),
-             ("cost", "double precision"))
+             ("cost", "double precision"), ("checkpoint", "integer"),
+             ("started_at", "timestamptz"))
+_ENDED = ("status", "result", "error", "input_tokens", "output_tokens", "cost", "finished_at")
 
 
 def _insert_steps(rows: Sequence[tuple[Any, ...]], at: datetime) -> tuple[str, list[Any]]:
@@ -133,18 +141,27 @@ def _insert_steps(rows: Sequence[tuple[Any, ...]], at: datetime) -> tuple[str, l
 
 
 def close_steps(writes: Sequence[StepEndWrite], at: datetime) -> list[Event]:
-    """Store the ends of steps whose fence held, of distinct runs, in one UPDATE; the
-    `run.step` events of those recorded (a step this attempt did not open is not)."""
+    """Store the ends of steps whose fence held, of distinct runs, in one statement; the
+    `run.step` events of those recorded.
+
+    An end updates its step's record where this attempt opened it (status started), or,
+    for a step whose start was never written (`runtime.steps`: a fresh run's step that
+    ended before its start was flushed), inserts it whole: one row for the step's start
+    and end. A record of another attempt, or one already ended, is left as it is, and
+    that end is not recorded (no event)."""
     table = rawsql.qn(RunStep._meta.db_table)
     rows = [(w.ref.run_id, w.name, w.occurrence, w.ref.attempt, str(DONE if w.done else FAILED),
-             w.result if w.done else None, w.error, w.input_tokens, w.output_tokens, w.cost)
+             w.result if w.done else None, w.error, w.input_tokens, w.output_tokens, w.cost,
+             w.checkpoint, w.started_at or at)
             for w in writes]
-    sets = ", ".join(f"{c} = v.{c}" for c in ("status", "result", "error", "input_tokens",
-                                               "output_tokens", "cost"))
-    sql = (f"WITH v AS {rawsql.json_rows(_STEP_END)} UPDATE {table} SET {sets}, "
-           f"finished_at = %s FROM v WHERE {table}.run_id = v.run_id AND {table}.name = v.name "
-           f"AND {table}.occurrence = v.occurrence AND {table}.attempt = v.attempt "
-           f"AND {table}.status = %s RETURNING {table}.run_id")
+    sets = ", ".join(f"{c} = excluded.{c}" for c in _ENDED)
+    sql = (f"WITH v AS {rawsql.json_rows(_STEP_END)} INSERT INTO {table} (run_id, name, "
+           f"occurrence, attempt, checkpoint, started_at, {', '.join(_ENDED)}) "
+           f"SELECT v.run_id, v.name, v.occurrence, v.attempt, v.checkpoint, v.started_at, "
+           f"v.status, v.result, v.error, v.input_tokens, v.output_tokens, v.cost, %s "
+           f"FROM v WHERE true ON CONFLICT (run_id, name, occurrence) DO UPDATE SET {sets} "
+           f"WHERE {table}.attempt = excluded.attempt AND {table}.status = %s "
+           f"RETURNING run_id")
     with connection.cursor() as cursor:
         cursor.execute(sql, [rawsql.json_values(rows, [t for _, t in _STEP_END]),
                              rawsql.prep(RunEvent, "created_at", at), str(STARTED)])

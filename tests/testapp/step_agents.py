@@ -4,12 +4,18 @@ SideEffect (note: the step's key), so tests see how often a step really ran."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
 from django_agentruns import NotRetryable, Retryable, RunContext, agent
+from django_agentruns.runtime import steps
 
 from .models import SideEffect
+
+if os.environ.get("AGENTRUNS_TEST_START_HELD"):
+    # A worker subprocess of a test that kills it inside a step whose start is still held.
+    steps.START_HELD = float(os.environ["AGENTRUNS_TEST_START_HELD"])
 
 
 def executed(ctx: RunContext, step: int, note: str = "") -> None:
