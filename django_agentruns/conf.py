@@ -108,6 +108,10 @@ class Defaults:
     """Most runs of a limit key running at once across all workers, e.g. {"openai": 20}.
     `set_limit(key, n)` (or the admin) overrides a key at run time; keys in neither are
     unlimited."""
+    FAIR_WEIGHTS: dict[str, float] | None = None
+    """Weights of fairness groups (`fair_key`), e.g. {"tenant:big": 3}: within a queue, a
+    group with due runs gets starts in proportion to its weight; a group not listed weighs
+    1."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

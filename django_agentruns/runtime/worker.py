@@ -38,6 +38,7 @@ from ..outcomes import AttemptRef, Settlement, StopReason
 from ..queues import PausedSet
 from ..registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
 from ..streaming.transport import drain_sender
+from ..transitions.fair import FairClaim
 from ..transitions.limited import LimitedClaim
 from . import reaper, usage
 from .attempt_store import AttemptStore
@@ -112,6 +113,7 @@ class Worker:
         self._last_reap = 0.0
         self._last_lapsed_scan = 0.0
         self._limited = LimitedClaim(LAPSED_SCAN_INTERVAL)  # flow control
+        self._fair = FairClaim(LAPSED_SCAN_INTERVAL)  # fair shares, once a group exists
         self._agents = all_agents()
         # Claims take only runs of these: another worker's agent (a rolling deploy's new
         # one) is left queued for a worker that has it, not dead-lettered here.
@@ -243,7 +245,7 @@ class Worker:
         runs = limited + transitions.claim(
             self.worker_id, queues, batch - len(limited), self._scopes,
             self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed,
-            agents=self._known)
+            agents=self._known, fair=self._fair.weights())
         if include_lapsed and len(limited) < batch:  # else the claim did not look
             self._last_lapsed_scan = now
         for run in runs:

@@ -1,0 +1,40 @@
+# Fair shares (issue 28): a run's fairness group, each group's virtual time, and the
+# index the fair claim reads each group's due runs through.
+
+from django.db import migrations, models
+
+
+class Migration(migrations.Migration):
+
+    dependencies = [
+        ('django_agentruns', '0015_graph_checkpoints'),
+    ]
+
+    operations = [
+        migrations.CreateModel(
+            name='FairGroup',
+            fields=[
+                ('id', models.BigAutoField(primary_key=True, serialize=False)),
+                ('queue', models.CharField(max_length=100)),
+                ('key', models.CharField(blank=True, max_length=200)),
+                ('vtime', models.FloatField(default=0.0)),
+            ],
+            options={
+                'verbose_name': 'fairness group',
+                'verbose_name_plural': 'fairness groups',
+            },
+        ),
+        migrations.AddField(
+            model_name='agentrun',
+            name='fair_key',
+            field=models.CharField(blank=True, default='', max_length=200),
+        ),
+        migrations.AddIndex(
+            model_name='agentrun',
+            index=models.Index(condition=models.Q(('status', 'queued')), fields=['queue', 'fair_key', '-priority', 'available_at', 'fired_seq', 'id'], name='agentruns_fair_due'),
+        ),
+        migrations.AddConstraint(
+            model_name='fairgroup',
+            constraint=models.UniqueConstraint(fields=('queue', 'key'), name='agentruns_fair_group'),
+        ),
+    ]
