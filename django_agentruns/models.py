@@ -132,6 +132,9 @@ class AgentRun(models.Model):
             models.Index(fields=("limit_key", "-priority", "available_at", "fired_seq", "id"),
                          condition=Q(status="queued") & ~Q(limit_key=""),
                          name="agentruns_key_due"),
+            # Failover at the claim: queued runs with a list, of a key without room.
+            models.Index(fields=("limit_key",), name="agentruns_key_failover",
+                         condition=Q(status="queued", limit_keys__isnull=False)),
             # Fair shares: each group's due runs in claim order (transitions.fair).
             models.Index(fields=("queue", "fair_key", "-priority", "available_at", "fired_seq",
                                  "id"), condition=Q(status="queued"), name="agentruns_fair_due"),

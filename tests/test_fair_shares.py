@@ -12,7 +12,14 @@ from django.db import connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_agentruns import InvalidInputError, checks, enqueue, enqueue_many, transitions
+from django_agentruns import (
+    InvalidInputError,
+    checks,
+    enqueue,
+    enqueue_many,
+    set_limit,
+    transitions,
+)
 from django_agentruns.fairness import fair_weights
 from django_agentruns.models import AgentRun, FairGroup, Status
 from django_agentruns.transitions.fair import FairClaim
@@ -156,3 +163,33 @@ def test_a_worker_starts_a_late_tenants_runs_early_behind_a_flood(
     starts = list(AgentRun.objects.filter(started_at__gt=committed)
                   .order_by("started_at", "id").values_list("fair_key", flat=True)[:24])
     assert starts.count("B") == 10, starts
+
+
+def test_runs_of_a_limited_key_are_taken_fairly_too() -> None:
+    set_limit("prov", 100)
+    flood("A", 40, limit_key="prov")
+    flood("B", 4, limit_key="prov")
+    first = transitions.claim_limited("w", ["default"], 8, SCOPES, {}, 60.0, fair=())
+    assert Counter(r.fair_key for r in first) == {"A": 4, "B": 4}
+    again = transitions.claim_limited("w", ["default"], 8, SCOPES, {}, 60.0, fair=None)
+    assert Counter(r.fair_key for r in again) == {"A": 8}  # without: oldest first
+
+
+def test_enqueue_many_debounces_and_supersedes_as_enqueue_does() -> None:
+    first, plain = enqueue_many([
+        {"agent": "tests.keyed", "input": {"m": 1}, "dedupe_key": "chat", "debounce": 30},
+        {"agent": "tests.noop"}])
+    second, third = enqueue_many([
+        {"agent": "tests.keyed", "input": {"m": 2}, "dedupe_key": "chat", "debounce": 30},
+        {"agent": "tests.keyed", "input": {"m": 3}, "dedupe_key": "chat", "debounce": 30}])
+    assert second.pk == third.pk == first.pk
+    assert third.debounced
+    assert AgentRun.objects.get(pk=first.pk).input == {"m": 3}  # the last request wins
+    (new,) = enqueue_many([{"agent": "tests.keyed", "input": {"m": 4}, "dedupe_key": "chat",
+                            "supersede": True}])
+    assert new.pk != first.pk
+    assert AgentRun.objects.get(pk=first.pk).status == Status.CANCELLED
+    with pytest.raises(InvalidInputError, match="dedupe_key"):
+        enqueue_many([{"agent": "tests.noop"}, {"agent": "tests.noop", "debounce": 5}])
+    assert AgentRun.objects.count() == 3  # the refused call wrote nothing
+    assert plain.pk != first.pk

@@ -1,5 +1,6 @@
 # Fair shares (issue 28): a run's fairness group, each group's virtual time, and the
-# index the fair claim reads each group's due runs through.
+# index the fair claim reads each group's due runs through; the index of failover at the
+# claim (queued runs with a list of keys).
 
 from django.db import migrations, models
 
@@ -28,6 +29,10 @@ class Migration(migrations.Migration):
             model_name='agentrun',
             name='fair_key',
             field=models.CharField(blank=True, default='', max_length=200),
+        ),
+        migrations.AddIndex(
+            model_name='agentrun',
+            index=models.Index(condition=models.Q(('limit_keys__isnull', False), ('status', 'queued')), fields=['limit_key'], name='agentruns_key_failover'),
         ),
         migrations.AddIndex(
             model_name='agentrun',

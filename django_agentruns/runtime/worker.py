@@ -240,12 +240,13 @@ class Worker:
         include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
         batch = min(free, int(app_settings.CLAIM_BATCH))
         # Flow control: runs of keys with a limits row first, never past their limit.
+        fair = self._fair.weights()
         limited = self._limited.claim(self.worker_id, queues, batch, self._scopes, self._ttls,
-                                      float(app_settings.LEASE_TTL), self._known)
+                                      float(app_settings.LEASE_TTL), self._known, fair)
         runs = limited + transitions.claim(
             self.worker_id, queues, batch - len(limited), self._scopes,
             self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed,
-            agents=self._known, fair=self._fair.weights())
+            agents=self._known, fair=fair)
         if include_lapsed and len(limited) < batch:  # else the claim did not look
             self._last_lapsed_scan = now
         for run in runs:

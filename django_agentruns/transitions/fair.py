@@ -67,7 +67,9 @@ def compile_fair(due: QuerySet[AgentRun], vendor: str, queues: Sequence[str], li
             .values("id", "priority", "available_at", "fired_seq")[:limit], naive=naive)
         stride, stride_params = _stride(f"fg.{key}", weights)
         # Queues without a "" row (no fair run was ever enqueued there) still get theirs.
-        head = (f"SELECT {picks} FROM {table} r JOIN (SELECT c.id, c.vt FROM ("
+        # Materialized: the few candidates first, then their rows by id (never the other
+        # way round, whatever the planner guesses of the backlog).
+        head = (f"WITH f AS MATERIALIZED (SELECT c.id, c.vt FROM ("
                 f"SELECT g.queue, g.{key}, g.vtime FROM {groups} g WHERE g.queue IN "
                 f"({', '.join(['%s'] * len(queues))}) UNION ALL SELECT q.queue, '', "
                 f"COALESCE((SELECT MIN(m.vtime) FROM {groups} m WHERE m.queue = q.queue), 0) "
@@ -77,7 +79,11 @@ def compile_fair(due: QuerySet[AgentRun], vendor: str, queues: Sequence[str], li
                 f"ROW_NUMBER() OVER (PARTITION BY d.priority ORDER BY d.available_at, "
                 f"d.fired_seq, d.id) * {stride} AS vt FROM (")
         head_params = [*queues, *queues, *stride_params]
-        tail = f") d) c) f ON f.id = r.id WHERE r.status = %s {order} FOR UPDATE OF r SKIP LOCKED"
+        # No status filter here, which would lead the planner to the backlog's index: a run
+        # started since the snapshot is locked and returned, and the claim's UPDATE, whose
+        # guard is its status, leaves it.
+        tail = (f") d) c) SELECT {picks} FROM f JOIN {table} r ON r.id = f.id "
+                f"{order} FOR UPDATE OF r SKIP LOCKED")
     else:
         inner = rawsql.Compiled(due.values("id", "queue", "fair_key", "priority", "available_at",
                                            "fired_seq"), naive=naive)
@@ -89,8 +95,8 @@ def compile_fair(due: QuerySet[AgentRun], vendor: str, queues: Sequence[str], li
         head_params = stride_params
         tail = (f") d LEFT JOIN {groups} g ON g.queue = d.queue AND g.{key} = d.fair_key) f "
                 f"ON f.id = r.id WHERE r.status = %s {order}")
-    return _Statement(head + inner.sql + tail,
-                      [*head_params, *inner.params, Status.QUEUED, limit],
+    status = [] if vendor == "postgresql" else [Status.QUEUED]
+    return _Statement(head + inner.sql + tail, [*head_params, *inner.params, *status, limit],
                       [len(head_params) + i for i in inner.now_at])
 
 
