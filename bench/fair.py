@@ -134,9 +134,11 @@ VARIANTS = ("main", "no fair key", "all fair")
 
 
 def run_fair(reps: int, admin: Admin, logs: Path) -> str:
-    late = [late_tenant(admin, logs) for _ in range(reps)]
+    """Every part; BENCH_FAIR_DRAIN_ONLY=1: only the no-op cost rows."""
+    only_drain = os.environ.get("BENCH_FAIR_DRAIN_ONLY") == "1"
+    late = [] if only_drain else [late_tenant(admin, logs) for _ in range(reps)]
     log(f"bench.fair: late tenant's last start at {late}")
-    ratio = [weights(admin, logs) for _ in range(reps)]
+    ratio = [] if only_drain else [weights(admin, logs) for _ in range(reps)]
     log(f"bench.fair: weights 3:1 split {ratio}")
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for rep in range(reps):
@@ -147,11 +149,13 @@ def run_fair(reps: int, admin: Admin, logs: Path) -> str:
     lines = [
         "## Fair shares (ours, PostgreSQL; `python -m bench --only fair`)", "",
         "| measure | medians (each repetition) | target |", "|---|---|---|",
-        f"| B's 10 runs enqueued behind A's 10,000: B's last start among the starts after "
-        f"its commit | {statistics.median(late):.0f} ({', '.join(map(str, late))}) | <= 24 |",
-        f"| weights 3:1, first 4,000 starts: A/B | {statistics.median(ratio):.3f} "
-        f"({', '.join(f'{r:.3f}' for r in ratio)}) | 2.85-3.15 |",
     ]
+    if late and ratio:
+        lines += [
+            f"| B's 10 runs enqueued behind A's 10,000: B's last start among the starts after "
+            f"its commit | {statistics.median(late):.0f} ({', '.join(map(str, late))}) | <= 24 |",
+            f"| weights 3:1, first 4,000 starts: A/B | {statistics.median(ratio):.3f} "
+            f"({', '.join(f'{r:.3f}' for r in ratio)}) | 2.85-3.15 |"]
     targets = {"main": "-", "no fair key": ">= -3 %", "all fair": ">= -10 %"}
     for variant in VARIANTS:
         median = statistics.median(rates[variant])
