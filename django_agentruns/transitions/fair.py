@@ -23,9 +23,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Case, F, FloatField, Min, Q, QuerySet, Subquery, Value, When
+from django.db.models import QuerySet
 from django.db.models.expressions import RawSQL
-from django.db.models.functions import Coalesce
 
 from ..db import retry_on_lock
 from ..fairness import fair_weights
@@ -35,7 +34,7 @@ from . import rawsql
 Weights = tuple[tuple[str, float], ...]
 # Candidates per group, as a multiple of the claim's size: concurrent claimers lock some
 # of a group's first runs (SKIP LOCKED), and the claim takes the next ones instead.
-SLACK = 4
+SLACK = 2
 
 
 class _Statement(rawsql.Compiled):
@@ -63,7 +62,6 @@ def compile_fair(due: QuerySet[AgentRun], vendor: str, queues: Sequence[str], li
     table, groups = rawsql.qn(AgentRun._meta.db_table), rawsql.qn(FairGroup._meta.db_table)
     key = rawsql.qn("key")
     picks = "r.id, r.started_at" if ids_only else "r.*"
-    order = "ORDER BY r.priority DESC, f.vt, r.available_at, r.fired_seq, r.id LIMIT %s"
     if vendor == "postgresql":
         inner = rawsql.Compiled(
             due.filter(queue=RawSQL("fg.queue", ()), fair_key=RawSQL(f"fg.{key}", ()))
@@ -72,21 +70,26 @@ def compile_fair(due: QuerySet[AgentRun], vendor: str, queues: Sequence[str], li
         # Queues without a "" row (no fair run was ever enqueued there) still get theirs.
         # Materialized: the few candidates first, then their rows by id (never the other
         # way round, whatever the planner guesses of the backlog).
-        head = (f"WITH f AS MATERIALIZED (SELECT c.id, c.vt FROM ("
+        head = (f"WITH f AS MATERIALIZED (SELECT c.* FROM ("
                 f"SELECT g.queue, g.{key}, g.vtime FROM {groups} g WHERE g.queue IN "
                 f"({', '.join(['%s'] * len(queues))}) UNION ALL SELECT q.queue, '', "
                 f"COALESCE((SELECT MIN(m.vtime) FROM {groups} m WHERE m.queue = q.queue), 0) "
                 f"FROM (VALUES {rawsql.values_rows(len(queues), 'varchar')}) AS q(queue) "
                 f"WHERE NOT EXISTS (SELECT 1 FROM {groups} e WHERE e.queue = q.queue "
-                f"AND e.{key} = '')) fg CROSS JOIN LATERAL (SELECT d.id, fg.vtime + "
+                f"AND e.{key} = '')) fg CROSS JOIN LATERAL (SELECT d.*, fg.vtime + "
                 f"ROW_NUMBER() OVER (PARTITION BY d.priority ORDER BY d.available_at, "
                 f"d.fired_seq, d.id) * {stride} AS vt FROM (")
         head_params = [*queues, *queues, *stride_params]
         # No status filter here, which would lead the planner to the backlog's index: a run
         # started since the snapshot is locked and returned, and the claim's UPDATE, whose
         # guard is its status, leaves it.
-        tail = (f") d) c) SELECT {picks} FROM f JOIN {table} r ON r.id = f.id "
-                f"{order} FOR UPDATE OF r SKIP LOCKED")
+        # The best candidates in order (`o`), then their rows read by id (never a join the
+        # planner might turn into a scan of the table), locked in that order up to the limit.
+        tail = (f") d) c), o AS MATERIALIZED (SELECT f.id, ROW_NUMBER() OVER (ORDER BY "
+                f"f.priority DESC, f.vt, f.available_at, f.fired_seq, f.id) AS pos FROM f) "
+                f"SELECT {picks} FROM {table} r WHERE r.id = ANY(ARRAY(SELECT o.id FROM o "
+                f"WHERE o.pos <= %s)) ORDER BY (SELECT o.pos FROM o WHERE o.id = r.id) "
+                f"LIMIT %s FOR UPDATE OF r SKIP LOCKED")
     else:
         inner = rawsql.Compiled(due.values("id", "queue", "fair_key", "priority", "available_at",
                                            "fired_seq"), naive=naive)
@@ -97,9 +100,10 @@ def compile_fair(due: QuerySet[AgentRun], vendor: str, queues: Sequence[str], li
                 f"d.available_at, d.fired_seq, d.id) * {stride} AS vt FROM (")
         head_params = stride_params
         tail = (f") d LEFT JOIN {groups} g ON g.queue = d.queue AND g.{key} = d.fair_key) f "
-                f"ON f.id = r.id WHERE r.status = %s {order}")
-    status = [] if vendor == "postgresql" else [Status.QUEUED]
-    return _Statement(head + inner.sql + tail, [*head_params, *inner.params, *status, limit],
+                f"ON f.id = r.id WHERE r.status = %s ORDER BY r.priority DESC, f.vt, "
+                f"r.available_at, r.fired_seq, r.id LIMIT %s")
+    tail_params = [limit * SLACK, limit] if vendor == "postgresql" else [Status.QUEUED, limit]
+    return _Statement(head + inner.sql + tail, [*head_params, *inner.params, *tail_params],
                       [len(head_params) + i for i in inner.now_at])
 
 
@@ -124,17 +128,20 @@ def advance(started: Iterable[AgentRun], weights: Weights) -> None:
 
 
 def _advance(counts: dict[str, Counter[str]], weight: dict[str, float]) -> None:
-    for queue, groups in counts.items():
-        keys = sorted(groups)
-        step = Case(*[When(key=k, then=Value(n / weight.get(k, 1.0)))
-                      for k, n in groups.items()], default=Value(0.0), output_field=FloatField())
-        lowest = Coalesce(Subquery(
-            FairGroup.objects.filter(queue=queue, key__in=keys)
-            .values("queue").annotate(m=Min("vtime")).values("m")[:1]),
-            F("vtime"), output_field=FloatField())
-        FairGroup.objects.filter(Q(key__in=keys) | Q(vtime__lt=lowest), queue=queue).update(
-            vtime=Case(When(key__in=keys, then=F("vtime") + step), default=lowest,
-                       output_field=FloatField()))
+    groups_table, key = rawsql.qn(FairGroup._meta.db_table), rawsql.qn("key")
+    with connection.cursor() as cursor:
+        for queue, groups in counts.items():
+            keys = sorted(groups)
+            marks = ", ".join(["%s"] * len(keys))
+            steps = " ".join(["WHEN %s THEN g.vtime + %s"] * len(keys))
+            sql = (f"WITH low AS (SELECT MIN(vtime) AS m FROM {groups_table} WHERE queue = %s "
+                   f"AND {key} IN ({marks})) UPDATE {groups_table} AS g SET vtime = CASE "
+                   f"g.{key} {steps} ELSE low.m END FROM low WHERE g.queue = %s "
+                   f"AND (g.{key} IN ({marks}) OR g.vtime < low.m)")
+            params: list[Any] = [queue, *keys]
+            for k in keys:
+                params += [k, groups[k] / weight.get(k, 1.0)]
+            cursor.execute(sql, [*params, queue, *keys])
 
 
 def join_groups(pairs: Iterable[tuple[str, str]]) -> None:
