@@ -17,7 +17,7 @@ from ..signals import send_after_commit
 from . import rawsql
 from .due import claim_row, compiled_due, recheck_order
 from .events import STARTED, append_events, lifecycle, now
-from .fair import Weights, advance
+from .fair import Weights, advance, advance_ctes
 from .settling import abandon_locked
 from .windows import carry_entries
 
@@ -62,8 +62,6 @@ def claim(
         # One statement, committed on its own: lock, start, and the start events.
         claimed = _claim_due_returning(worker_id, queues, limit, scopes, lease_ttls,
                                        default_ttl, at, agents, fair)
-        if fair is not None and claimed:
-            advance(claimed, fair)  # on its own: a start it misses only skews fairness
         _announce_started(claimed, worker_id)
         return claimed
     with transaction.atomic():
@@ -76,7 +74,7 @@ def claim(
                           fair)
             if fast and scopes.ordered:
                 started = _release_held(started, scopes, worker_id)
-            if fair is not None and started:
+            if fair is not None and started and not fast:  # PostgreSQL: in the claim
                 advance(started, fair)
         else:
             started = []
@@ -126,7 +124,8 @@ def _claim_due_returning(
     special = {agent: at + timedelta(seconds=ttl) for agent, ttl in lease_ttls.items()
                if ttl != default_ttl}
     sql, params = rawsql.claim_returning(due, at, worker_id, Status.RUNNING, Status.QUEUED,
-                                         special, at + timedelta(seconds=default_ttl), STARTED)
+                                         special, at + timedelta(seconds=default_ttl), STARTED,
+                                         None if fair is None else advance_ctes(fair))
     with rawsql.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
         cursor.execute(sql, params)
         claimed = rawsql.runs_from(cursor)

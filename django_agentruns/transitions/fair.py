@@ -107,6 +107,23 @@ def compile_fair(due: QuerySet[AgentRun], vendor: str, queues: Sequence[str], li
                       [len(head_params) + i for i in inner.now_at])
 
 
+def advance_ctes(weights: Weights) -> tuple[str, list[Any]]:
+    """`advance` as CTEs of the claim's own statement (PostgreSQL, rawsql.claim_returning),
+    reading its `claimed` rows: no statement, no commit of its own."""
+    groups, key = rawsql.qn(FairGroup._meta.db_table), rawsql.qn("key")
+    stride, params = _stride(f"g.{key}", weights)
+    sql = (f"fair_n AS (SELECT queue, fair_key, COUNT(*) AS n FROM claimed "
+           f"GROUP BY queue, fair_key), "
+           f"fair_low AS (SELECT g.queue, MIN(g.vtime) AS m FROM {groups} g JOIN fair_n c "
+           f"ON g.queue = c.queue AND g.{key} = c.fair_key GROUP BY g.queue), "
+           f"fair_advanced AS (UPDATE {groups} AS g SET vtime = COALESCE(g.vtime + (SELECT "
+           f"c.n FROM fair_n c WHERE c.queue = g.queue AND c.fair_key = g.{key}) * {stride}, "
+           f"fair_low.m) FROM fair_low WHERE g.queue = fair_low.queue AND (g.vtime < fair_low.m "
+           f"OR EXISTS (SELECT 1 FROM fair_n c WHERE c.queue = g.queue "
+           f"AND c.fair_key = g.{key})))")
+    return sql, params
+
+
 @retry_on_lock()
 def advance(started: Iterable[AgentRun], weights: Weights) -> None:
     """Advance the groups of the `started` runs by 1/weight per start; lift the queue's
