@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import connection
 from django.db.models import QuerySet
 from django.db.models.expressions import RawSQL
 
@@ -129,19 +129,12 @@ def advance(started: Iterable[AgentRun], weights: Weights) -> None:
     """Advance the groups of the `started` runs by 1/weight per start; lift the queue's
     other groups below the lowest time those had before (they had no due run) to it: a
     group that comes back is at most one claim ahead of the busy ones, never owed a
-    backlog. One UPDATE per queue."""
+    backlog. One UPDATE per queue, in the caller's transaction (the claim's; the one-
+    statement claim on PostgreSQL has it as CTEs instead: `advance_ctes`)."""
     counts: dict[str, Counter[str]] = {}
     for run in started:
         counts.setdefault(run.queue, Counter())[run.fair_key] += 1
-    if connection.vendor == "postgresql" and not connection.in_atomic_block:
-        # On its own after a one-statement claim: a commit that need not wait for the disk
-        # (a crash loses at most a few starts' advance, which only skews fairness a little).
-        with transaction.atomic():
-            with connection.cursor() as cursor:
-                cursor.execute("SET LOCAL synchronous_commit TO OFF")
-            _advance(counts, dict(weights))
-    else:
-        _advance(counts, dict(weights))
+    _advance(counts, dict(weights))
 
 
 def _advance(counts: dict[str, Counter[str]], weight: dict[str, float]) -> None:
