@@ -134,18 +134,20 @@ VARIANTS = ("main", "no fair key", "all fair")
 
 
 def run_fair(reps: int, admin: Admin, logs: Path) -> str:
-    """Every part; BENCH_FAIR_DRAIN_ONLY=1: only the no-op cost rows."""
+    """Every part; BENCH_FAIR_DRAIN_ONLY=1: only the no-op cost rows;
+    BENCH_FAIR_TARGETS_ONLY=1: all but them."""
     only_drain = os.environ.get("BENCH_FAIR_DRAIN_ONLY") == "1"
     late = [] if only_drain else [late_tenant(admin, logs) for _ in range(reps)]
     log(f"bench.fair: late tenant's last start at {late}")
     ratio = [] if only_drain else [weights(admin, logs) for _ in range(reps)]
     log(f"bench.fair: weights 3:1 split {ratio}")
     rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for rep in range(reps):
+    targets_only = os.environ.get("BENCH_FAIR_TARGETS_ONLY") == "1"  # no cost rows
+    for rep in range(0 if targets_only else reps):
         for variant in VARIANTS[rep % 3:] + VARIANTS[:rep % 3]:  # interleaved, rotated
             rates[variant].append(drain_rate(admin, logs, variant))
             log(f"bench.fair: {variant} {rates[variant][-1]:.0f} runs/s")
-    base = statistics.median(rates["main"])
+    base = statistics.median(rates["main"]) if rates["main"] else 0.0
     lines = [
         "## Fair shares (ours, PostgreSQL; `python -m bench --only fair`)", "",
         "| measure | medians (each repetition) | target |", "|---|---|---|",
@@ -157,7 +159,7 @@ def run_fair(reps: int, admin: Admin, logs: Path) -> str:
             f"| weights 3:1, first 4,000 starts: A/B | {statistics.median(ratio):.3f} "
             f"({', '.join(f'{r:.3f}' for r in ratio)}) | 2.85-3.15 |"]
     targets = {"main": "-", "no fair key": ">= -3 %", "all fair": ">= -10 %"}
-    for variant in VARIANTS:
+    for variant in VARIANTS if base else ():
         median = statistics.median(rates[variant])
         lines.append(f"| no-op drain {DRAIN:,} runs, 1 worker c=8, {variant} (runs/s) | "
                      f"{median:,.0f} ({', '.join(f'{r:,.0f}' for r in rates[variant])}); "
