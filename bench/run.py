@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from bench import llm
+from bench import fair, llm
 from bench.engines import ENGINES, OURS, OURS_POOL, PEERS, Engine
 from bench.harness import (
     RUN_DB,
@@ -497,9 +497,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run of about 2 minutes")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 quick)")
     parser.add_argument("--no-sqlite", action="store_true", help="skip the SQLite extra rows")
-    parser.add_argument("--only", choices=["llm"], default=None,
+    parser.add_argument("--only", choices=["llm", "fair"], default=None,
                         help="only the LLM-shaped rows (bench/llm.py): their section of the "
-                             "output is replaced, the rest kept")
+                             "output is replaced, the rest kept; or only fair shares "
+                             "(bench/fair.py), printed and written to bench/fair_results.md")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
@@ -528,6 +529,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if plan.sqlite:
                 sqlite_template = logs / "template.sqlite3"
                 migrate(f"sqlite:///{sqlite_template}")
+            if args.only == "fair":
+                text = fair.run_fair(plan.reps, admin, logs)
+                (args.output.parent / "fair_results.md").write_text(text + "\n")
+                print(text)
+                return 0
             for rep in range(plan.reps):
                 if args.only == "llm":
                     llm.run_llm(rep, plan, admin, results, logs, started)

@@ -56,7 +56,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 # Ours: poll once a second when idle (PostgreSQL workers are woken by NOTIFY anyway).
 AGENTRUNS = {"POLL_INTERVAL": 1.0,
              "PREPARED_STATEMENTS": env.bool("BENCH_PREPARED", default=True),
-             "LISTEN_DATABASE": "listen" if "listen" in DATABASES else None}
+             "LISTEN_DATABASE": "listen" if "listen" in DATABASES else None,
+             # bench/fair.py: weights of the fairness groups of its runs (JSON)
+             "FAIR_WEIGHTS": env.json("BENCH_FAIR_WEIGHTS", default={})}
 
 # django-tasks-db: the database backend of Django's task framework.
 TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}

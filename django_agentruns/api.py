@@ -9,10 +9,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.db import transaction
 from django.utils import timezone
 
 from . import signals, transitions
 from .exceptions import InvalidInputError, RunNotFoundError
+from .fairness import FairKey, resolve_fair_key
 from .limits import LimitKey, check_budget, check_limit_key, resolve_limit_key
 from .models import AgentRun
 from .registry import QUEUE_RULE, get_agent, is_queue_name
@@ -45,6 +47,9 @@ class RunRequest:
     fired_seq: int = 0
     dedupe_key: str | None = None
     limit_key: str | list[str] | None = None
+    fair_key: str | None = None
+    debounce: float | None = None
+    supersede: bool = False
 
 
 MAX_DEBOUNCE = 86400 * 365  # a year: a debounce is a pause, not a schedule
@@ -63,13 +68,15 @@ def enqueue(
     limit_key: str | list[str] | None = None,
     debounce: float | None = None,
     supersede: bool = False,
+    fair_key: str | None = None,
 ) -> AgentRun:
     """Queue a run of `agent`, in the caller's transaction: roll back and it never existed.
 
     `run_after` is a datetime, a timedelta or seconds from now. With `dedupe_key`, an
     unfinished (queued or running) run of the agent with that key is returned instead of
     a new one, its `deduplicated` True; race-free across processes. `limit_key` overrides
-    the agent's (see django_agentruns.limits). With `dedupe_key`: `debounce=seconds` makes a
+    the agent's (see django_agentruns.limits), `fair_key` its fairness group (see
+    django_agentruns.fairness). With `dedupe_key`: `debounce=seconds` makes a
     queued run holding the key take this input and start `seconds` from now instead (its
     `debounced` True; a new run starts then too, and gives up the key as it starts);
     `supersede=True` cancels the unfinished run holding the key ("superseded by run N")
@@ -80,7 +87,7 @@ def enqueue(
     """
     at = timezone.now()
     request = RunRequest(agent, input, scope, queue, priority, run_after, fired_seq, dedupe_key,
-                         limit_key)
+                         limit_key, fair_key)
     new = build_new_run(request, at, {})
     if debounce is None and supersede is False:
         (run,) = transitions.insert_runs([new], at)
@@ -114,14 +121,32 @@ def _enqueue_on_holder(new: transitions.NewRun, at: datetime, debounce: Any, sup
 
 
 def enqueue_many(requests: Iterable[RunRequest | Mapping[str, Any]]) -> list[AgentRun]:
-    """Queue many runs in one statement: all or none are written, in any transaction."""
+    """Queue many runs in one statement: all or none are written, in any transaction.
+
+    A request with `debounce` or `supersede` acts on the run holding its dedupe key as
+    `enqueue` does, after the plain ones and in request order (so of two requests with one
+    key, the later one's input wins); with any, the call is one transaction."""
     at = timezone.now()
     agents: dict[str, _AgentPolicy] = {}
-    new = [build_new_run(r if isinstance(r, RunRequest) else _request(r), at, agents)
-           for r in requests]
+    asked = [r if isinstance(r, RunRequest) else _request(r) for r in requests]
+    new = [build_new_run(r, at, agents) for r in asked]
     if not new:
         return []
-    created = transitions.insert_runs(new, at)
+    on_holder = [i for i, r in enumerate(asked)
+                 if r.debounce is not None or r.supersede is not False]
+    if not on_holder:
+        created = transitions.insert_runs(new, at)
+    else:
+        runs: list[AgentRun | None] = [None] * len(new)
+        plain = [i for i in range(len(new)) if i not in set(on_holder)]
+        with transaction.atomic():
+            for i, run in zip(plain, transitions.insert_runs([new[i] for i in plain], at)
+                              if plain else [], strict=True):
+                runs[i] = run
+            for i in on_holder:
+                runs[i] = _enqueue_on_holder(new[i], at, asked[i].debounce, asked[i].supersede,
+                                             asked[i].run_after)
+        created = [r for r in runs if r is not None]
     _announce(created)
     return created
 
@@ -159,6 +184,7 @@ class _AgentPolicy:
     max_requeues: int
     limit_key: LimitKey = None
     version: int = 1
+    fair_key: FairKey = None
 
 
 def _policy(name: Any, agents: dict[str, _AgentPolicy]) -> _AgentPolicy:
@@ -167,7 +193,7 @@ def _policy(name: Any, agents: dict[str, _AgentPolicy]) -> _AgentPolicy:
         spec = get_agent(name)
         known = agents[spec.name] = _AgentPolicy(spec.name, spec.effective_queue(),
                                                  spec.priority, spec.effective_max_requeues(),
-                                                 spec.limit_key, spec.version)
+                                                 spec.limit_key, spec.version, spec.fair_key)
     return known
 
 
@@ -199,7 +225,9 @@ def build_new_run(request: RunRequest, at: datetime,
                   max_requeues=agent.max_requeues,
                   available_at=_due_time(request.run_after, at), dedupe_key=key,
                   limit_keys=resolve_limit_key(agent.name, agent.limit_key, request.limit_key,
-                                               payload), agent_version=agent.version)
+                                               payload), agent_version=agent.version,
+                  fair_key=resolve_fair_key(agent.name, agent.fair_key, request.fair_key,
+                                            payload))
 
 
 def _check_str(value: Any, name: str, limit: int, *, allow_empty: bool) -> str:

@@ -11,6 +11,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import SETTING_NAME, AppSettings, Defaults
+from .fairness import weight_problem
 from .pricing import problem as price_problem
 from .registry import QUEUE_RULE, is_queue_name
 from .sqlite import SQLITE_OPTIONS
@@ -27,6 +28,7 @@ E009_NOT_A_FLAG = "agentruns.E009"
 E011_BAD_LIMITS = "agentruns.E011"
 E015_BAD_STREAM_ACCESS = "agentruns.E015"
 E016_BAD_MODEL_PRICES = "agentruns.E016"
+E017_BAD_FAIR_WEIGHTS = "agentruns.E017"
 W001_SQLITE_DEFERRED = "agentruns.W001"
 W002_SQLITE_NOT_WAL = "agentruns.W002"
 W003_SHORT_LEASE = "agentruns.W003"
@@ -144,6 +146,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                                  "environment.", id=E007_BAD_METRICS_TOKEN))
     errors += _limits_errors(raw.get("LIMITS"))
     errors += _prices_errors(raw.get("MODEL_PRICES"))
+    errors += _fair_weights_errors(raw.get("FAIR_WEIGHTS"))
     base, cap = raw.get("BACKOFF_BASE", Defaults.BACKOFF_BASE), raw.get(
         "BACKOFF_CAP", Defaults.BACKOFF_CAP)
     # Compared only when both are valid numbers: a bad one already has its E003.
@@ -184,6 +187,18 @@ def _prices_errors(prices: Any) -> list[CheckMessage]:
     return [Error(f"{SETTING_NAME}['MODEL_PRICES'][{key!r:.60}]: {problem}.", hint=hint,
                   id=E016_BAD_MODEL_PRICES)
             for key, value in prices.items() if (problem := price_problem(key, value))]
+def _fair_weights_errors(weights: Any) -> list[CheckMessage]:
+    """FAIR_WEIGHTS: a dict of fairness group -> weight (a number above 0)."""
+    if weights is None:
+        return []
+    hint = 'FAIR_WEIGHTS = {"tenant:big": 3}: groups as in @agent(fair_key=...), default 1.'
+    if not isinstance(weights, dict):
+        return [Error(f"{SETTING_NAME}['FAIR_WEIGHTS'] must be a dict, not "
+                      f"{type(weights).__name__}.", hint=hint, id=E017_BAD_FAIR_WEIGHTS)]
+    return [Error(f"{SETTING_NAME}['FAIR_WEIGHTS'][{key!r:.80}]: {problem}, not {value!r:.40}.",
+                  hint=hint, id=E017_BAD_FAIR_WEIGHTS)
+            for key, value in weights.items()
+            if (problem := weight_problem(key, value)) is not None]
 
 
 def _number_problem(key: str, value: Any) -> str | None:

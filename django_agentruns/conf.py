@@ -119,6 +119,10 @@ class Defaults:
     """Prices per million tokens by model, e.g. {"gpt-4o-mini": {"input": 0.15, "output":
     0.6}} (a key ending in `*` is a prefix): `record_usage` prices a call given no cost, and
     the framework integrations use it before their framework's own price list."""
+    FAIR_WEIGHTS: dict[str, float] | None = None
+    """Weights of fairness groups (`fair_key`), e.g. {"tenant:big": 3}: within a queue, a
+    group with due runs gets starts in proportion to its weight; a group not listed weighs
+    1."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

@@ -77,6 +77,28 @@ class KeyWindowEntry(models.Model):
         return f"{self.key}: run {self.run_id} attempt {self.attempt}"
 
 
+class FairGroup(models.Model):
+    """A fairness group of a queue and its virtual time: each start of one of its runs
+    advances it by 1/weight, and the claim takes next from the group whose time is lowest
+    (stride scheduling). A group without due runs is carried along to the lowest time of
+    those with some, so an idle group does not come back owed a backlog of starts.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    queue = models.CharField(max_length=100)
+    key = models.CharField(max_length=200, blank=True)  # "": runs without a fair_key
+    vtime = models.FloatField(default=0.0)
+
+    class Meta:
+        verbose_name = "fairness group"
+        verbose_name_plural = "fairness groups"
+        constraints = (models.UniqueConstraint(fields=("queue", "key"),
+                                               name="agentruns_fair_group"),)
+
+    def __str__(self) -> str:
+        return f"{self.queue}/{self.key or '-'}"
+
+
 class RunUsage(models.Model):
     """One model call's usage as `ctx.record_usage` recorded it, keyed by attempt and
     sequence: a write retried after a lost commit acknowledgement finds its key taken and

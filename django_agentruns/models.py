@@ -14,8 +14,8 @@ from .queries import RunQuerySet
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Reason, Status
 
 __all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "UNFINISHED", "AgentLimit", "AgentRun",
-           "KeyWindowEntry", "PausedQueue", "Reason", "RunCheckpoint", "RunEvent", "RunStep",
-           "RunWait", "Schedule", "Status", "WorkerRecord"]
+           "FairGroup", "KeyWindowEntry", "PausedQueue", "Reason", "RunCheckpoint", "RunEvent",
+           "RunStep", "RunWait", "Schedule", "Status", "WorkerRecord"]
 
 
 class AgentRun(models.Model):
@@ -43,6 +43,7 @@ class AgentRun(models.Model):
     # Flow control (docs/limits.md): the run's limit key, resolved at enqueue ("" = none),
     # its snoozes (free requeues, up to MAX_SNOOZES), what it spent, and an operator's budget.
     limit_key = models.CharField(max_length=200, blank=True, default="")
+    fair_key = models.CharField(max_length=200, blank=True, default="")  # its fairness group
     snooze_count = models.PositiveIntegerField(default=0)
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
@@ -134,6 +135,12 @@ class AgentRun(models.Model):
             models.Index(fields=("limit_key", "-priority", "available_at", "fired_seq", "id"),
                          condition=Q(status="queued") & ~Q(limit_key=""),
                          name="agentruns_key_due"),
+            # Failover at the claim: queued runs with a list, of a key without room.
+            models.Index(fields=("limit_key",), name="agentruns_key_failover",
+                         condition=Q(status="queued", limit_keys__isnull=False)),
+            # Fair shares: each group's due runs in claim order (transitions.fair).
+            models.Index(fields=("queue", "fair_key", "-priority", "available_at", "fired_seq",
+                                 "id"), condition=Q(status="queued"), name="agentruns_fair_due"),
             models.Index(fields=("created_at",), name="agentruns_created"),
             # The overview's throughput chart and per-agent window: runs finished lately.
             models.Index(fields=("finished_at",), name="agentruns_finished"),
@@ -424,5 +431,5 @@ def step_key(run_id: int, name: str, occurrence: int) -> str:
 
 # Flow control's tables and LangGraph's checkpoint tables live in modules of their own,
 # registered with the app here.
-from .flow_models import AgentLimit, KeyWindowEntry, RunUsage  # noqa: E402, F401 (re-exported)
+from .flow_models import AgentLimit, FairGroup, KeyWindowEntry, RunUsage  # noqa: E402, F401 (re-exported)
 from .graph_models import GraphCheckpoint, GraphWrite  # noqa: E402, F401

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from .conf import app_settings
 from .exceptions import InvalidInputError, UnknownAgentError
+from .fairness import FairKey, check_agent_fair_key
 from .limits import Budget, LimitKey, check_agent_limit_key, check_budget
 from .outcomes import ScopePolicy
 from .ticks import Timing, check_timing
@@ -69,6 +70,7 @@ class AgentSpec:
     version: int = 1  # runs record it; a worker claims runs of its version or older
     migrate: Callable[[Any, int], Any] | None = None  # (state, from_version) -> state
     estimate: Estimate | None = None  # reserved in its key's token/cost windows at claim
+    fair_key: FairKey = None  # its runs' fairness group, or f(input) -> group
 
     @property
     def is_async(self) -> bool:
@@ -109,6 +111,7 @@ def agent(
     version: int = 1,
     migrate: Callable[[Any, int], Any] | None = None,
     estimate: dict[str, Any] | None = None,
+    fair_key: FairKey = None,
 ) -> Callable[[F], F]:
     """Register a function (sync or `async def`) taking a `RunContext` as agent `name`.
 
@@ -120,6 +123,8 @@ def agent(
     run is dead-lettered `budget_exhausted` (see django_agentruns.limits); `estimate`:
     {"tokens": N, "cost": X} a run reserves in its key's token and cost windows when it
     starts, settled with what it records (default: the key's recent average per run).
+    `fair_key`: its runs' fairness group (a string, or a callable of the input), see
+    django_agentruns.fairness.
     `version`: runs record the version they started under; a worker whose version is
     lower does not claim them. `migrate(state, from_version) -> state`: how a run of an
     older version resumes on this code (its checkpoint state migrated when claimed);
@@ -136,6 +141,7 @@ def agent(
     if not isinstance(catch_up, bool):
         raise InvalidInputError(f"Agent {name!r}: catch_up must be True or False")
     check_agent_limit_key(name, limit_key)
+    check_agent_fair_key(name, fair_key)
     checked_budget = check_budget(budget, f"Agent {name!r}: budget")
     checked_estimate = check_estimate(estimate, f"Agent {name!r}: estimate")
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version < 2**31:
@@ -157,7 +163,7 @@ def agent(
             timeout=timeout, lease_ttl=lease_ttl, priority=priority, classify=classify,
             schedule_timing=timing, catch_up=catch_up,
             limit_key=limit_key, budget=checked_budget, version=version, migrate=migrate,
-            estimate=checked_estimate,
+            estimate=checked_estimate, fair_key=fair_key,
         )
         return func
 

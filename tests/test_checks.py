@@ -111,6 +111,8 @@ BAD_SETTINGS: list[tuple[str, Any, str, str]] = [
     ("snoozes-negative", {"MAX_SNOOZES": -1}, checks.E003_BAD_NUMBER, "'MAX_SNOOZES'"),
     ("snoozes-float", {"MAX_SNOOZES": 2.5}, checks.E003_BAD_NUMBER, "'MAX_SNOOZES'"),
     ("limits-list", {"LIMITS": [("openai", 2)]}, checks.E011_BAD_LIMITS, "must be a dict"),
+    ("fair-weights-list", {"FAIR_WEIGHTS": ["a"]}, checks.E017_BAD_FAIR_WEIGHTS, "must be a dict"),
+    ("fair-weight-zero", {"FAIR_WEIGHTS": {"a": 0}}, checks.E017_BAD_FAIR_WEIGHTS, "'a'"),
     ("limit-negative", {"LIMITS": {"openai": -1}}, checks.E011_BAD_LIMITS, "'openai'"),
     ("limit-float", {"LIMITS": {"openai": 2.5}}, checks.E011_BAD_LIMITS, "max_running"),
     ("limit-none", {"LIMITS": {"openai": None}}, checks.E011_BAD_LIMITS, "not None"),

@@ -7,12 +7,13 @@ from datetime import timedelta
 
 import pytest
 
-from django_agentruns import InvalidInputError, enqueue, transitions
+from django_agentruns import InvalidInputError, enqueue, set_limit, transitions
 from django_agentruns.models import AgentLimit, AgentRun, Status
 from django_agentruns.runtime.worker import Worker
 from tests import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)
+SCOPES = transitions.ScopePolicy()
 
 
 def burst() -> None:
@@ -63,3 +64,29 @@ def test_failover_takes_the_second_key_when_the_first_is_closed(
                            Status.SUCCEEDED, timeout=30, message="a new run on the open key")
     assert AgentRun.objects.get(pk=run.pk).output == {"key": "prov:b", "attempt": 2}
     assert AgentRun.objects.get(pk=later.pk).output == {"key": "prov:b", "attempt": 1}
+
+
+def test_a_run_whose_key_has_no_window_room_moves_to_the_next_key_with_room() -> None:
+    set_limit("prov:a", per_minute=1)
+    set_limit("prov:b", per_minute=5)
+    first, second = (enqueue("tests.failover", {}) for _ in range(2))
+    assert second.limit_key == "prov:a"  # open at enqueue: the first of its list
+    claim = transitions.claim_limited
+    (started,) = claim("w", ["default"], 5, SCOPES, {}, 60.0)
+    assert started.pk == first.pk  # prov:a's window is now full
+    assert AgentRun.objects.get(pk=second.pk).limit_key == "prov:b"  # moved by that claim
+    (moved,) = claim("w", ["default"], 5, SCOPES, {}, 60.0)
+    assert (moved.pk, moved.limit_key) == (second.pk, "prov:b")
+
+
+def test_failover_skips_a_key_without_room_and_keeps_a_run_without_a_list() -> None:
+    set_limit("prov:a", per_minute=1)
+    set_limit("prov:b", per_minute=1)
+    runs = [enqueue("tests.failover", {}) for _ in range(3)]
+    alone = enqueue("tests.noop", limit_key="prov:a")  # no list: stays on its key
+    burst()
+    rows = {r.pk: r for r in AgentRun.objects.all()}
+    assert [rows[r.pk].status for r in runs] == [Status.SUCCEEDED, Status.SUCCEEDED,
+                                                 Status.QUEUED]
+    assert [rows[r.pk].output["key"] for r in runs[:2]] == ["prov:a", "prov:b"]
+    assert (rows[alone.pk].status, rows[alone.pk].limit_key) == (Status.QUEUED, "prov:a")

@@ -15,6 +15,11 @@ def noop(ctx: RunContext) -> None:
     return None
 
 
+@agent("bench.tenant", fair_key=lambda input: (input or {}).get("t"))
+def tenant(ctx: RunContext) -> None:
+    """A no-op run of fairness group input["t"] (bench/fair.py)."""
+
+
 @agent("bench.sleep_sync")
 def sleep_sync(ctx: RunContext) -> None:
     time.sleep(0.1)

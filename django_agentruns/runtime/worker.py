@@ -38,6 +38,7 @@ from ..outcomes import AttemptRef, Settlement, StopReason
 from ..queues import PausedSet
 from ..registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
 from ..streaming.transport import drain_sender
+from ..transitions.fair import FairClaim
 from ..transitions.limited import LimitedClaim
 from . import reaper, usage
 from .attempt_store import AttemptStore
@@ -112,6 +113,7 @@ class Worker:
         self._last_reap = 0.0
         self._last_lapsed_scan = 0.0
         self._limited = LimitedClaim(LAPSED_SCAN_INTERVAL)  # flow control
+        self._fair = FairClaim(LAPSED_SCAN_INTERVAL)  # fair shares, once a group exists
         self._agents = all_agents()
         # Claims take only runs of these: another worker's agent (a rolling deploy's new
         # one) is left queued for a worker that has it, not dead-lettered here.
@@ -238,12 +240,13 @@ class Worker:
         include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
         batch = min(free, int(app_settings.CLAIM_BATCH))
         # Flow control: runs of keys with a limits row first, never past their limit.
+        fair = self._fair.weights()
         limited = self._limited.claim(self.worker_id, queues, batch, self._scopes, self._ttls,
-                                      float(app_settings.LEASE_TTL), self._known)
+                                      float(app_settings.LEASE_TTL), self._known, fair)
         runs = limited + transitions.claim(
             self.worker_id, queues, batch - len(limited), self._scopes,
             self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed,
-            agents=self._known)
+            agents=self._known, fair=fair)
         if include_lapsed and len(limited) < batch:  # else the claim did not look
             self._last_lapsed_scan = now
         for run in runs:

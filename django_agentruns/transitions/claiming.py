@@ -17,6 +17,7 @@ from ..signals import send_after_commit
 from . import rawsql
 from .due import claim_row, compiled_due, recheck_order
 from .events import STARTED, append_events, lifecycle, now
+from .fair import Weights, advance, advance_ctes
 from .settling import abandon_locked
 from .windows import carry_entries
 
@@ -36,6 +37,7 @@ def claim(
     *,
     include_lapsed: bool = True,
     agents: frozenset[str] | None = None,
+    fair: Weights | None = None,
 ) -> list[AgentRun]:
     """Take up to `limit` due runs for `worker_id`, in one short transaction.
 
@@ -48,6 +50,8 @@ def claim(
     A lapsed run is taken as it stands, its lost attempt recorded as abandoned
     (`include_lapsed=False` skips looking for them, for a worker that just did).
     `agents`: take only runs of these agents, due or lapsed (a worker's own; None: any).
+    `fair`: due runs in fair order across fairness groups, with these weights, whose
+    virtual times the claim then advances (transitions.fair; None: no fairness).
     """
     at = at or now()
     if limit <= 0 or (agents is not None and not agents):
@@ -57,7 +61,7 @@ def claim(
     if fast and not include_lapsed and not scopes.ordered and not connection.in_atomic_block:
         # One statement, committed on its own: lock, start, and the start events.
         claimed = _claim_due_returning(worker_id, queues, limit, scopes, lease_ttls,
-                                       default_ttl, at, agents)
+                                       default_ttl, at, agents, fair)
         _announce_started(claimed, worker_id)
         return claimed
     with transaction.atomic():
@@ -66,9 +70,12 @@ def claim(
         room = limit - len(claimed)
         if room > 0:
             due = _claim_due_returning if fast else _claim_due_checked
-            started = due(worker_id, queues, room, scopes, lease_ttls, default_ttl, at, agents)
+            started = due(worker_id, queues, room, scopes, lease_ttls, default_ttl, at, agents,
+                          fair)
             if fast and scopes.ordered:
                 started = _release_held(started, scopes, worker_id)
+            if fair is not None and started and not fast:  # PostgreSQL: in the claim
+                advance(started, fair)
         else:
             started = []
         # The fast path's statement appended its own start events.
@@ -108,16 +115,17 @@ def _claim_lapsed(
 def _claim_due_returning(
     worker_id: str, queues: tuple[str, ...], limit: int, scopes: ScopePolicy,
     lease_ttls: dict[str, float], default_ttl: float, at: datetime,
-    agents: frozenset[str] | None,
+    agents: frozenset[str] | None, fair: Weights | None = None,
 ) -> list[AgentRun]:
     """PostgreSQL: lock the due runs (SKIP LOCKED), start them and append their start
     events, in one statement."""
     due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=True, agents=agents,
-                       naive=rawsql.naive_times())
+                       naive=rawsql.naive_times(), fair=fair)
     special = {agent: at + timedelta(seconds=ttl) for agent, ttl in lease_ttls.items()
                if ttl != default_ttl}
     sql, params = rawsql.claim_returning(due, at, worker_id, Status.RUNNING, Status.QUEUED,
-                                         special, at + timedelta(seconds=default_ttl), STARTED)
+                                         special, at + timedelta(seconds=default_ttl), STARTED,
+                                         None if fair is None else advance_ctes(fair))
     with rawsql.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
         cursor.execute(sql, params)
         claimed = rawsql.runs_from(cursor)
@@ -128,11 +136,11 @@ def _claim_due_returning(
 def _claim_due_checked(
     worker_id: str, queues: tuple[str, ...], limit: int, scopes: ScopePolicy,
     lease_ttls: dict[str, float], default_ttl: float, at: datetime,
-    agents: frozenset[str] | None,
+    agents: frozenset[str] | None, fair: Weights | None = None,
 ) -> list[AgentRun]:
     """Lock the due rows, re-check firing order under the lock, then start them."""
     due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=False, agents=agents,
-                       naive=rawsql.naive_times())
+                       naive=rawsql.naive_times(), fair=fair)
     locked = list(AgentRun.objects.raw(due.sql, due.bind(at)))
     candidates = recheck_order([claim_row(run) for run in locked], scopes)
     ids = [c["id"] for c in candidates]

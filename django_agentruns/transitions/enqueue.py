@@ -15,6 +15,7 @@ from ..exceptions import InvalidInputError
 from ..models import AgentLimit, AgentRun, RunCheckpoint, RunStep, Status
 from . import rawsql
 from .events import FORKED, append_events, lifecycle
+from .fair import join_groups
 from .windows import give_pattern_keys_rows
 
 
@@ -35,11 +36,12 @@ class NewRun(NamedTuple):
     # Failover (django_agentruns.limits): the run takes the first of them that is open.
     limit_keys: tuple[str, ...] = ()
     agent_version: int = 1  # the agent's version the run starts under
+    fair_key: str = ""  # its fairness group (django_agentruns.fairness); "": none
 
 
 # What each element of insert_runs' JSON array holds, in order (input as its JSON text).
 _PER_RUN = ("agent", "queue", "priority", "scope", "fired_seq", "input", "max_requeues",
-            "available_at", "dedupe_key", "limit_key", "agent_version")
+            "available_at", "dedupe_key", "limit_key", "agent_version", "fair_key")
 # A dedupe key taken by a run that finished before its holder could be read: insert again,
 # at most this many times (each round needs another run to finish at that very moment).
 DEDUPE_ROUNDS = 5
@@ -68,6 +70,7 @@ def insert_runs(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
     """
     new = pick_open_keys(new, at)
     give_pattern_keys_rows({r.limit_key for r in new}, at)
+    join_groups({(r.queue, r.fair_key) for r in new if r.fair_key})
     runs: list[AgentRun | None] = [None] * len(new)
     pending = list(range(len(new)))
     for _ in range(DEDUPE_ROUNDS):
@@ -107,7 +110,7 @@ def _insert_rows(rows: Sequence[NewRun], at: datetime) -> list[tuple[int, str, s
     at_text = _json_time(at)
     data = [[r.agent, r.queue, r.priority, r.scope, r.fired_seq, r.input_json, r.max_requeues,
              at_text if r.available_at is at else _json_time(r.available_at), r.dedupe_key,
-             r.limit_key, r.agent_version]
+             r.limit_key, r.agent_version, r.fair_key]
             for r in rows]
     # Escaping at most doubles a row's text: below half the cap, one statement surely does.
     if sum(len(r.input_json) + 1000 for r in rows) * 2 <= MAX_STATEMENT_BYTES:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count, Exists, OuterRef, Q
 
 from ..db import is_postgres, retry_on_lock
@@ -29,6 +29,8 @@ from ..windows import FIELDS, is_pattern, resolve, row_limits, settings_table
 from .claiming import _announce_started, _start
 from .due import claim_row, due_queued, recheck_order
 from .events import STARTED, append_events, lifecycle, now
+from .failover import move_to_open_keys
+from .fair import Weights, advance, compile_fair
 from .windows import (
     Admission,
     WindowUse,
@@ -61,9 +63,11 @@ def claim_limited(
     at: datetime | None = None,
     *,
     agents: frozenset[str] | None = None,
+    fair: Weights | None = None,
 ) -> list[AgentRun]:
     """Take up to `limit` due runs of limited (or closed) keys for `worker_id`, never more
-    of a key than its limit leaves room for, and none of a closed key."""
+    of a key than its limit leaves room for, and none of a closed key; with `fair`, each
+    key's runs in fair order across fairness groups (transitions.fair)."""
     at = at or now()
     if limit <= 0 or (agents is not None and not agents):
         return []
@@ -91,27 +95,38 @@ def claim_limited(
         windowed = [key for key, limits, _ in locked if limits.windowed]
         uses = window_use(windowed, at)
         entries: list[KeyWindowEntry] = []
+        stuck: list[str] = []  # keys whose runs cannot start now: failover may move them
         for key, limits, closed_until in locked:
             if closed_until is not None and closed_until > at:
+                stuck.append(key)
                 continue  # closed since the keys were read
-            room = limit - len(claimed)
+            own = limit  # what the key's limits leave room for, this batch aside
             if limits.max_running is not None:
-                room = min(room, limits.max_running - running.get(key, 0))
+                own = min(own, limits.max_running - running.get(key, 0))
             use = uses.get(key, WindowUse())
             starts = start_room(limits, use)
             if starts is not None:
-                room = min(room, starts)
+                own = min(own, starts)
+            room = min(own, limit - len(claimed))
+            started: list[AgentRun] = []
+            refused = False
             if room > 0:
-                started, reserved = _start_key(worker_id, key, queues, room, scopes,
+                started, reserved, refused = _start_key(worker_id, key, queues, room, scopes,
                                                lease_ttls, default_ttl, at, agents,
                                                Admission(limits, use) if limits.windowed
-                                               else None)
+                                               else None, fair)
                 claimed += started
                 if limits.windowed:
                     entries += entries_for(key, started, reserved, at)
+            if own <= len(started) or refused:
+                stuck.append(key)  # full now, or a token/cost window turned runs away
             if len(claimed) >= limit:
                 break
         write_entries(entries)
+        if stuck:
+            move_to_open_keys(stuck, at)  # picked up by the next claim, under their keys
+        if fair is not None and claimed:
+            advance(claimed, fair)
         append_events([lifecycle(r.pk, STARTED, r.attempt, worker=worker_id)
                        for r in claimed], at)
         _announce_started(claimed, worker_id)
@@ -121,16 +136,23 @@ def claim_limited(
 def _start_key(
     worker_id: str, key: str, queues: Sequence[str], room: int, scopes: ScopePolicy,
     lease_ttls: dict[str, float], default_ttl: float, at: datetime,
-    agents: frozenset[str] | None, admission: Admission | None,
-) -> tuple[list[AgentRun], dict[int, tuple[int, float]]]:
-    """Start up to `room` due runs of `key`, in claim order; with `admission`, only while
-    their estimates fit the key's token and cost windows (the reservations returned)."""
+    agents: frozenset[str] | None, admission: Admission | None, fair: Weights | None = None,
+) -> tuple[list[AgentRun], dict[int, tuple[int, float]], bool]:
+    """Start up to `room` due runs of `key`, in claim order (with `fair`, fair order across
+    fairness groups); with `admission`, only while their estimates fit the key's token and
+    cost windows (the reservations returned, and whether a window turned runs away)."""
     qs = due_queued(queues, at, scopes, agents).filter(limit_key=key)
-    if is_postgres():
-        qs = qs.select_for_update(skip_locked=True, of=("self",))
-    picked = list(qs[:room])
+    if fair is not None:
+        fair_order = compile_fair(qs, connection.vendor, list(queues), room, fair,
+                                  ids_only=False, naive=False)
+        picked = list(AgentRun.objects.raw(fair_order.sql, fair_order.params))
+    else:
+        if is_postgres():
+            qs = qs.select_for_update(skip_locked=True, of=("self",))
+        picked = list(qs[:room])
     ids = [c["id"] for c in recheck_order([claim_row(r) for r in picked], scopes)]
     reserved: dict[int, tuple[int, float]] = {}
+    refused = False
     if admission is not None:
         agent_of = {r.pk: r.agent for r in picked}
         for run_id in ids:
@@ -138,10 +160,11 @@ def _start_key(
             if not admission.admit(*estimate):
                 break
             reserved[run_id] = estimate
+        refused = len(reserved) < len(ids)
         ids = [run_id for run_id in ids if run_id in reserved]
     started = _start(worker_id, ids, {r.pk: r.agent for r in picked}, lease_ttls,
                      default_ttl, at, read_back=picked)
-    return started, reserved
+    return started, reserved, refused
 
 
 # --------------------------------------------------------------------------- the table
@@ -211,7 +234,7 @@ class LimitedClaim:
 
     def claim(self, worker_id: str, queues: Sequence[str], batch: int, scopes: ScopePolicy,
               ttls: dict[str, float], default_ttl: float,
-              agents: frozenset[str] | None) -> list[AgentRun]:
+              agents: frozenset[str] | None, fair: Weights | None = None) -> list[AgentRun]:
         now = time.monotonic()
         if now - self._read_at >= self.refresh:
             self._in_use = limits_in_use()
@@ -219,4 +242,4 @@ class LimitedClaim:
         if not self._in_use or batch <= 0:
             return []
         return claim_limited(worker_id, queues, batch, scopes, ttls, default_ttl,
-                             agents=agents)
+                             agents=agents, fair=fair)

@@ -276,9 +276,11 @@ def _events_from(rows: str, event_id: str, join: str = "") -> str:
 def claim_returning(
     due: Compiled, at: datetime, worker_id: str, running: str, queued: str,
     lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
+    then: tuple[str, list[Any]] | None = None,
 ) -> tuple[str, list[Any]]:
     """PostgreSQL: lock the due rows (SKIP LOCKED), start them and append their start
-    events, all in one statement."""
+    events, all in one statement. `then`: more CTEs (SQL, params) that read the `claimed`
+    rows (fair shares advance their groups there: transitions.fair)."""
     table = qn(AgentRun._meta.db_table)
     params = due.bind(at)
     lease = "%s"
@@ -299,8 +301,8 @@ def claim_returning(
            f"FROM picked WHERE {table}.id = picked.id AND {table}.status = %s "
            f"RETURNING {table}.*, picked.started_at AS previous_started_at), "
            f"started AS ({_events_from('claimed', 'gen_random_uuid()')}) "
-           f"SELECT * FROM claimed")
-    return sql, params
+           f"{', ' + then[0] + ' ' if then else ''}SELECT * FROM claimed")
+    return sql, params + (then[1] if then else [])
 
 
 def cursor(*, prepared: bool) -> Any:

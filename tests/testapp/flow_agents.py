@@ -132,3 +132,10 @@ def failover(ctx: RunContext) -> dict[str, Any]:
     if ctx.limit_key == ctx.input.get("fail_on"):
         raise RateLimitError(429, "120")
     return {"key": ctx.limit_key, "attempt": ctx.attempt}
+
+
+@agent("tests.tenant", fair_key=lambda input: input.get("tenant"))
+def tenant(ctx: RunContext) -> dict[str, Any]:
+    """A run of tenant input["tenant"] (its fairness group), taking input["seconds"]."""
+    time.sleep(float(ctx.input.get("seconds", 0)))
+    return {"tenant": ctx.input.get("tenant")}

@@ -1,0 +1,198 @@
+"""Fair shares: within a queue, claims take runs round-robin across fairness groups with
+a due run (weighted by FAIR_WEIGHTS), priority first, then fairness, then age; runs
+without a fair key are claimed as before."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+
+from django_agentruns import (
+    InvalidInputError,
+    checks,
+    enqueue,
+    enqueue_many,
+    set_limit,
+    transitions,
+)
+from django_agentruns.fairness import fair_weights
+from django_agentruns.models import AgentRun, FairGroup, Status
+from django_agentruns.transitions.fair import FairClaim
+from tests import helpers
+
+pytestmark = pytest.mark.django_db(transaction=True)
+SCOPES = transitions.ScopePolicy()
+
+
+def claim(n: int, fair: Any = (), **kwargs: Any) -> list[AgentRun]:
+    return transitions.claim("w", ["default"], n, SCOPES, {}, 60.0, include_lapsed=False,
+                             fair=fair, **kwargs)
+
+
+def flood(tenant: str, n: int, **request: Any) -> list[AgentRun]:
+    return enqueue_many([{"agent": "tests.tenant", "input": {"tenant": tenant}, **request}
+                         for _ in range(n)])
+
+
+def drain(batches: int, size: int = 8, fair: Any = ()) -> list[str]:
+    """The groups of the runs started, in claim order."""
+    started: list[str] = []
+    for _ in range(batches):
+        started += [r.fair_key for r in claim(size, fair)]
+    return started
+
+
+def test_a_group_that_enqueues_late_starts_among_the_first_claims_behind_a_flood() -> None:
+    flood("A", 300)
+    assert drain(2) == ["A"] * 16  # A alone: oldest first
+    flood("B", 10)
+    after = drain(3)
+    assert after.count("B") == 10, after  # all of B's 10 among the next 24 starts
+    assert after[:8].count("B") >= 4  # B first (one claim ahead at most), then in turns
+
+
+def test_without_fairness_the_late_group_waits_behind_the_flood() -> None:
+    """The same enqueues, claimed as without fairness: the test above can fail."""
+    flood("A", 100)
+    flood("B", 10)
+    assert drain(3, fair=None).count("B") == 0
+
+
+def test_weights_split_the_starts_of_two_flooding_groups() -> None:
+    flood("A", 500)
+    flood("B", 500)
+    with override_settings(AGENTRUNS={"FAIR_WEIGHTS": {"A": 3}}):
+        weights = fair_weights()
+    assert weights == (("A", 3.0),)
+    starts = Counter(drain(50, fair=weights))  # 400 starts
+    assert abs(starts["A"] - 300) <= 4, starts
+    assert sum(starts.values()) == 400
+
+
+def test_priority_beats_fairness_then_fairness_beats_age() -> None:
+    flood("A", 20)
+    flood("B", 20)
+    urgent = flood("A", 2, priority=5)
+    first = claim(4)
+    assert [r.pk for r in first[:2]] == [r.pk for r in urgent]
+    assert [r.fair_key for r in first[2:]] == ["A", "B"] or \
+        [r.fair_key for r in first[2:]] == ["B", "A"]
+
+
+def test_runs_without_a_fair_key_are_claimed_oldest_first_as_before() -> None:
+    runs = enqueue_many([{"agent": "tests.noop", "input": {"i": i}} for i in range(12)])
+    assert not FairGroup.objects.exists()  # no group row: workers claim as before
+    assert FairClaim(refresh=0).weights() is None
+    flood("A", 1)  # a group exists: the claim turns fair, keyless runs are one group
+    assert FairClaim(refresh=0).weights() == ()
+    order = [r.pk for r in claim(20)]
+    keyless = [pk for pk in order if pk in {r.pk for r in runs}]
+    assert keyless == [r.pk for r in runs]  # still oldest first among themselves
+
+
+def test_an_idle_group_comes_back_level_not_owed_a_backlog() -> None:
+    flood("B", 1)
+    flood("A", 200)
+    drain(10)  # B's one run, then A alone for a while: B's time stays behind
+    flood("B", 100)
+    after = drain(5)
+    # Shares (half, and one claim ahead at most), does not take all 40 starts.
+    assert 20 <= after.count("B") <= 28, after
+
+
+def test_a_new_group_joins_at_its_queues_lowest_time() -> None:
+    flood("A", 100)
+    drain(5)
+    lowest = min(FairGroup.objects.values_list("vtime", flat=True))
+    flood("C", 1)
+    assert FairGroup.objects.get(queue="default", key="C").vtime == lowest > 0
+
+
+def test_fair_key_from_the_agent_or_the_enqueue_and_refused_when_bad() -> None:
+    assert enqueue("tests.tenant", {"tenant": "t1"}).fair_key == "t1"
+    assert enqueue("tests.tenant", {"tenant": "t1"}, fair_key="t2").fair_key == "t2"
+    assert enqueue("tests.tenant", {}).fair_key == ""  # the callable said None
+    assert enqueue("tests.noop", fair_key="t3").fair_key == "t3"
+    assert AgentRun.objects.filter(fair_key="t3").count() == 1
+    for bad in ("", 5, "x" * 201):
+        with pytest.raises(InvalidInputError, match="fair_key"):
+            enqueue("tests.noop", fair_key=bad)
+    with pytest.raises(InvalidInputError, match="fair_key"):
+        enqueue("tests.tenant", {"tenant": 7})
+
+
+def test_fair_weights_are_checked() -> None:
+    for bad in ({"A": 0}, {"A": "3"}, {"A": float("inf")}, {5: 1}, ["A"]):
+        with override_settings(AGENTRUNS={"FAIR_WEIGHTS": bad}):
+            assert "agentruns.E017" in [m.id for m in checks.check_settings()], bad
+    with override_settings(AGENTRUNS={"FAIR_WEIGHTS": {"A": 2.5, "": 1}}):
+        assert "agentruns.E017" not in [m.id for m in checks.check_settings()]
+
+
+def test_a_fair_claim_adds_at_most_one_statement() -> None:
+    flood("A", 50)
+    flood("B", 5)
+    claim(4, fair=None)
+    claim(4)  # both statements compiled and cached
+    with CaptureQueriesContext(connection) as plain:
+        claim(4, fair=None)
+    with CaptureQueriesContext(connection) as fair:
+        claim(4)
+    # The groups' times advanced: on PostgreSQL in the claim's own statement, on SQLite by
+    # one UPDATE in the claim's transaction.
+    added = 0 if connection.vendor == "postgresql" else 1
+    assert len(fair) == len(plain) + added
+
+
+@pytest.mark.slow
+def test_a_worker_starts_a_late_tenants_runs_early_behind_a_flood(
+    worker_env: dict[str, str],
+) -> None:
+    flood("A", 400)
+    AgentRun.objects.update(input={"tenant": "A", "seconds": 0.02})
+    with helpers.start_manage(["runworker", "--concurrency", "8"], worker_env):
+        helpers.wait_until(lambda: AgentRun.objects.filter(status=Status.SUCCEEDED).count()
+                           >= 40, timeout=30, message="the worker to be busy with A")
+        late = flood("B", 10)
+        helpers.wait_until(lambda: not AgentRun.objects.filter(
+            fair_key="B").exclude(status=Status.SUCCEEDED).exists(), timeout=30,
+            message="B's runs to finish")
+    committed = min(r.created_at for r in late)
+    starts = list(AgentRun.objects.filter(started_at__gt=committed)
+                  .order_by("started_at", "id").values_list("fair_key", flat=True)[:24])
+    assert starts.count("B") == 10, starts
+
+
+def test_runs_of_a_limited_key_are_taken_fairly_too() -> None:
+    set_limit("prov", 100)
+    flood("A", 40, limit_key="prov")
+    flood("B", 4, limit_key="prov")
+    first = transitions.claim_limited("w", ["default"], 8, SCOPES, {}, 60.0, fair=())
+    assert Counter(r.fair_key for r in first) == {"A": 4, "B": 4}
+    again = transitions.claim_limited("w", ["default"], 8, SCOPES, {}, 60.0, fair=None)
+    assert Counter(r.fair_key for r in again) == {"A": 8}  # without: oldest first
+
+
+def test_enqueue_many_debounces_and_supersedes_as_enqueue_does() -> None:
+    first, plain = enqueue_many([
+        {"agent": "tests.keyed", "input": {"m": 1}, "dedupe_key": "chat", "debounce": 30},
+        {"agent": "tests.noop"}])
+    second, third = enqueue_many([
+        {"agent": "tests.keyed", "input": {"m": 2}, "dedupe_key": "chat", "debounce": 30},
+        {"agent": "tests.keyed", "input": {"m": 3}, "dedupe_key": "chat", "debounce": 30}])
+    assert second.pk == third.pk == first.pk
+    assert third.debounced
+    assert AgentRun.objects.get(pk=first.pk).input == {"m": 3}  # the last request wins
+    (new,) = enqueue_many([{"agent": "tests.keyed", "input": {"m": 4}, "dedupe_key": "chat",
+                            "supersede": True}])
+    assert new.pk != first.pk
+    assert AgentRun.objects.get(pk=first.pk).status == Status.CANCELLED
+    with pytest.raises(InvalidInputError, match="dedupe_key"):
+        enqueue_many([{"agent": "tests.noop"}, {"agent": "tests.noop", "debounce": 5}])
+    assert AgentRun.objects.count() == 3  # the refused call wrote nothing
+    assert plain.pk != first.pk
