@@ -341,3 +341,39 @@ def partition_table(cursor: CursorWrapper, table: str, runs: str, size: int) -> 
     cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
     cursor.execute("SET CONSTRAINTS ALL DEFERRED")
     cursor.execute(f"DROP TABLE {q(old)}")
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def setting_problem(value: object) -> str | None:
+    """What is wrong with a HISTORY_PARTITION value (None: nothing)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1000:
+        return f"must be None or a whole number of run ids of at least 1000, not {value!r}"
+    return None
+
+
+def layout_problems() -> list[tuple[str, str]]:
+    """(problem, hint) pairs where the database's layout and the setting disagree."""
+    if connection.vendor != "postgresql":
+        return []
+    size, done = span(), partitioned_tables()
+    if size is None and done:
+        return [("history tables are partitioned but HISTORY_PARTITION is None: no worker "
+                 "makes partitions ahead, so event and checkpoint writes fail once the run ids "
+                 "pass the last one", "Set AGENTRUNS['HISTORY_PARTITION'] back to a span.")]
+    if size is None:
+        return []
+    plain = sorted(set(history_tables()) - done)
+    if plain:
+        return [(f"HISTORY_PARTITION is {size} but {', '.join(plain)} are plain tables",
+                 "Move them with `manage.py partitions convert` (its --dry-run says how "
+                 "long), or set HISTORY_PARTITION back to None.")]
+    spans = {p.hi - p.lo for p in partitions()}
+    if spans and spans != {size}:
+        return [(f"HISTORY_PARTITION is {size} but the existing partitions span "
+                 f"{', '.join(map(str, sorted(spans)))} run ids", "New partitions will span "
+                 f"{size} ids from the last bound on; set it back if that was not meant.")]
+    return []
