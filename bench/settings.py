@@ -56,7 +56,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 # Ours: poll once a second when idle (PostgreSQL workers are woken by NOTIFY anyway).
 AGENTRUNS = {"POLL_INTERVAL": 1.0,
              "PREPARED_STATEMENTS": env.bool("BENCH_PREPARED", default=True),
-             "LISTEN_DATABASE": "listen" if "listen" in DATABASES else None}
+             "LISTEN_DATABASE": "listen" if "listen" in DATABASES else None,
+             # bench/history.py: the partitioned layout's span (run ids per partition).
+             "HISTORY_PARTITION": env.int("BENCH_HISTORY_PARTITION", default=0) or None}
 
 # django-tasks-db: the database backend of Django's task framework.
 TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}

@@ -133,7 +133,9 @@ def history_layout(request: pytest.FixtureRequest, settings: Any) -> Iterator[st
     if request.param == "plain":
         yield "plain"
         return
-    if "transactional_db" in request.fixturenames or "live_server" in request.fixturenames:
+    marker = request.node.get_closest_marker("django_db")
+    if "transactional_db" in request.fixturenames or "live_server" in request.fixturenames or \
+            (marker is not None and marker.kwargs.get("transaction")):
         pytest.skip("partitioned layout only under a rolled-back test transaction")
     from django_agentruns.ops import partitions
 

@@ -31,7 +31,7 @@ from django_agentruns.models import (
     Status,
 )
 from django_agentruns.ops import partitions
-from django_agentruns.ops.retention import purge
+from django_agentruns.ops.retention import erase, purge
 from django_agentruns.transitions.events import append_events
 
 pytestmark = pytest.mark.django_db
@@ -267,3 +267,14 @@ def test_a_setting_changed_after_migrate_is_a_warning(settings: Any) -> None:
 
 def test_the_layout_check_is_quiet_by_default() -> None:
     assert check_history_layout(databases=["default"]) == []
+
+
+@pytest.mark.postgres_only
+def test_erase_deletes_a_runs_partitioned_history_now(partitioned: int) -> None:
+    run, other = new_run(), new_run()
+    write_history(run)
+    write_history(other)
+    report = erase(run.pk, by="dpo")
+    assert report.rows["runevent"] == 2
+    assert counts(run.pk) == [0, 0, 0, 0, 0]
+    assert counts(other.pk) == [2, 1, 1, 1, 1]

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Q
 
@@ -210,7 +210,7 @@ def drop(*, dry_run: bool = False, going: Q | None = None) -> Report:
             with transaction.atomic():
                 cursor.execute(f"LOCK TABLE {connection.ops.quote_name(AgentRun._meta.db_table)}"
                                " IN SHARE MODE")
-        except Exception:  # lock_timeout: a long transaction holds it; next purge drops
+        except OperationalError:  # lock_timeout: a long transaction holds it; next time
             report.busy = True
             return report
         go, report.kept = droppable(partitions(partitioned_tables()), last_run_id(),

@@ -127,10 +127,12 @@ def purge(
     report = PurgeReport()
     if dry_run:
         report.runs = AgentRun.objects.filter(where).count()
-        report.events = RunEvent.objects.filter(
-            run_id__in=AgentRun.objects.filter(where).values("id")).count()
-        if partitions.partitioned_tables():
+        if RunEvent._meta.db_table in partitions.partitioned_tables():
+            # Events go with their partition, not with their run.
             report.partitions = partitions.drop(dry_run=True, going=where).dropped
+        else:
+            report.events = RunEvent.objects.filter(
+                run_id__in=AgentRun.objects.filter(where).values("id")).count()
         return report
     prune_finished_chunks()
     # Partitioned history stays where it is: its partition goes once all its runs are gone.

@@ -54,7 +54,7 @@ logger = logging.getLogger("django_agentruns.worker")
 CONTENTION_START = 0.002
 CONTENTION_MAX = 0.1
 LAPSED_SCAN_INTERVAL = 1.0
-ENSURE_INTERVAL = 60.0  # seconds between a worker's looks at the history partitions
+ENSURE_INTERVAL = 10.0  # seconds between a worker's looks at the history partitions
 
 
 class ContentionTimeout(AgentRunsError):
@@ -272,7 +272,8 @@ class Worker:
 
     def _maybe_ensure_partitions(self) -> None:
         """Partitioned history: make the partitions new runs will need, from every worker
-        (no leader; a try-lock lets one do the DDL at a time), once per ENSURE_INTERVAL."""
+        (no leader; a try-lock lets one do the DDL at a time), once per ENSURE_INTERVAL: one
+        catalog read and a sequence read when nothing is due."""
         now = time.monotonic()
         if now - self._last_ensure < ENSURE_INTERVAL:
             return
