@@ -14,6 +14,7 @@ from datetime import timedelta
 from io import StringIO
 from typing import Any
 
+import psycopg
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection
@@ -32,7 +33,9 @@ from django_agentruns.models import (
 )
 from django_agentruns.ops import partitions
 from django_agentruns.ops.retention import erase, purge
+from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions.events import append_events
+from tests import helpers
 
 pytestmark = pytest.mark.django_db
 SPAN = 10
@@ -278,3 +281,38 @@ def test_erase_deletes_a_runs_partitioned_history_now(partitioned: int) -> None:
     assert report.rows["runevent"] == 2
     assert counts(run.pk) == [0, 0, 0, 0, 0]
     assert counts(other.pk) == [2, 1, 1, 1, 1]
+
+
+def fill_to_the_last_span() -> None:
+    """Runs until the next id enters the last partition: `ensure` then has work."""
+    first = new_run()
+    for _ in range(partitions.target_bound(first.pk, SPAN) - SPAN - 1 - first.pk):
+        new_run()
+
+
+@pytest.mark.postgres_only
+def test_a_worker_makes_the_partitions_itself(partitioned: int) -> None:
+    fill_to_the_last_span()
+    top = max(hi for _, hi in spans())
+    worker = Worker(burst=True, reap_interval=0)
+    worker._maybe_ensure_partitions()
+    assert max(hi for _, hi in spans()) == top + SPAN
+    fill_to_the_last_span()
+    worker._maybe_ensure_partitions()  # looked less than ENSURE_INTERVAL ago: not again
+    assert max(hi for _, hi in spans()) == top + SPAN
+
+
+@pytest.mark.postgres_only
+def test_ensure_skips_while_another_process_holds_its_lock(partitioned: int) -> None:
+    fill_to_the_last_span()
+    before = spans()
+    other = psycopg.connect(helpers.database_url(connection.settings_dict), autocommit=True)
+    try:
+        other.execute("SELECT pg_advisory_lock(%s)", [partitions.ENSURE_LOCK])
+        report = partitions.ensure()
+        assert report.busy
+        assert report.created == []
+        assert spans() == before
+    finally:
+        other.close()
+    assert len(partitions.ensure().created) == len(partitions.history_tables())
