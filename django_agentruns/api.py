@@ -272,7 +272,9 @@ def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
     opens with a `run.forked` event; the origin is left as it was. The fork keeps the
     origin's limit key (so it counts against the same limit, and a closed key holds it
     too); given a new `input`, an agent whose `limit_key` is a callable has it computed
-    from that input.
+    from that input. The fork copies only the state it starts from, none of the origin's
+    other checkpoints, so purging the origin never breaks it; an origin keeps its latest
+    `CHECKPOINT_HISTORY` states, so only those can be forked from.
 
     `replay=True`: every step the origin completed returns the origin's recorded result
     in the fork, without calling its function (copied: purging the origin never breaks
@@ -281,7 +283,7 @@ def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
     the origin's recorded steps), at its version, keeping the origin's limit key.
 
     Checked before anything is written: the run exists, the agent that would run the fork
-    is registered here, the checkpoint was reached, the input is JSON within
+    is registered here, the checkpoint was reached and is kept, the input is JSON within
     MAX_INPUT_BYTES.
     """
     pk = run_id_of(run_id)

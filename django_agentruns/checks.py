@@ -11,6 +11,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import SETTING_NAME, AppSettings, Defaults, app_settings
+from .pricing import problem as price_problem
 from .registry import QUEUE_RULE, is_queue_name
 from .sqlite import SQLITE_OPTIONS
 from .windows import settings_problem as limits_problem
@@ -25,6 +26,7 @@ E007_BAD_METRICS_TOKEN = "agentruns.E007"
 E009_NOT_A_FLAG = "agentruns.E009"
 E011_BAD_LIMITS = "agentruns.E011"
 E015_BAD_STREAM_ACCESS = "agentruns.E015"
+E016_BAD_MODEL_PRICES = "agentruns.E016"
 W001_SQLITE_DEFERRED = "agentruns.W001"
 W002_SQLITE_NOT_WAL = "agentruns.W002"
 W003_SHORT_LEASE = "agentruns.W003"
@@ -57,7 +59,9 @@ _AT_LEAST_ONE = ("CLAIM_BATCH", "STREAMS_PER_USER", "STREAMS_PER_PROCESS", "WRIT
                  "WAITERS_PER_PROCESS")
 _SIZES = ("MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES")
 _CAPS = (*_SIZES, "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP", "MAX_STEPS_PER_RUN",
-         "MAX_SPAWN_DEPTH", "MAX_CHILDREN_PER_RUN", "MAX_DELIVERIES_PER_RUN")
+         "MAX_SPAWN_DEPTH", "MAX_CHILDREN_PER_RUN", "MAX_DELIVERIES_PER_RUN",
+         "CHECKPOINT_HISTORY")
+_NONE_ALLOWED = ("CHECKPOINT_HISTORY",)  # None: no cap
 _FLAGS = ("UNKNOWN_ERRORS_RETRYABLE", "PREPARED_STATEMENTS")
 
 
@@ -92,7 +96,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                             hint=f"Known settings: {', '.join(sorted(AppSettings.known()))}.",
                             id=E002_UNKNOWN_SETTING))
     for key in _POSITIVE + _NON_NEGATIVE + _INTEGERS + _CAPS + ("BACKOFF_JITTER",):
-        if key in raw:
+        if key in raw and not (key in _NONE_ALLOWED and raw[key] is None):
             problem = _number_problem(key, raw[key])
             if problem:
                 errors.append(Error(f"{SETTING_NAME}[{key!r}] {problem}, not {raw[key]!r}.",
@@ -141,6 +145,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                                  "print(secrets.token_urlsafe(32))'`, read from the "
                                  "environment.", id=E007_BAD_METRICS_TOKEN))
     errors += _limits_errors(raw.get("LIMITS"))
+    errors += _prices_errors(raw.get("MODEL_PRICES"))
     base, cap = raw.get("BACKOFF_BASE", Defaults.BACKOFF_BASE), raw.get(
         "BACKOFF_CAP", Defaults.BACKOFF_CAP)
     # Compared only when both are valid numbers: a bad one already has its E003.
@@ -167,6 +172,20 @@ def _limits_errors(limits: Any) -> list[CheckMessage]:
             errors.append(Error(f"{SETTING_NAME}['LIMITS'][{key!r}]: {problem}.", hint=hint,
                                 id=E011_BAD_LIMITS))
     return errors
+
+
+def _prices_errors(prices: Any) -> list[CheckMessage]:
+    """MODEL_PRICES: a dict of model name (or prefix*) -> {"input": X, "output": Y}."""
+    if prices is None:
+        return []
+    hint = ('MODEL_PRICES = {"gpt-4o-mini": {"input": 0.15, "output": 0.6}}: per million '
+            'tokens, by the model name the provider reports (a key ending in * is a prefix).')
+    if not isinstance(prices, dict):
+        return [Error(f"{SETTING_NAME}['MODEL_PRICES'] must be a dict, not "
+                      f"{type(prices).__name__}.", hint=hint, id=E016_BAD_MODEL_PRICES)]
+    return [Error(f"{SETTING_NAME}['MODEL_PRICES'][{key!r:.60}]: {problem}.", hint=hint,
+                  id=E016_BAD_MODEL_PRICES)
+            for key, value in prices.items() if (problem := price_problem(key, value))]
 
 
 def _number_problem(key: str, value: Any) -> str | None:

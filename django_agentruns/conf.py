@@ -93,6 +93,13 @@ class Defaults:
     """Most payloads `deliver` may store for keys a run does not wait for yet (unread
     deliveries); past it `deliver` raises LimitExceeded. A delivery that answers the
     run's current wait is always taken."""
+    CHECKPOINT_HISTORY: int | None = 20
+    """Checkpoint states kept per run (the latest ones, what `fork` and the admin's "fork
+    from here" start from); older ones are deleted as new ones are saved. None keeps all."""
+    READ_DATABASE: str | None = None
+    """Alias of the `DATABASES` entry (a streaming replica) that the admin's lists and
+    overview, `why`, the metrics gauges and the event streams' catch-up reads use; None:
+    `default`. Every action writes to, and re-checks the run on, the primary."""
     LISTEN_DATABASE: str | None = None
     """Alias of the `DATABASES` entry the worker's LISTEN connection uses, one that reaches
     PostgreSQL directly, not through a transaction pooler (PgBouncer in transaction mode
@@ -108,6 +115,10 @@ class Defaults:
     """Most runs of a limit key running at once across all workers, e.g. {"openai": 20}.
     `set_limit(key, n)` (or the admin) overrides a key at run time; keys in neither are
     unlimited."""
+    MODEL_PRICES: dict[str, dict[str, float]] | None = None
+    """Prices per million tokens by model, e.g. {"gpt-4o-mini": {"input": 0.15, "output":
+    0.6}} (a key ending in `*` is a prefix): `record_usage` prices a call given no cost, and
+    the framework integrations use it before their framework's own price list."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

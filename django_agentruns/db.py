@@ -247,6 +247,13 @@ def listen_alias() -> str:
     return str(app_settings.LISTEN_DATABASE or DEFAULT_DB_ALIAS)
 
 
+def read_alias() -> str:
+    """The DATABASES alias operators' reads go to (`READ_DATABASE`: a replica), so that a
+    busy admin or a metrics scrape loads the replica, not the primary the workers write
+    to. Never for a read that decides a write: those stay on the primary."""
+    return str(app_settings.READ_DATABASE or DEFAULT_DB_ALIAS)
+
+
 def probe_channel(worker_id: str) -> str:
     """A channel private to one worker, so no other worker's self-check answers it."""
     return f"agentruns_probe_{hashlib.sha256(worker_id.encode()).hexdigest()[:20]}"

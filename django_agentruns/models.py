@@ -248,11 +248,13 @@ class RunWait(models.Model):
 
 
 class RunCheckpoint(models.Model):
-    """Every checkpoint a run saved, not only the last: what `fork` starts a new run from.
+    """The latest checkpoints a run saved, not only the last: what `fork` starts a new run
+    from.
 
     Written in the transaction that saves the checkpoint (`transitions.attempts` and
-    `transitions.batched`); number N is the run's checkpoint_count after it. A fork copies
-    its origin's first N, so its own numbers go on from there.
+    `transitions.batched`), which also deletes the run's states older than the latest
+    `CHECKPOINT_HISTORY`; number N is the run's checkpoint_count after it. A fork copies
+    only its origin's state N, so its own numbers go on from there.
     """
 
     id = models.BigAutoField(primary_key=True)

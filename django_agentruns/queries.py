@@ -10,19 +10,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Self, TypeVar
 
 from django.apps import apps as django_apps
 from django.db import models
 from django.db.models import Exists, F, OuterRef, Q
 
-from .db import AmongUnindexed, NotListedIn, RowBefore
+from .db import AmongUnindexed, NotListedIn, RowBefore, read_alias
 from .outcomes import ScopePolicy
 from .registry import version_rule
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Status
 
 if TYPE_CHECKING:
     from .models import AgentRun  # noqa: F401 (named in RunQuerySet's base, as a string)
+
+
+M = TypeVar("M", bound=models.Model)
+
+
+def reading(queryset: models.QuerySet[M]) -> models.QuerySet[M]:
+    """`queryset` on the read database (`READ_DATABASE`, a replica; else `default`): every
+    operator's read that decides nothing (lists, overview, `why`, gauges, streams' catch-up)
+    goes through here, and no write or read that decides a write does."""
+    return queryset.using(read_alias())
 
 
 def dead_letter() -> Q:
@@ -58,6 +68,11 @@ class RunQuerySet(models.QuerySet["AgentRun"]):
         """A new query of all runs, for a subquery that must not inherit this one's filters
         (it runs on the outer query's connection)."""
         return type(self)(self.model)
+
+    def for_reading(self) -> Self:
+        """These runs on the read database (see `reading`): a replica may lag, so nothing
+        that decides a write reads through here."""
+        return self.using(read_alias())
 
     def terminal(self) -> Self:
         """Finished: succeeded, failed or cancelled. Only an operator's retry moves one on."""

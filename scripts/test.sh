@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The full check, as `make test` runs it: migrations, lint, types, then the test suite on
-# SQLite and on PostgreSQL. Extra arguments go to pytest.
+# SQLite and on PostgreSQL, the two passes side by side (TEST_SERIAL=1: one after the
+# other, output live). Extra arguments go to pytest.
 #
 # PostgreSQL: DATABASE_URL if it is a postgres URL; else the local server at 127.0.0.1:5432
 # if it answers; else skipped with a loud note, or a failure when REQUIRE_POSTGRES=1.
@@ -44,10 +45,6 @@ step "mypy"
 export AGENTRUNS_BROWSER_MARKER="$PWD/.tmp/browser-not-run"  # tests/conftest.py writes it
 rm -f "$AGENTRUNS_BROWSER_MARKER"  # when the browser tests skip
 
-step "pytest on SQLite"
-DATABASE_URL=$SQLITE_URL "$PY" -m pytest "$@"
-ran=("SQLite")
-
 pg_url=""
 case "${DATABASE_URL:-}" in
   postgres://* | postgresql://* | pgsql://* | psql://*)
@@ -60,20 +57,71 @@ case "${DATABASE_URL:-}" in
       pg_from="the local server"
     fi ;;
 esac
-
-if [[ -n $pg_url ]]; then
-  # The test database is test_<name>; the named database itself need not exist.
-  shown=$(sed -E 's#(://[^:/@]*):[^@]*@#\1:***@#' <<<"$pg_url")  # hide a password
-  step "pytest on PostgreSQL ($pg_from: $shown)"
-  DATABASE_URL=$pg_url "$PY" -m pytest "$@"
-  ran+=("PostgreSQL")
-elif [[ ${REQUIRE_POSTGRES:-0} == 1 ]]; then
+if [[ -z $pg_url && ${REQUIRE_POSTGRES:-0} == 1 ]]; then
   printf '\n!!! FAIL: REQUIRE_POSTGRES=1 but no PostgreSQL: DATABASE_URL is not a postgres URL\n' >&2
   printf '!!! and nothing answers at %s.\n' "$LOCAL_PG_PROBE" >&2
   exit 1
+fi
+
+# pytest_pass NAME URL: one pass of the suite; its output goes to .tmp/test-NAME.log when the
+# passes run side by side, else to the terminal.
+pytest_pass() {
+  local name=$1 url=$2 started=$SECONDS status=0
+  if [[ ${SIDE_BY_SIDE:-0} == 1 ]]; then
+    DATABASE_URL=$url "$PY" -m pytest -p no:cacheprovider "${PYTEST_PASS_ARGS[@]}" \
+      >".tmp/test-$name.log" 2>&1 || status=$?
+  else
+    DATABASE_URL=$url "$PY" -m pytest "${PYTEST_PASS_ARGS[@]}" || status=$?
+  fi
+  printf '    %s pass: exit %s after %ss\n' "$name" "$status" "$((SECONDS - started))"
+  return "$status"
+}
+PYTEST_PASS_ARGS=("$@")
+
+ran=("SQLite")
+if [[ -n $pg_url ]]; then
+  # The test database is test_<name>; the named database itself need not exist.
+  shown=$(sed -E 's#(://[^:/@]*):[^@]*@#\1:***@#' <<<"$pg_url")  # hide a password
+  ran+=("PostgreSQL")
+fi
+
+if [[ -n $pg_url && ${TEST_SERIAL:-0} != 1 ]]; then
+  # Side by side: most of the suite waits on worker subprocesses, leases and sockets, so two
+  # passes on two cores take little longer than one (TEST_SERIAL=1 runs them one by one).
+  # Each pass has its own database (a SQLite file per process; test_<name> on PostgreSQL).
+  step "pytest on SQLite and on PostgreSQL ($pg_from: $shown), side by side"
+  echo "    output: .tmp/test-sqlite.log and .tmp/test-postgres.log, printed when both end"
+  set +e
+  SIDE_BY_SIDE=1 pytest_pass sqlite "$SQLITE_URL" &
+  sqlite_job=$!
+  SIDE_BY_SIDE=1 pytest_pass postgres "$pg_url" &
+  postgres_job=$!
+  wait "$sqlite_job"; sqlite_status=$?
+  wait "$postgres_job"; postgres_status=$?
+  set -e
+  # A failed pass prints last, so its summary ends the output.
+  for name in sqlite postgres; do
+    status_var="${name}_status"
+    if [[ ${!status_var} == 0 ]]; then step "pytest on $name: output"; cat ".tmp/test-$name.log"; fi
+  done
+  for name in sqlite postgres; do
+    status_var="${name}_status"
+    if [[ ${!status_var} != 0 ]]; then step "pytest on $name FAILED: output"; cat ".tmp/test-$name.log"; fi
+  done
+  if [[ $sqlite_status != 0 || $postgres_status != 0 ]]; then
+    printf '\n!!! FAIL: pytest on SQLite exited %s, on PostgreSQL %s\n' "$sqlite_status" "$postgres_status" >&2
+    exit 1
+  fi
 else
-  printf '\n!!! PostgreSQL SKIPPED: DATABASE_URL is not a postgres URL and nothing answers at\n'
-  printf '!!! 127.0.0.1:5432. Set DATABASE_URL=postgres://USER@HOST:PORT/NAME to test on it.\n'
+  step "pytest on SQLite"
+  pytest_pass sqlite "$SQLITE_URL"
+  if [[ -n $pg_url ]]; then
+    step "pytest on PostgreSQL ($pg_from: $shown)"
+    pytest_pass postgres "$pg_url"
+  else
+    printf '\n!!! PostgreSQL SKIPPED: DATABASE_URL is not a postgres URL and nothing answers at\n'
+    printf '!!! 127.0.0.1:5432. Set DATABASE_URL=postgres://USER@HOST:PORT/NAME to test on it.\n'
+  fi
 fi
 
 browsers="browser tests run"

@@ -16,7 +16,7 @@ import pytest
 from tests import helpers
 
 try:
-    from playwright.sync_api import Browser, Page, sync_playwright
+    from playwright.sync_api import Browser, Page, expect, sync_playwright
 except ImportError:  # the skip below says what to install
     sync_playwright = None
 
@@ -89,7 +89,10 @@ def launched_browser() -> Iterator[Browser]:
 
 def new_page(browser: Browser, width: int, height: int) -> Iterator[Page]:
     context = browser.new_context(viewport={"width": width, "height": height})
-    context.set_default_timeout(10_000)
+    # Generous: a check passes as soon as the page agrees, so a long timeout only lengthens a
+    # failure, and a machine loaded by a second test pass needs it.
+    context.set_default_timeout(30_000)
+    expect.set_options(timeout=30_000)
     yield context.new_page()
     context.close()
 

@@ -187,7 +187,7 @@ def close_all_started() -> list[str]:
 
 def wait_until(
     predicate: Callable[[], T],
-    timeout: float = 20,
+    timeout: float = 60,
     interval: float = 0.02,
     message: str | None = None,
 ) -> T:

@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "django_agentruns"
 LAYERS: list[tuple[str, set[str]]] = [
     ("vocabulary and data", {"models", "queries", "states", "outcomes", "validation", "conf",
                              "db", "exceptions", "registry", "policy", "limits", "windows",
-                             "ticks", "signals", "sqlite", "graph_models", "flow_models"}),
+                             "ticks", "signals", "sqlite", "graph_models", "flow_models",
+                             "pricing"}),
     ("transitions", {"transitions"}),
     ("public calls", {"api", "waiting", "schedules", "queues"}),
     ("ops", {"ops"}),

@@ -4,6 +4,9 @@ The shared server at 127.0.0.1:5432 is never restarted (other tests and other pe
 it). `PrivateServer` runs `initdb` into a temporary directory and starts the server on a
 free port with the local server binaries (/usr/lib/postgresql/<version>/bin, as Debian and
 Ubuntu install them, or `pg_config --bindir`), as the `postgres` user when run as root.
+`start_replica` adds a streaming replica of it (`pg_basebackup -R` with a replication
+slot: standby.signal and primary_conninfo), on a free port of its own, in the same
+temporary directory.
 """
 
 from __future__ import annotations
@@ -44,14 +47,15 @@ def free_port() -> int:
 
 
 class PrivateServer:
-    def __init__(self, bindir: Path) -> None:
+    def __init__(self, bindir: Path, root: Path | None = None, name: str = "data") -> None:
         self.bindir = bindir
         self.port = free_port()
-        self.root = Path(tempfile.mkdtemp(prefix="agentruns-pg-"))
-        self.data = self.root / "data"
-        self.log = self.root / "server.log"
+        self._owns_root = root is None  # a replica lives in its primary's directory
+        self.root = root or Path(tempfile.mkdtemp(prefix="agentruns-pg-"))
+        self.data = self.root / name
+        self.log = self.root / f"{name}.log"
         self._as_postgres = os.geteuid() == 0  # initdb refuses to run as root
-        if self._as_postgres:
+        if self._as_postgres and self._owns_root:
             shutil.chown(self.root, user="postgres", group="postgres")
 
     def _run(self, tool: str, *args: str, timeout: float = 120) -> None:
@@ -68,9 +72,30 @@ class PrivateServer:
                   "--no-sync", "-E", "UTF8")
         self._pg_ctl("start")
 
+    def start_replica(self, slot: str = "agentruns_replica") -> PrivateServer:
+        """A hot standby streaming from this server (wal_level=replica, the default), from
+        a `pg_basebackup` that creates its replication slot and writes standby.signal and
+        primary_conninfo (-R). Stop it before this server."""
+        replica = PrivateServer(self.bindir, root=self.root, name="replica")
+        self._run("pg_basebackup", "-D", str(replica.data), "-h", "127.0.0.1",
+                  "-p", str(self.port), "-U", "postgres", "-R", "-X", "stream", "-C",
+                  "-S", slot, "--no-sync")
+        replica._pg_ctl("start")
+        return replica
+
+    def replayed_up_to_primary(self, primary: PrivateServer) -> bool:
+        """Whether this replica has replayed everything `primary` has written so far."""
+        with psycopg.connect(**primary.params(), autocommit=True) as conn:
+            row = conn.execute("SELECT pg_current_wal_lsn()").fetchone()
+        assert row is not None
+        with psycopg.connect(**self.params(), autocommit=True) as conn:
+            done = conn.execute("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn",
+                                [str(row[0])]).fetchone()
+        return bool(done and done[0])
+
     def _pg_ctl(self, action: str, *extra: str) -> None:
         options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 "
-                   f"-c fsync=off -c max_connections=100")
+                   f"-c fsync=off -c max_connections=100 -c wal_level=replica")
         self._run("pg_ctl", action, "-D", str(self.data), "-l", str(self.log), "-w",
                   "-o", options, *extra)
 
@@ -85,7 +110,8 @@ class PrivateServer:
         try:
             self._run("pg_ctl", "stop", "-D", str(self.data), "-m", "immediate", "-w")
         finally:
-            shutil.rmtree(self.root, ignore_errors=True)
+            if self._owns_root:
+                shutil.rmtree(self.root, ignore_errors=True)
 
     def params(self, dbname: str = "postgres") -> dict[str, Any]:
         return {"host": "127.0.0.1", "port": self.port, "user": "postgres", "dbname": dbname}

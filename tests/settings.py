@@ -45,6 +45,14 @@ if DIRECT:
     DATABASES["listen"] = {**DATABASES["default"], "HOST": host, "PORT": port,
                            "DISABLE_SERVER_SIDE_CURSORS": False, "TEST": {"MIRROR": "default"}}
 
+# Set by tests/test_read_replica.py for its subprocess (host:port of a streaming replica of
+# DATABASE_URL's server, which the test starts): operators' reads go there.
+REPLICA = os.environ.get("AGENTRUNS_TEST_REPLICA", "")
+if REPLICA:
+    host, _, port = REPLICA.rpartition(":")
+    DATABASES["replica"] = {**DATABASES["default"], "HOST": host, "PORT": port,
+                            "TEST": {"MIRROR": "default"}}
+
 SECRET_KEY = "agentruns-tests-not-a-secret"
 DEBUG = False
 ALLOWED_HOSTS = ["testserver", "localhost", "127.0.0.1"]
@@ -102,6 +110,8 @@ AGENTRUNS: dict[str, object] = {
 }
 if DIRECT:
     AGENTRUNS["LISTEN_DATABASE"] = "listen"
+if REPLICA:
+    AGENTRUNS["READ_DATABASE"] = "replica"
 # A test can hand a worker subprocess different values (e.g. a longer LEASE_TTL) as JSON;
 # `settings` fixture overrides do not reach another process.
 AGENTRUNS.update(json.loads(os.environ.get("AGENTRUNS_TEST_SETTINGS", "{}")))

@@ -137,7 +137,7 @@ def test_sigkill_mid_batch_loses_no_committed_event_and_the_rerun_adds_no_duplic
         reaper.reap()
         return not AgentRun.objects.filter(status=Status.RUNNING).exists()
 
-    helpers.wait_until(reaped, timeout=20, message="the dead worker's leases to be reaped")
+    helpers.wait_until(reaped, timeout=60, message="the dead worker's leases to be reaped")
     result = helpers.run_manage(["runworker", "--burst", "--concurrency", "20"], worker_env)
     assert result.returncode == 0, result.stderr
     assert committed <= set(RunEvent.objects.values_list("event_id", flat=True))

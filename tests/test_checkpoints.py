@@ -150,7 +150,7 @@ def test_the_attempt_after_a_sigkill_and_reap_resumes(worker_env: dict[str, str]
     assert killed.status == Status.RUNNING
     saved = killed.checkpoint_count
 
-    report = helpers.wait_until(lambda: reaper.reap().requeued, timeout=10,
+    report = helpers.wait_until(lambda: reaper.reap().requeued, timeout=60,
                                 message="the dead worker's lease to lapse and be reaped")
     assert report == [run.pk]
     finish_with_a_burst_worker(worker_env)

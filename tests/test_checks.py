@@ -104,6 +104,10 @@ BAD_SETTINGS: list[tuple[str, Any, str, str]] = [
      "6-character string"),
     ("metrics-token-int", {"METRICS_TOKEN": 1234567890123456789}, checks.E007_BAD_METRICS_TOKEN,
      "not a value of type int"),
+    ("checkpoint-history-zero", {"CHECKPOINT_HISTORY": 0}, checks.E003_BAD_NUMBER,
+     "'CHECKPOINT_HISTORY'"),
+    ("checkpoint-history-string", {"CHECKPOINT_HISTORY": "20"}, checks.E003_BAD_NUMBER,
+     "'CHECKPOINT_HISTORY'"),
     ("snoozes-negative", {"MAX_SNOOZES": -1}, checks.E003_BAD_NUMBER, "'MAX_SNOOZES'"),
     ("snoozes-float", {"MAX_SNOOZES": 2.5}, checks.E003_BAD_NUMBER, "'MAX_SNOOZES'"),
     ("limits-list", {"LIMITS": [("openai", 2)]}, checks.E011_BAD_LIMITS, "must be a dict"),
@@ -112,6 +116,22 @@ BAD_SETTINGS: list[tuple[str, Any, str, str]] = [
     ("limit-none", {"LIMITS": {"openai": None}}, checks.E011_BAD_LIMITS, "not None"),
     ("limit-key-empty", {"LIMITS": {"": 3}}, checks.E011_BAD_LIMITS, "1-200 characters"),
     ("limit-key-int", {"LIMITS": {5: 3}}, checks.E011_BAD_LIMITS, "1-200 characters"),
+    ("prices-list", {"MODEL_PRICES": [("gpt-4o", 1)]}, checks.E016_BAD_MODEL_PRICES,
+     "must be a dict"),
+    ("price-number", {"MODEL_PRICES": {"gpt-4o": 2.5}}, checks.E016_BAD_MODEL_PRICES,
+     '{"input": X, "output": Y}'),
+    ("price-missing-output", {"MODEL_PRICES": {"gpt-4o": {"input": 2.5}}},
+     checks.E016_BAD_MODEL_PRICES, "'gpt-4o'"),
+    ("price-negative", {"MODEL_PRICES": {"gpt-4o": {"input": -1, "output": 1}}},
+     checks.E016_BAD_MODEL_PRICES, "input must be a finite number >= 0"),
+    ("price-nan", {"MODEL_PRICES": {"gpt-4o": {"input": 1, "output": float("nan")}}},
+     checks.E016_BAD_MODEL_PRICES, "output must be"),
+    ("price-text", {"MODEL_PRICES": {"gpt-4o": {"input": "0.15", "output": 1}}},
+     checks.E016_BAD_MODEL_PRICES, "input must be"),
+    ("price-star-inside", {"MODEL_PRICES": {"gpt-*-mini": {"input": 1, "output": 1}}},
+     checks.E016_BAD_MODEL_PRICES, "one '*' at its end"),
+    ("price-key-empty", {"MODEL_PRICES": {"": {"input": 1, "output": 1}}},
+     checks.E016_BAD_MODEL_PRICES, "1-100 characters"),
 ]
 
 
@@ -217,8 +237,11 @@ def test_every_setting_at_its_default_passes() -> None:
         {"BACKOFF_BASE": 5, "BACKOFF_CAP": 5, "BACKOFF_JITTER": 1, "LEASE_TTL": 600},
         {"CLASSIFIER": None},
         {"LIMITS": {"openai": 20, "tenant:42": 0}, "MAX_SNOOZES": 0},
+        {"CHECKPOINT_HISTORY": None},
+        {"CHECKPOINT_HISTORY": 1},
     ],
-    ids=["none", "empty", "edges", "equal-backoff", "no-classifier", "limits"],
+    ids=["none", "empty", "edges", "equal-backoff", "no-classifier", "limits",
+         "all-checkpoints", "one-checkpoint"],
 )
 def test_good_settings_pass(value: Any) -> None:
     assert with_agentruns(value) == []

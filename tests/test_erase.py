@@ -108,3 +108,70 @@ def test_the_admin_erase_action_needs_the_delete_permission() -> None:
     entry = LogEntry.objects.get(object_id=str(run.pk))
     assert entry.action_flag == DELETION
     assert entry.user.get_username() == "eraser"
+
+
+# --------------------------------------------------------------------------- LangGraph threads
+
+def graph_rows(thread_id: str) -> tuple[int, int]:
+    from django_agentruns.graph_models import GraphCheckpoint, GraphWrite
+
+    return (GraphCheckpoint.objects.filter(thread_id=thread_id).count(),
+            GraphWrite.objects.filter(thread_id=thread_id).count())
+
+
+def test_erase_deletes_and_counts_a_graph_thread_only_its_run_wrote_and_keeps_a_shared_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("langgraph")
+    from django_agentruns.graph_models import GraphCheckpoint
+    from django_agentruns.runtime.worker import Worker
+    from django_agentruns.streaming import transport
+
+    monkeypatch.setattr(transport, "PRUNE_DELAY", 0.0)
+    alone = django_agentruns.enqueue("tests.langgraph_thread", {"n": 1})
+    first = django_agentruns.enqueue("tests.langgraph_thread", {"n": 1, "thread": "conv-7"})
+    Worker(burst=True, reap_interval=0).run(install_signals=False)
+    second = django_agentruns.enqueue("tests.langgraph_thread", {"n": 5, "thread": "conv-7"})
+    Worker(burst=True, reap_interval=0).run(install_signals=False)
+    assert [AgentRun.objects.get(pk=r.pk).output for r in (alone, first, second)] == [2, 2, 6]
+    own = f"agentrun-{alone.pk}"
+    checkpoints, writes = graph_rows(own)
+    assert checkpoints >= 2
+    shared_before = graph_rows("conv-7")
+
+    report = erase(alone.pk, by="dpo")
+    assert graph_rows(own) == (0, 0)
+    assert (report.rows["graphcheckpoint"], report.rows["graphwrite"]) == (checkpoints, writes)
+
+    # conv-7 is written by two runs: erasing one keeps every row, without its link.
+    report = erase(first.pk, by="dpo")
+    assert (report.rows["graphcheckpoint"], report.rows["graphwrite"]) == (0, 0)
+    assert graph_rows("conv-7") == shared_before
+    assert not GraphCheckpoint.objects.filter(run_id=first.pk).exists()
+    assert GraphCheckpoint.objects.filter(thread_id="conv-7", run_id=second.pk).exists()
+
+    # Now only rows with no run (the erased one's) and second's: still shared, still kept.
+    erase(second.pk)
+    assert graph_rows("conv-7") == shared_before
+
+
+def test_erase_keeps_a_thread_written_outside_a_run_too() -> None:
+    from django_agentruns.graph_models import GraphCheckpoint, GraphWrite
+
+    run = finished_run()
+
+    def checkpoint(thread: str, number: int, by: AgentRun | None) -> None:
+        GraphCheckpoint.objects.create(thread_id=thread, checkpoint_id=f"c{number}", run=by,
+                                       type="json", checkpoint=b"{}", metadata_type="json",
+                                       metadata=b"{}")
+        GraphWrite.objects.create(thread_id=thread, checkpoint_id=f"c{number}", task_id="t",
+                                  idx=0, channel="x", type="json", value=b"1")
+
+    checkpoint("mine", 1, run)
+    checkpoint("mine", 2, run)
+    checkpoint("app", 1, None)  # the application's own use of the thread
+    checkpoint("app", 2, run)
+    report = erase(run.pk)
+    assert (report.rows["graphcheckpoint"], report.rows["graphwrite"]) == (2, 2)
+    assert graph_rows("mine") == (0, 0)
+    assert graph_rows("app") == (2, 2)
+    assert not GraphCheckpoint.objects.filter(run_id=run.pk).exists()

@@ -93,10 +93,10 @@ def test_worker_records_base_exceptions_and_unprintable_errors(
     env = {**worker_env, "AGENTRUNS_TEST_SETTINGS": '{"LEASE_TTL": 30}'}  # no lapse in time
     with helpers.start_manage(["runworker", "--concurrency", "4"], env) as worker:
         runs = [*base.values(), async_exit, bad_str]
-        helpers.wait_until(lambda: all(finished(r) for r in runs), timeout=30,
+        helpers.wait_until(lambda: all(finished(r) for r in runs), timeout=60,
                            message="every failing run to be recorded")
         after = enqueue("tests.async_raises_base", {}).pk  # the event loop still serves
-        helpers.wait_until(lambda: finished(after), timeout=30, message="a later async run")
+        helpers.wait_until(lambda: finished(after), timeout=60, message="a later async run")
         assert AgentRun.objects.get(pk=after).status == Status.SUCCEEDED
         log = worker.stderr
         assert worker.stop() == 0, worker.output()
@@ -127,7 +127,7 @@ def test_a_context_call_on_a_dead_connection_is_retried_and_charges_nothing(
     # One writer: the one whose connection the agent closes writes the next step too.
     env = {**worker_env, "AGENTRUNS_TEST_SETTINGS": '{"WRITER_CONNECTIONS": 1}'}
     with helpers.start_manage(["runworker"], env) as worker:
-        helpers.wait_until(lambda: finished(run_id), timeout=30, message="the run to finish")
+        helpers.wait_until(lambda: finished(run_id), timeout=60, message="the run to finish")
         log = worker.stderr
         assert worker.stop() == 0, worker.output()
     row = AgentRun.objects.get(pk=run_id)

@@ -1,5 +1,6 @@
-"""Checkpoint history and fork: every checkpoint's state is kept, and a new run can start
-from any of them (`fork`), linked to its origin, which stays as it was."""
+"""Checkpoint history and fork: the latest checkpoints' states are kept
+(`CHECKPOINT_HISTORY`), and a new run can start from any of them (`fork`), linked to its
+origin, which stays as it was; the fork copies only the state it starts from."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def test_fork_starts_from_the_chosen_checkpoint_and_leaves_the_origin_alone(db: 
     assert forked.forked_from_id == origin.pk
     assert forked.checkpoint_state == {"step": 2}
     assert forked.checkpoint_count == 2
-    assert history(forked) == [(1, {"step": 1}), (2, {"step": 2})]
+    assert history(forked) == [(2, {"step": 2})]  # only the state it starts from
     [(_seq, type_, payload)] = timeline(forked)
     assert type_ == transitions.FORKED
     assert payload == {"origin": origin.pk, "checkpoint": 2, "by": "alice",
@@ -110,10 +111,13 @@ def test_fork_defaults_to_the_last_checkpoint_and_may_replace_the_input(db: None
     assert forked.checkpoint_count == 2
     assert forked.checkpoint_state == {"step": 2}
     assert forked.input == {"steps": 5}
-    # A fork of the fork may start from a checkpoint the fork inherited.
-    again = fork(forked.pk, checkpoint=1)
-    assert again.checkpoint_state == {"step": 1}
+    # A fork of the fork may start from the checkpoint the fork started from, and from no
+    # earlier one: a fork copies none of its origin's history.
+    again = fork(forked.pk, checkpoint=2)
+    assert again.checkpoint_state == {"step": 2}
     assert again.forked_from_id == forked.pk
+    with pytest.raises(InvalidInputError, match="keeps only its latest ones"):
+        fork(forked.pk, checkpoint=1)
 
 
 def test_fork_of_a_run_without_checkpoints_starts_from_scratch(db: None) -> None:
@@ -170,7 +174,11 @@ def test_purge_removes_the_history_with_the_run_and_unlinks_forks(db: None) -> N
     assert RunCheckpoint.objects.filter(run_id=origin.pk).exists() is kept
     forked.refresh_from_db()
     assert forked.forked_from_id is None
-    assert len(history(forked)) == 2  # the fork's own copy stays
+    assert history(forked) == [(2, {"step": 2})]  # the fork's own copy stays
+    forked.refresh_from_db()
+    assert forked.checkpoint_state == {"step": 2}
+    again = fork(forked.pk, checkpoint=2)  # and still forks
+    assert again.checkpoint_state == {"step": 2}
 
 
 @pytest.mark.slow
@@ -193,7 +201,7 @@ def test_a_worker_runs_a_fork_from_checkpoint_2_of_4(worker_env: dict[str, str])
                  .values_list("step", "note"))
     assert notes == [(-1, "resume:2"), (2, ""), (3, "")]  # started at checkpoint 2's state
     assert forked.checkpoint_count == 4
-    assert history(forked) == [(n, {"step": n}) for n in range(1, 5)]
+    assert history(forked) == [(n, {"step": n}) for n in range(2, 5)]
     assert [t for _, t, _ in timeline(forked)][:2] == [transitions.FORKED, transitions.STARTED]
     origin.refresh_from_db()
     assert origin.status == Status.SUCCEEDED

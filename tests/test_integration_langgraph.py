@@ -6,66 +6,40 @@ key; and the saver's checkpoints kept per thread, across runs."""
 from __future__ import annotations
 
 import importlib
-import json
 import signal
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from django.db import connection
 
 pytest.importorskip("langgraph")
 
-from django_agentruns import deliver, enqueue, stream_chunks, transitions
+from django_agentruns import deliver, enqueue, transitions
 from django_agentruns.graph_models import GraphCheckpoint
-from django_agentruns.models import AgentRun, Reason, RunEvent, Status, StreamChunk
+from django_agentruns.models import Reason, RunEvent, Status, StreamChunk
 from django_agentruns.runtime.worker import Worker
 from django_agentruns.streaming import transport as chunk_transport
 from tests import helpers
-from tests.fakeprovider import FakeProvider, Fault, Reply, ToolCall
+from tests.fakeprovider import FakeProvider, Fault
+from tests.integration_support import (
+    APPROVAL_TURNS,
+    TWO_TURNS,
+    LiveReader,
+    env_for,
+    finished,
+    run,
+    stored_text,
+    tool_runs,
+)
 from tests.test_tracing import _exporter, spans  # noqa: F401 (fixtures)
-from tests.testapp.agents import FRAMEWORKS_ENV
-from tests.testapp.models import SideEffect
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-SETTINGS = {"BACKOFF_BASE": 0.0, "BACKOFF_CAP": 0.0, "POLL_INTERVAL": 0.05, "LEASE_TTL": 3,
-            "REAP_INTERVAL": 0.5}
 AGENTS = ["tests.langgraph", "tests.langgraph_async"]
-TWO_TURNS = [Reply(tool_calls=[ToolCall("weather", {"city": "Paris"})], usage=(11, 3)),
-             Reply("It is sunny in Paris.", usage=(20, 6), chunks=3)]
 
 
-@pytest.fixture
-def fake_provider() -> Iterator[FakeProvider]:
-    with FakeProvider() as provider:
-        yield provider
-
-
-def env_for(worker_env: dict[str, str], provider: FakeProvider) -> dict[str, str]:
-    return {**worker_env, **provider.env(), "AGENTRUNS_TEST_SETTINGS": json.dumps(SETTINGS),
-            FRAMEWORKS_ENV: "1"}
-
-
-def run(run_id: int) -> AgentRun:
-    return AgentRun.objects.get(pk=run_id)
-
-
-def finished(run_id: int) -> bool:
-    return run(run_id).status in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
-
-
-def stored_text(run_id: int) -> str:
-    return "".join(p["text"] for p in RunEvent.objects.filter(
-        run_id=run_id, type="stream").order_by("seq").values_list("payload", flat=True))
-
-
-def tool_runs(run_id: int) -> list[str]:
-    return list(SideEffect.objects.filter(run_id=run_id).values_list("note", flat=True))
 
 
 @pytest.mark.slow
@@ -114,19 +88,16 @@ def test_a_two_turn_graph_with_a_tool_call_completes_with_its_usage_and_a_429_sn
 @pytest.mark.parametrize("name", AGENTS)
 def test_an_interrupt_waits_streams_first_and_the_approval_resumes_the_graph_once(
         worker_env: dict[str, str], fake_provider: FakeProvider, name: str) -> None:
-    fake_provider.script([
-        Reply("Let me refund that.", tool_calls=[ToolCall("refund", {"amount": 5})],
-              usage=(9, 4)),
-        Reply("Refunded 5.", usage=(15, 3)),
-    ])
+    fake_provider.script(APPROVAL_TURNS)
     pk = enqueue(name, {"model": "m", "prompt": "Refund me"}).pk
-    live: list[str] = []
-    reader = threading.Thread(target=lambda: (live.extend(c["text"] for c in stream_chunks(pk)),
-                                              connection.close()))
-    reader.start()
+    live = LiveReader(pk)
     with helpers.start_manage(["runworker"], env_for(worker_env, fake_provider)) as worker:
         helpers.wait_until(lambda: run(pk).status == Status.WAITING, timeout=60,
                            message="the run to wait for the interrupt's answer")
+        # The model's text before the interrupt was streamed live (the wait let the
+        # sender deliver it first) and stored.
+        helpers.wait_until(lambda: live.text == "Let me refund that.", timeout=60,
+                           message="the streamed text through stream_chunks, before the wait")
         assert stored_text(pk) == "Let me refund that."
         assert tool_runs(pk) == []
         # The key is the one the interrupt's value names.
@@ -135,11 +106,9 @@ def test_an_interrupt_waits_streams_first_and_the_approval_resumes_the_graph_onc
         deliver(pk, "refund-call_0", {"approved": True}, by="tester")
         helpers.wait_until(lambda: finished(pk), timeout=60, message="the run to finish")
         assert worker.returncode is None, worker.output()
-    reader.join(20)
-    # stream_chunks yields live chunks only, while the run goes on: the resumed graph's
-    # answer reached it before the run ended. (The first answer's live chunks, streamed
-    # before the wait, are not always seen by a reader started on the queued run.)
-    assert "".join(live).endswith("Refunded 5."), live
+    live.join()
+    # Every live chunk, both answers': the one before the wait, then the resumed graph's.
+    assert live.text == "Let me refund that.Refunded 5.", live.chunks
     done = run(pk)
     assert done.status == Status.SUCCEEDED, done.error_message
     assert done.output["output"] == "Refunded 5."

@@ -7,66 +7,40 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import json
 import signal
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from django.db import connection
 
 pytest.importorskip("agents")
 
-from django_agentruns import approve, enqueue, stream_chunks, transitions
-from django_agentruns.models import AgentRun, Reason, RunEvent, RunStep, Status, StreamChunk
+from django_agentruns import approve, enqueue, transitions
+from django_agentruns.models import Reason, RunEvent, RunStep, Status, StreamChunk
 from django_agentruns.runtime.worker import Worker
 from django_agentruns.streaming import transport as chunk_transport
 from tests import fakeprovider, helpers
 from tests.fakeprovider import ENV_VAR, FakeProvider, Fault, Reply, ToolCall
+from tests.integration_support import (
+    APPROVAL_TURNS,
+    TWO_TURNS,
+    LiveReader,
+    env_for,
+    finished,
+    run,
+    stored_text,
+    tool_runs,
+)
 from tests.test_tracing import _exporter, spans  # noqa: F401 (fixtures)
-from tests.testapp.agents import FRAMEWORKS_ENV
-from tests.testapp.models import SideEffect
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-SETTINGS = {"BACKOFF_BASE": 0.0, "BACKOFF_CAP": 0.0, "POLL_INTERVAL": 0.05, "LEASE_TTL": 3,
-            "REAP_INTERVAL": 0.5}
 AGENTS = ["tests.openai_agents", "tests.openai_agents_async"]
-TWO_TURNS = [Reply(tool_calls=[ToolCall("weather", {"city": "Paris"})], usage=(11, 3)),
-             Reply("It is sunny in Paris.", usage=(20, 6), chunks=3)]
 
 
-@pytest.fixture
-def fake_provider() -> Iterator[FakeProvider]:
-    with FakeProvider() as provider:
-        yield provider
-
-
-def env_for(worker_env: dict[str, str], provider: FakeProvider) -> dict[str, str]:
-    return {**worker_env, **provider.env(), "AGENTRUNS_TEST_SETTINGS": json.dumps(SETTINGS),
-            FRAMEWORKS_ENV: "1"}
-
-
-def run(run_id: int) -> AgentRun:
-    return AgentRun.objects.get(pk=run_id)
-
-
-def finished(run_id: int) -> bool:
-    return run(run_id).status in (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
-
-
-def stored_text(run_id: int) -> str:
-    return "".join(p["text"] for p in RunEvent.objects.filter(
-        run_id=run_id, type="stream").order_by("seq").values_list("payload", flat=True))
-
-
-def tool_runs(run_id: int) -> list[str]:
-    return list(SideEffect.objects.filter(run_id=run_id).values_list("note", flat=True))
 
 
 @pytest.mark.slow
@@ -118,21 +92,14 @@ def test_a_two_turn_agent_with_a_tool_call_completes_with_its_usage_and_a_429_sn
 @pytest.mark.parametrize("name", AGENTS)
 def test_a_tool_that_needs_approval_waits_streams_first_and_runs_once_approved(
         worker_env: dict[str, str], fake_provider: FakeProvider, name: str) -> None:
-    fake_provider.script([
-        Reply("Let me refund that.", tool_calls=[ToolCall("refund", {"amount": 5})],
-              usage=(9, 4)),
-        Reply("Refunded 5.", usage=(15, 3)),
-    ])
+    fake_provider.script(APPROVAL_TURNS)
     pk = enqueue(name, {"model": "m", "prompt": "Refund me"}).pk
-    live: list[str] = []
-    reader = threading.Thread(target=lambda: (live.extend(c["text"] for c in stream_chunks(pk)),
-                                              connection.close()))
-    reader.start()
+    live = LiveReader(pk)
     with helpers.start_manage(["runworker"], env_for(worker_env, fake_provider)) as worker:
         helpers.wait_until(lambda: run(pk).status == Status.WAITING, timeout=60,
                            message="the run to wait for the approval")
         # The model's text was streamed live and stored, the tool not run.
-        helpers.wait_until(lambda: "".join(live) == "Let me refund that.", timeout=20,
+        helpers.wait_until(lambda: live.text == "Let me refund that.", timeout=60,
                            message="the streamed text through stream_chunks, before the end")
         assert stored_text(pk) == "Let me refund that."
         assert tool_runs(pk) == []
@@ -141,7 +108,7 @@ def test_a_tool_that_needs_approval_waits_streams_first_and_runs_once_approved(
         approve(pk, waiting.wait_key, by="tester")
         helpers.wait_until(lambda: finished(pk), timeout=60, message="the run to finish")
         assert worker.returncode is None, worker.output()
-    reader.join(20)
+    live.join()
     done = run(pk)
     assert done.status == Status.SUCCEEDED, done.error_message
     assert done.output["output"] == "Refunded 5."

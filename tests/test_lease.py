@@ -292,9 +292,10 @@ def test_lease_keeper_holds_a_long_step_without_reclaim(worker_env: dict[str, st
     row = AgentRun.objects.get(pk=run.pk)
     assert row.status == Status.SUCCEEDED
     assert (row.attempt, row.requeue_count) == (1, 0)
-    # It really did keep looking while the run was in flight, past the CLI reap too (a count,
-    # not a rate: a loaded machine runs fewer passes in the same three seconds).
-    assert reaps > 5
+    # It really did keep looking while the run was in flight, the CLI reap included (the loop
+    # runs it only while the run is running; a count, not a rate: a loaded machine runs fewer
+    # passes in the same three seconds).
+    assert reaps >= 5
     assert not RunEvent.objects.filter(run_id=run.pk, type=transitions.ABANDONED).exists()
     assert list(SideEffect.objects.filter(run_id=run.pk).values_list("note", "attempt")) == \
         [("start", 1), ("end", 1)]

@@ -246,7 +246,7 @@ def test_a_success_the_database_refuses_is_retried_alone(
         helpers.wait_until(lambda: AgentRun.objects.filter(
             pk__in=good, status=Status.SUCCEEDED).count() == len(good),
             timeout=60, message=f"the other runs to succeed\n{worker.output()}")
-        helpers.wait_until(lambda: "output refused" in worker.stderr, timeout=30,
+        helpers.wait_until(lambda: "output refused" in worker.stderr, timeout=60,
                            message="the refused write to be reported")
         assert worker.stop() == 0
         log = worker.stderr

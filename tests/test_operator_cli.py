@@ -137,7 +137,7 @@ def test_reload_restarts_the_worker_gracefully_when_code_changes(
 
 
 def reload_and_check(process: helpers.ManageProcess, watched: Path) -> None:
-    first = helpers.wait_until(lambda: WorkerRecord.objects.first(), timeout=30,
+    first = helpers.wait_until(lambda: WorkerRecord.objects.first(), timeout=60,
                                message="the first worker's record")
     assert first.pid != process.pid  # the worker runs in the reloader's child
     stat = watched.stat()
@@ -149,7 +149,7 @@ def reload_and_check(process: helpers.ManageProcess, watched: Path) -> None:
         return WorkerRecord.objects.exclude(worker_id=first.worker_id).exists()
 
     try:
-        helpers.wait_until(touched_and_restarted, timeout=40, interval=1.0,
+        helpers.wait_until(touched_and_restarted, timeout=60, interval=1.0,
                            message=f"a new worker after the change\n{process.output()}")
     finally:
         os.utime(watched, (stat.st_atime, stat.st_mtime))

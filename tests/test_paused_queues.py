@@ -108,7 +108,7 @@ def test_a_paused_queue_with_a_worker_running_claims_nothing_then_drains_on_resu
     runs = [enqueue("tests.noop", {"n": n}) for n in range(3)]
     with helpers.start_manage(["runworker", "--concurrency", "2"], worker_env) as worker:
         # The worker is up (it logs its start) and has claimed nothing for 3 s.
-        helpers.wait_until(lambda: "serving queues" in worker.stderr, timeout=30)
+        helpers.wait_until(lambda: "serving queues" in worker.stderr, timeout=60)
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
             assert not AgentRun.objects.exclude(status=Status.QUEUED).exists()

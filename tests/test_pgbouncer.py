@@ -54,7 +54,7 @@ def test_with_listen_database_a_wakeup_through_pgbouncer_is_well_under_the_poll(
         worker_env: dict[str, str], pgbouncer: PgBouncer) -> None:
     env = pooled_env(worker_env, pgbouncer, direct_listen=True)
     with helpers.start_manage(["runworker", "--poll-interval", str(POLL)], env) as worker:
-        helpers.wait_until(lambda: "wake-ups on" in worker.stderr, timeout=30,
+        helpers.wait_until(lambda: "wake-ups on" in worker.stderr, timeout=60,
                            message="the listener's self-check to pass")
         latencies = []
         for n in range(5):
@@ -73,7 +73,7 @@ def test_without_it_the_worker_warns_polls_and_exposes_the_metric(
     env = pooled_env(worker_env, pgbouncer, direct_listen=False)
     args = ["runworker", "--poll-interval", str(POLL), "--metrics-port", "0"]
     with helpers.start_manage(args, env) as worker:
-        helpers.wait_until(lambda: "wake-ups degraded" in worker.stderr, timeout=30,
+        helpers.wait_until(lambda: "wake-ups degraded" in worker.stderr, timeout=60,
                            message="the degraded warning")
         text = worker.stderr
         assert "LISTEN_DATABASE" in text, text

@@ -81,7 +81,7 @@ def test_a_killed_process_is_restarted_and_its_runs_are_reclaimed(
         held = holders(runs)
         victim_run, victim = next(iter(held.items()))
         os.kill(pid_of(victim), signal.SIGKILL)
-        helpers.wait_until(lambda: "died (signal SIGKILL)" in supervisor.stderr, timeout=30,
+        helpers.wait_until(lambda: "died (signal SIGKILL)" in supervisor.stderr, timeout=60,
                            message=f"the supervisor to see the death\n{supervisor.output()}")
         # A new process (a new worker id) takes the run once its lease lapses.
         helpers.wait_until(

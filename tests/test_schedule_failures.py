@@ -149,7 +149,7 @@ def test_a_worker_does_not_spin_on_a_schedule_it_cannot_enqueue(
         worker_env: dict[str, str]) -> None:
     bad_row(last_tick=timezone.now() - timedelta(seconds=5))
     with helpers.start_manage(["runworker"], worker_env) as worker:
-        helpers.wait_until(lambda: Schedule.objects.get().failures >= 1, timeout=30,
+        helpers.wait_until(lambda: Schedule.objects.get().failures >= 1, timeout=60,
                            message="the failed tick to be recorded")
         row = Schedule.objects.get()
         assert row.retry_at is not None

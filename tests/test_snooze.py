@@ -44,7 +44,7 @@ def test_a_429_snoozed_five_times_still_succeeds_with_its_budget_whole(
 ) -> None:
     limited = enqueue("tests.rate_limited", {"limited": 5, "retry_after": "1"})
     with helpers.start_manage(["runworker"], worker_env):
-        helpers.wait_until(lambda: run(limited.pk).status == Status.SUCCEEDED, timeout=30,
+        helpers.wait_until(lambda: run(limited.pk).status == Status.SUCCEEDED, timeout=60,
                            message="the run to succeed after five snoozes")
     done = run(limited.pk)
     assert (done.requeue_count, done.snooze_count, done.attempt) == (0, 5, 6)
@@ -134,10 +134,10 @@ def test_five_sigterms_leave_the_budget_whole_five_sigkills_dead_letter_it(
     stopped = enqueue("tests.gate", {"seconds": 120})
     for attempt in range(1, 6):
         with helpers.start_manage(["runworker", "--grace", "0"], env) as worker:
-            helpers.wait_until(lambda a=attempt: _attempt_running(stopped.pk, a), timeout=30,
+            helpers.wait_until(lambda a=attempt: _attempt_running(stopped.pk, a), timeout=60,
                                message=f"attempt {attempt} running")
             worker.send_signal(signal.SIGTERM)
-            assert worker.wait(timeout=20) == 0, worker.output()
+            assert worker.wait(timeout=60) == 0, worker.output()
         row = run(stopped.pk)
         assert (row.status, row.requeue_count) == (Status.QUEUED, 0)
     assert len(events(stopped.pk, transitions.INTERRUPTED)) == 5
@@ -154,12 +154,12 @@ def test_five_sigterms_leave_the_budget_whole_five_sigkills_dead_letter_it(
                 or run(killed.pk).status == Status.FAILED,
                 timeout=30, message=f"attempt {attempt} running (or the dead letter)")
             worker.kill()
-            worker.wait(timeout=20)
+            worker.wait(timeout=60)
         if run(killed.pk).status == Status.RUNNING:
             # The next worker reclaims the lapsed lease (spending the budget) as it starts.
             pass
     with helpers.start_manage(["runworker"], env):
-        helpers.wait_until(lambda: run(killed.pk).status == Status.FAILED, timeout=30,
+        helpers.wait_until(lambda: run(killed.pk).status == Status.FAILED, timeout=60,
                            message="the killed run to be dead-lettered")
     row = run(killed.pk)
     assert (row.reason, row.requeue_count) == (Reason.RETRIES_EXHAUSTED, 3)

@@ -230,7 +230,7 @@ def kill_and_finish(worker: helpers.ManageProcess, run: AgentRun,
                     env: dict[str, str]) -> AgentRun:
     worker.kill()
     worker.wait()
-    helpers.wait_until(lambda: reaper.reap().requeued, timeout=10,
+    helpers.wait_until(lambda: reaper.reap().requeued, timeout=60,
                        message="the dead worker's lease to lapse and be reaped")
     result = helpers.run_manage(["runworker", "--burst"], env)
     assert result.returncode == 0, result.stderr

@@ -88,9 +88,9 @@ def streams_let_go() -> Iterator[None]:
         gc.collect()  # a response a test did not close gives its slot back when collected
         return len(stream.hub) == 0 and not stream.hub.connected and stream.caps.open == 0
 
-    helpers.wait_until(let_go, timeout=10, message="streams of earlier tests to let go")
+    helpers.wait_until(let_go, timeout=60, message="streams of earlier tests to let go")
     yield
-    helpers.wait_until(let_go, timeout=10, message="streams to let go")
+    helpers.wait_until(let_go, timeout=60, message="streams to let go")
 
 
 @pytest.fixture

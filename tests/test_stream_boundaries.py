@@ -84,7 +84,7 @@ def test_async_stream_writes_go_through_the_store_off_the_loop_thread(
     try:
         asyncio.run(attempt())
         # The sender prunes (SQLite) a moment later, on this test's database: let it.
-        helpers.wait_until(lambda: not sender._prunes, timeout=10, message="the prunes")
+        helpers.wait_until(lambda: not sender._prunes, timeout=60, message="the prunes")
     finally:
         store.close()
         sender._close()  # its NOTIFY connection (PostgreSQL) goes now, not 5 s later

@@ -17,7 +17,7 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.db import connection
 
-from django_agentruns import enqueue, run_now, stream_chunks
+from django_agentruns import deliver, enqueue, run_now, stream_chunks
 from django_agentruns.exceptions import InvalidInputError
 from django_agentruns.models import AgentRun, RunEvent, Status, StreamChunk
 from django_agentruns.outcomes import AttemptRef
@@ -244,18 +244,76 @@ def test_the_sender_sends_nothing_for_an_attempt_that_lost_its_run() -> None:
     assert heard == ["marker"]
 
 
-def test_the_hub_drops_chunks_of_an_attempt_older_than_the_runs(db: None) -> None:
+def test_the_hub_hands_on_an_earlier_attempts_chunks_that_arrive_late(db: None) -> None:
+    """A chunk sent just before a wait (or a retry) may reach the hub after the run's next
+    attempt started: it was fenced on its attempt when sent, so it is live output, not a
+    stale worker's (those never leave the sender: the tests above)."""
     run = enqueue("tests.noop")
     AgentRun.objects.filter(pk=run.pk).update(attempt=3)
     hub = Hub(stream.read_runs, stream.POLL_INTERVAL, background=False)
     sub = hub.subscribe(run.pk, 0, lambda: None)
-    hub.poll_once()  # learns the run's attempt
+    hub.poll_once()  # reads the run at attempt 3
     sub.take()
-    hub.deliver_chunks(run.pk, [{"channel": "output", "text": "old", "attempt": 2},
-                                {"channel": "output", "text": "new", "attempt": 3}])
+    hub.deliver_chunks(run.pk, [{"channel": "output", "text": "before the wait ", "attempt": 2},
+                                {"channel": "output", "text": "after", "attempt": 3}])
     found = sub.take()
     assert found is not None
-    assert [c["text"] for c in found.chunks] == ["new"]
+    assert [c["text"] for c in found.chunks] == ["before the wait ", "after"]
+
+
+WAITER = "tests.streams_then_waits"
+
+
+@pytest.fixture
+def streams_then_waits() -> Iterator[None]:
+    @agent(WAITER)
+    def streams_then_waits(ctx: Any) -> dict[str, Any]:
+        ctx.stream("before the wait")
+        answer = ctx.receive("go")  # at once: no other write between the chunk and the wait
+        ctx.stream(" and after")
+        return {"answer": answer}
+
+    yield
+    unregister(WAITER)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("streams_then_waits")
+def test_a_chunk_streamed_just_before_a_wait_reaches_the_reader(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender gathers chunks for BATCH_INTERVAL and fences each write on the attempt; a
+    wait committed meanwhile used to leave the run `waiting` first, and the chunk was
+    dropped. A long gathering makes the race certain: the wait now waits for the sender."""
+    monkeypatch.setattr(chunk_transport, "BATCH_INTERVAL", 0.5)
+    run = enqueue(WAITER)
+    got: list[str] = []
+
+    def read() -> None:
+        got.extend(c["text"] for c in stream_chunks(run.pk))
+        connection.close()
+
+    reader = threading.Thread(target=read, daemon=True)  # a failed test leaves no thread
+    reader.start()
+    # A long-running worker, as `runworker` is: a burst worker's stop would prune SQLite's
+    # chunk rows at once, before the web poller reads them.
+    worker = Worker(reap_interval=0)
+    serving = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    serving.start()
+    try:
+        helpers.wait_until(lambda: AgentRun.objects.get(pk=run.pk).status == Status.WAITING,
+                           message="the run to wait")
+        helpers.wait_until(lambda: got == ["before the wait"], timeout=10,
+                           message="the chunk streamed before the wait, live")
+        monkeypatch.undo()
+        deliver(run.pk, "go", "yes")
+        reader.join(20)
+    finally:
+        worker.stop()
+        serving.join(20)
+        connection.close()
+    # The second attempt runs the agent again from its start: its own chunks follow.
+    assert "".join(got) == "before the wait" + "before the wait and after", got
+    assert AgentRun.objects.get(pk=run.pk).output == {"answer": "yes"}
 
 
 def test_an_async_stream_sends_chunks_between_stored_events(transactional_db: None) -> None:

@@ -286,7 +286,7 @@ def test_cancelling_a_running_async_task_stops_it(tasks: ModuleType) -> None:
     thread = threading.Thread(target=serve, name="test-worker")
     thread.start()
     try:
-        helpers.wait_until(lambda: run_of(result).status == Status.RUNNING, timeout=10,
+        helpers.wait_until(lambda: run_of(result).status == Status.RUNNING, timeout=60,
                            message="the task to start")
         cancel(int(result.id), reason="operator stop")
         thread.join(timeout=10)

@@ -63,7 +63,7 @@ def test_worker_survives_its_connections_being_terminated_mid_run(
 
         # And it goes on serving new work.
         later = enqueue("tests.steps", {"steps": 2}).pk
-        helpers.wait_until(lambda: all_succeeded([later]), timeout=30,
+        helpers.wait_until(lambda: all_succeeded([later]), timeout=60,
                            message="a run enqueued after the failures")
         log = worker.stderr
         assert worker.stop() == 0, worker.output()

@@ -166,7 +166,7 @@ def test_a_killed_worker_is_gone_once_a_lease_ttl_passes(worker_env: dict[str, s
                                     message="the worker's record")
         worker.kill()
         worker.wait()
-    helpers.wait_until(lambda: not workers.live().exists(), timeout=10,
+    helpers.wait_until(lambda: not workers.live().exists(), timeout=60,
                        message="the record to stop counting as live")
     assert WorkerRecord.objects.get().worker_id == record.worker_id  # kept, shown as gone
     run = enqueue("tests.noop")

@@ -16,6 +16,7 @@ from typing import Any
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE, DELETION, LogEntry
+from django.db import router
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
@@ -236,7 +237,12 @@ def selected_ids(request: HttpRequest) -> list[int] | None:
 
 def bulk(model_admin: Any, request: HttpRequest, queryset: QuerySet[AgentRun],
          op: Operation, action: str) -> TemplateResponse | None:
-    """First POST: a confirmation page. Its "yes" POST: apply, then report with counts."""
+    """First POST: a confirmation page. Its "yes" POST: apply, then report with counts.
+
+    The selection is read again on the primary (the list read it from READ_DATABASE, which
+    may lag): what the page counts and what is applied is the runs' state now, and each
+    operation's guarded UPDATE checks it once more."""
+    queryset = queryset.using(router.db_for_write(AgentRun))
     selected = selected_ids(request) or []
     across = request.POST.get("select_across") == "1"
     if request.POST.get("post") != "yes":

@@ -29,6 +29,7 @@ from django.views.decorators.http import require_POST
 from ..exceptions import InvalidInputError
 from ..models import TERMINAL, AgentRun, RunWait, Status
 from ..outcomes import RESERVED_PREFIX, DeliverResult
+from ..queries import reading
 from .actions import username
 
 PERMISSION = f"{AgentRun._meta.app_label}.approve_agentrun"
@@ -203,9 +204,9 @@ def deliver_input(model_admin: Any) -> Any:
 def awaiting_approval(limit: int = AWAITING_SHOWN) -> tuple[list[dict[str, Any]], int]:
     """Runs waiting for an approval now, oldest wait first, each with its proposal's first
     words; and how many there are. One query for the rows, one for the count."""
-    waits = RunWait.objects.filter(
+    waits = reading(RunWait.objects.filter(
         kind=RunWait.Kind.APPROVAL, delivered_at__isnull=True, run__status=Status.WAITING,
-        run__wait_key=F("key"))
+        run__wait_key=F("key")))
     rows: list[dict[str, Any]] = [dict(row) for row in waits.order_by("waited_at", "id").values(
         "run_id", "key", "prompt", "waited_at", "deadline", "run__agent")[:limit]]
     for row in rows:

@@ -87,8 +87,8 @@ class QueueFilter(_RegistryFilter):
     parameter_name = field = "queue"
 
     def names(self) -> set[str]:
-        newest = AgentRun.objects.order_by("-pk").values("pk")[:QUEUE_SAMPLE]
-        used = (AgentRun.objects.filter(pk__in=newest).order_by("queue")
+        newest = AgentRun.objects.for_reading().order_by("-pk").values("pk")[:QUEUE_SAMPLE]
+        used = (AgentRun.objects.for_reading().filter(pk__in=newest).order_by("queue")
                 .values_list("queue", flat=True).distinct()[:QUEUES_SHOWN])
         return set(used) | {spec.effective_queue() for spec in all_agents().values()} | {
             str(app_settings.DEFAULT_QUEUE)}

@@ -183,7 +183,7 @@ def is_closed(row: AgentLimit) -> bool:
 def usage_totals() -> dict[str, Any]:
     """Tokens and cost per agent and per day over the last USAGE_DAYS days (by creation)."""
     since = timezone.now() - timedelta(days=USAGE_DAYS)
-    recent = AgentRun.objects.filter(created_at__gte=since).order_by()
+    recent = AgentRun.objects.for_reading().filter(created_at__gte=since).order_by()
     spent = {"tokens": Sum(F("input_tokens") + F("output_tokens")), "cost": Sum("cost"),
              "runs": Count("id")}
     # Any: django-stubs types values() rows without the annotations added after it.

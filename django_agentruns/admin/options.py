@@ -25,6 +25,7 @@ from ..models import AgentRun, RunEvent, Status
 from ..ops.diagnosis import short_error
 from ..ops.visibility import why_not_started
 from ..ops.workers import live_ids
+from ..queries import reading
 from ..registry import all_agents
 from ..tasks.results import TASK_AGENTS
 from . import approvals, live_output, views
@@ -61,9 +62,10 @@ else:  # ModelAdmin is generic only in django-stubs
 
 class RunChangeList(ChangeList):
     def get_queryset(self, request: HttpRequest, *args: Any, **kwargs: Any) -> QuerySet[AgentRun]:
-        # The list shows the error's first words: a prefix, never the whole message.
+        # The list shows the error's first words: a prefix, never the whole message. Read
+        # from READ_DATABASE (a replica): an action on the selection re-reads on the primary.
         runs: QuerySet[AgentRun] = super().get_queryset(request, *args, **kwargs)
-        return runs.defer(*HEAVY_FIELDS).annotate(
+        return reading(runs).defer(*HEAVY_FIELDS).annotate(
             error_head=Substr("error_message", 1, ERROR_HEAD), **approvals.wait_columns(),
             # A django.tasks run is named by its task's path: the one key read from the
             # input, of task runs only (the CASE spares every other run's input).
@@ -165,6 +167,8 @@ class AgentRunAdmin(ModelAdminBase):
             allowed = self.get_actions(request)
             if any(name and name not in allowed for name in request.POST.getlist("action")):
                 raise PermissionDenied
+        else:
+            views.say_replica_lag(self, request)
         return super().changelist_view(request, extra_context)
 
     def response_action(self, request: HttpRequest, queryset: QuerySet[AgentRun],

@@ -24,7 +24,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from .. import api, queues
 from ..exceptions import AgentRunsError, InvalidInputError, RunNotFoundError
 from ..models import AgentRun, Reason, Status
-from ..ops import triage
+from ..ops import replica, triage
 from ..ops.workers import NOBODY_REAPS, Coverage, lapse, live_ids, rescuer
 from ..runtime import reaper
 from .actions import (
@@ -90,11 +90,12 @@ def overview(model_admin: Any) -> Any:
     def view(request: HttpRequest) -> HttpResponse:
         if not model_admin.has_view_permission(request):
             raise PermissionDenied
+        say_replica_lag(model_admin, request)
         at = timezone.now()
         window = request.GET.get("window", DEFAULT_WINDOW)
         window = window if window in WINDOWS else DEFAULT_WINDOW
         since = at - WINDOWS[window]
-        counts = dict(AgentRun.objects.order_by().values_list("status")
+        counts = dict(AgentRun.objects.for_reading().order_by().values_list("status")
                       .annotate(n=Count("id")).values_list("status", "n"))
         coverage = Coverage.read(at)
         agents, sampled = triage.agent_stats(since)
@@ -133,6 +134,13 @@ def overview(model_admin: Any) -> Any:
         return TemplateResponse(request, "django_agentruns/admin/overview.html", context)
 
     return view
+
+
+def say_replica_lag(model_admin: Any, request: HttpRequest) -> None:
+    """A page read from a replica says so when the replica is over `LAG_SHOWN` behind."""
+    note = replica.lag_note()
+    if note:
+        model_admin.message_user(request, note, messages.WARNING)
 
 
 def retry_class(model_admin: Any) -> Any:

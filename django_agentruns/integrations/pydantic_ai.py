@@ -13,8 +13,9 @@ Each model request and each tool call is a durable step (`ctx.step`): a resumed 
 (after a crash, a wait, a snooze) gets them back from their records, without calling the
 provider or the tool again, and the conversation goes on where it was. The model's text
 streams to `ctx.stream` as it arrives; each response's usage goes to `record_usage`
-(with its cost, where genai-prices knows the model's price). A tool that requires approval
-(`requires_approval=True`, or `ApprovalRequired` raised by the tool) becomes
+(with its cost: the model's price in MODEL_PRICES, else where genai-prices knows it). A
+tool that requires approval (`requires_approval=True`, or `ApprovalRequired` raised by the
+tool) becomes
 `ctx.request_approval`: the run waits, holding no worker, until someone approves or
 rejects it in the admin (or with `approve` / `reject`); then the tool runs, or the model
 is told it was refused.
@@ -53,6 +54,7 @@ from pydantic_ai.tools import (  # noqa: E402
 )
 from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset  # noqa: E402
 
+from ..pricing import price_of  # noqa: E402
 from ..runtime.context import RunContext as AgentRunContext  # noqa: E402
 from ._bridge import RunBridge, Usage, genai_span, set_usage, step_name  # noqa: E402
 
@@ -212,10 +214,14 @@ def _text_of(event: _messages.ModelResponseStreamEvent) -> str:
 
 
 def _usage(response: _messages.ModelResponse) -> Usage:
-    try:
-        cost = float(response.cost().total_price)
-    except Exception:  # no price known for the model, or no usage reported
-        cost = 0.0
+    # A price in MODEL_PRICES wins (record_usage applies it to a cost of 0); else the one
+    # genai-prices knows.
+    cost = 0.0
+    if price_of(response.model_name or "") is None:
+        try:
+            cost = float(response.cost().total_price)
+        except Exception:  # no price known for the model, or no usage reported
+            cost = 0.0
     return Usage(input_tokens=response.usage.input_tokens or 0,
                  output_tokens=response.usage.output_tokens or 0, cost=cost,
                  model=response.model_name or "")

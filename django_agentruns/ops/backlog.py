@@ -55,6 +55,7 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     The fourth reads the queued rows (the backlog, not the history) for their agent.
     """
     from ..models import AgentLimit, AgentRun, PausedQueue
+    from ..queries import reading
     from ..registry import all_agents, scope_policy
     from ..transitions import window_fill
     from ..windows import FIELDS
@@ -65,9 +66,10 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     due = Q(available_at__lte=at)
     # Runs held back by an earlier run of their scope wait on purpose: counted apart, so a
     # long ordered backlog does not read as workers falling behind.
-    scope_held = AgentRun.objects.held(scope_policy())
+    scope_held = AgentRun.objects.held(scope_policy())  # a condition (Q), no read
     startable = due if scope_held is None else due & ~scope_held
-    queued = (AgentRun.objects.filter(status=Status.QUEUED).order_by().values("queue")
+    queued = (AgentRun.objects.for_reading().filter(status=Status.QUEUED).order_by()
+              .values("queue")
               .annotate(due=Count("id", filter=startable),
                         blocked=Count("id", filter=due & scope_held)
                         if scope_held is not None else Value(0),
@@ -80,7 +82,8 @@ def read_backlog(at: datetime | None = None) -> Backlog:
         if row["oldest"] is not None:
             backlog.oldest_due[row["queue"]] = max(0.0, (at - row["oldest"]).total_seconds())
     # Running and waiting runs: two ranges of the status+reason index, whatever the history.
-    running = (AgentRun.objects.filter(status__in=(Status.RUNNING, Status.WAITING)).order_by()
+    running = (AgentRun.objects.for_reading()
+               .filter(status__in=(Status.RUNNING, Status.WAITING)).order_by()
                .values("queue")
                .annotate(n=Count("id", filter=Q(status=Status.RUNNING)),
                          lapsed=Count("id", filter=Q(status=Status.RUNNING,
@@ -92,12 +95,14 @@ def read_backlog(at: datetime | None = None) -> Backlog:
             backlog.lapsed[held["queue"]] = held["lapsed"]
         if held["waiting"]:
             backlog.waiting[held["queue"]] = held["waiting"]
-    backlog.paused.update((name, 1) for name in PausedQueue.objects.values_list("name", flat=True))
-    dead = (AgentRun.objects.dead_letters()
+    backlog.paused.update((name, 1) for name in
+                          reading(PausedQueue.objects.all()).values_list("name", flat=True))
+    dead = (AgentRun.objects.for_reading().dead_letters()
             .order_by().values("reason").annotate(n=Count("id")))
     backlog.dead_letters.update((row["reason"], row["n"]) for row in dead)
-    backlog.unknown_agents.update(count_due_elsewhere(None, frozenset(all_agents()), at))
-    limits = list(AgentLimit.objects.values("key", "closed_until", *FIELDS))
+    backlog.unknown_agents.update(count_due_elsewhere(None, frozenset(all_agents()), at,
+                                                          replica=True))
+    limits = list(reading(AgentLimit.objects.all()).values("key", "closed_until", *FIELDS))
     backlog.closed_keys.update((row["key"], (row["closed_until"] - at).total_seconds())
                                for row in limits
                                if row["closed_until"] is not None and row["closed_until"] > at)

@@ -32,6 +32,7 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
 
 from ..conf import app_settings
+from ..db import read_alias
 from ..exceptions import AgentRunsError
 from ..states import DEAD_LETTER_REASONS
 from .backlog import Backlog as Backlog  # re-exported: metrics.Backlog, metrics.read_backlog
@@ -276,13 +277,15 @@ def _closing_if_opened() -> Iterator[None]:
     connection a finished thread leaves open is never reused or closed. A request thread
     (the view) keeps its connection, and so does one inside a transaction.
     """
-    conn = connections[DEFAULT_DB_ALIAS]
-    opened = conn.connection is None
+    # The gauges read from READ_DATABASE (a replica) when set; a few reads may use `default`.
+    conns = [connections[alias] for alias in {DEFAULT_DB_ALIAS, read_alias()}]
+    opened = [conn for conn in conns if conn.connection is None]
     try:
         yield
     finally:
-        if opened and not conn.in_atomic_block:
-            conn.close()
+        for conn in opened:
+            if not conn.in_atomic_block:
+                conn.close()
 
 
 _registered: BacklogCollector | None = None

@@ -21,7 +21,7 @@ from django.db.models.deletion import Collector
 from django.utils import timezone
 
 from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
-from ..graph_models import GraphCheckpoint
+from ..graph_models import GraphCheckpoint, GraphWrite
 from ..models import (
     TERMINAL,
     AgentRun,
@@ -216,7 +216,8 @@ class ErasureReport:
 def erase(run_id: int, *, by: str = "") -> ErasureReport:
     """Delete one finished (or cancelled) run and everything it stored, now, in one
     transaction: a data-protection request. An unfinished run is refused (cancel it first),
-    since its worker would go on writing rows for it."""
+    since its worker would go on writing rows for it. A LangGraph thread only this run wrote
+    goes with it (`own_threads`); a shared one keeps its rows, unlinked."""
     with transaction.atomic():
         row = (AgentRun.objects.filter(pk=run_id).select_for_update()
                .values_list("status", flat=True).first())
@@ -226,12 +227,29 @@ def erase(run_id: int, *, by: str = "") -> ErasureReport:
             raise RunNotFinishedError(
                 f"run {run_id} is {row}: only a finished or cancelled run can be erased; "
                 f"cancel it first")
+        threads = own_threads(run_id)
         deleted = delete_runs([run_id])
+        deleted[GraphWrite] = GraphWrite.objects.filter(thread_id__in=threads).delete()[0]
+        deleted[GraphCheckpoint] = GraphCheckpoint.objects.filter(
+            thread_id__in=threads).delete()[0]
     rows = {model._meta.model_name or model.__name__: count for model, count in deleted.items()}
     logger.info("run %s erased by %s (%s)", run_id, by or "an unnamed operator",
                 ", ".join(f"{count} {name}" for name, count in rows.items()),
                 extra={"run_id": run_id, "erased_by": by})
     return ErasureReport(run_id, rows)
+
+
+def own_threads(run_id: int) -> list[str]:
+    """The LangGraph threads (`GraphCheckpoint.thread_id`) whose every checkpoint this run
+    wrote: no other run's, none written outside a run or by a run since purged (their link
+    is cleared). Those are the run's own (`run_graph`'s default thread is `agentrun-<id>`);
+    a thread shared with anything else is the application's, kept until it deletes it."""
+    written = set(GraphCheckpoint.objects.filter(run_id=run_id)
+                  .values_list("thread_id", flat=True).distinct())
+    # exclude(run_id=...) keeps the rows with no run too: those make a thread shared.
+    shared = set(GraphCheckpoint.objects.filter(thread_id__in=written).exclude(run_id=run_id)
+                 .values_list("thread_id", flat=True).distinct())
+    return sorted(written - shared)
 
 
 def _delete_by_pk(model: type[models.Model], ids: list[int], payloads: tuple[str, ...]) -> int:

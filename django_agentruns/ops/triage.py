@@ -84,7 +84,7 @@ def agent_stats(since: datetime, *, in_database: bool | None = None) -> tuple[li
     """
     if in_database is None:
         in_database = connection.vendor == "postgresql"
-    finished = AgentRun.objects.filter(finished_at__gte=since).order_by()
+    finished = AgentRun.objects.for_reading().filter(finished_at__gte=since).order_by()
     stats = {row["agent"]: AgentStats(row["agent"], row["n"], row["ok"], row["dead"])
              for row in finished.values("agent").annotate(
                  n=Count("id"), ok=Count("id", filter=Q(status=Status.SUCCEEDED)),
@@ -161,7 +161,8 @@ def uncovered(coverage: Coverage, at: datetime | None = None,
               limit: int = GROUPS) -> list[Uncovered]:
     """Due runs, by queue and agent, that no live worker will take: none serves the queue,
     or none serving it has the agent (added after the workers started, say)."""
-    rows = (AgentRun.objects.filter(status=Status.QUEUED, available_at__lte=at or timezone.now())
+    rows = (AgentRun.objects.for_reading()
+            .filter(status=Status.QUEUED, available_at__lte=at or timezone.now())
             .order_by().values("queue", "agent").annotate(n=Count("id"))
             .order_by("-n", "queue", "agent")[:limit])
     found = []
@@ -174,7 +175,7 @@ def uncovered(coverage: Coverage, at: datetime | None = None,
 
 def stuck(at: datetime | None = None, limit: int = STUCK) -> tuple[list[AgentRun], int]:
     """Running runs whose lease lapsed and that nobody has taken back yet (newest first)."""
-    runs = AgentRun.objects.lapsed(at or timezone.now()).order_by("lease_expires")
+    runs = AgentRun.objects.for_reading().lapsed(at or timezone.now()).order_by("lease_expires")
     fields = ("id", "agent", "queue", "scope", "attempt", "claimed_by", "lease_expires")
     return list(runs.only(*fields)[:limit]), runs.count()
 
@@ -194,12 +195,13 @@ class DeadLetterGroup:
 def dead_letter_groups(limit: int = GROUPS) -> list[DeadLetterGroup]:
     """Dead letters by agent, error class and reason, largest first, each with the newest
     run's message as a sample."""
-    rows = (AgentRun.objects.dead_letters().order_by().values("agent", "error_type", "reason")
+    rows = (AgentRun.objects.for_reading().dead_letters().order_by()
+            .values("agent", "error_type", "reason")
             .annotate(n=Count("id"), last=Max("finished_at"), newest=Max("id"))
             .order_by("-n", "agent", "error_type")[:limit])
     groups = [DeadLetterGroup(r["agent"], r["error_type"], r["reason"], r["n"], r["last"],
                               r["newest"]) for r in rows]
-    messages = dict(AgentRun.objects.filter(pk__in=[g.sample_id for g in groups])
+    messages = dict(AgentRun.objects.for_reading().filter(pk__in=[g.sample_id for g in groups])
                     .values_list("pk", Substr("error_message", 1, 300)))
     for group in groups:
         group.sample_message = messages.get(group.sample_id, "")
@@ -226,7 +228,8 @@ def throughput(since: datetime, at: datetime | None = None) -> Series:
     start = _floor(timezone.localtime(since), bucket)
     size = int((at - start) / bucket) + 1
     finished, dead = [0] * size, [0] * size
-    rows = (AgentRun.objects.filter(finished_at__gte=start, finished_at__lte=at).order_by()
+    rows = (AgentRun.objects.for_reading()
+            .filter(finished_at__gte=start, finished_at__lte=at).order_by()
             .annotate(slot=trunc("finished_at")).values("slot")
             .annotate(n=Count("id"), dead=Count("id", filter=Q(
                 status=Status.FAILED, reason__in=[Reason.RETRIES_EXHAUSTED,

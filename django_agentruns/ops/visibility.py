@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from .. import transitions
 from ..models import AgentLimit, AgentRun, PausedQueue, Status
+from ..queries import reading
 from ..registry import claimable_version, find_agent
 from ..windows import KeyLimits, resolve, row_limits
 from . import workers
@@ -54,7 +55,7 @@ def why_not_started(run: AgentRun | int, at: datetime | None = None) -> list[Hol
     """
     at = at or timezone.now()
     if not isinstance(run, AgentRun):
-        run = AgentRun.objects.get(pk=run)
+        run = AgentRun.objects.for_reading().get(pk=run)
     if run.status != Status.QUEUED:
         return [Hold(NOT_QUEUED, _not_queued(run, at))]
     holds = []
@@ -73,7 +74,7 @@ def why_not_started(run: AgentRun | int, at: datetime | None = None) -> list[Hol
             "snoozed" if run.snooze_count else "run_after"
         holds.append(Hold(WAITING, f"waiting until {_when(run.available_at)} "
                                    f"({seconds:.1f}s from now, {what})"))
-    pause = PausedQueue.objects.filter(name=run.queue).first()
+    pause = reading(PausedQueue.objects.filter(name=run.queue)).first()
     if pause is not None:
         holds.append(Hold(PAUSED, f"its queue {run.queue!r} was paused at "
                                   f"{_when(pause.paused_at)}"
@@ -93,7 +94,7 @@ def key_hold(run: AgentRun, at: datetime) -> Hold | None:
     """Whether the run's limit key holds it back: closed (a 429), or at its limit."""
     if not run.limit_key:
         return None
-    row = AgentLimit.objects.filter(key=run.limit_key).first()
+    row = reading(AgentLimit.objects.filter(key=run.limit_key)).first()
     if row is None:
         return None  # no row: the key is unlimited
     if row.closed_until is not None and row.closed_until > at:
@@ -113,18 +114,22 @@ def key_hold(run: AgentRun, at: datetime) -> Hold | None:
     cap = limits.max_running
     if cap is None:
         return None
-    running = AgentRun.objects.filter(status=Status.RUNNING, limit_key=row.key).count()
+    running = AgentRun.objects.for_reading().filter(status=Status.RUNNING,
+                                                    limit_key=row.key).count()
     if running < cap:
         return None
     return Hold(KEY_FULL, f"waiting for its limit key {row.key!r}: {running} of its runs are "
                           f"running, its limit is {cap}")
 
 def count_due_elsewhere(
-    queues: Iterable[str] | None, agents: frozenset[str], at: datetime | None = None
+    queues: Iterable[str] | None, agents: frozenset[str], at: datetime | None = None, *,
+    replica: bool = False,
 ) -> dict[tuple[str, str], int]:
     """Due runs a worker with only `agents` leaves queued, by (queue, agent): of any queue,
-    or of `queues`. One grouped COUNT over the queued runs."""
-    rows = (transitions.due_elsewhere(queues, at or timezone.now(), agents).order_by()
+    or of `queues`. One grouped COUNT over the queued runs (`replica`: on the read
+    database, for a gauge)."""
+    due = transitions.due_elsewhere(queues, at or timezone.now(), agents)
+    rows = ((reading(due) if replica else due).order_by()
             .values_list("queue", "agent").annotate(n=Count("id")))
     return {(queue, agent): n for queue, agent, n in rows}
 
@@ -152,7 +157,7 @@ def _version(run: AgentRun, here: int) -> str:
 
 def _scope_holder(run: AgentRun, dead_letters_block: bool) -> AgentRun | None:
     """The first run ahead of `run` in its scope's firing order that holds the scope."""
-    return (AgentRun.objects.ahead_of(run.agent, run.scope, run.fired_seq, run.pk)
+    return (AgentRun.objects.for_reading().ahead_of(run.agent, run.scope, run.fired_seq, run.pk)
             .holding(dead_letters_block).order_by("fired_seq", "id").first())
 
 
@@ -204,5 +209,5 @@ def _because(reason: str) -> str:
 
 def key_limits(row: AgentLimit) -> KeyLimits:
     """A limits row's limits in force (its own, its pattern's, the setting's)."""
-    patterns = {r.key: row_limits(r) for r in AgentLimit.objects.filter(key__endswith="*")}
+    patterns = {r.key: row_limits(r) for r in reading(AgentLimit.objects.filter(key__endswith="*"))}
     return resolve(row.key, row_limits(row), patterns)

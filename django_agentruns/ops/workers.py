@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from ..conf import app_settings
 from ..models import AgentRun, WorkerRecord
+from ..queries import reading
 
 logger = logging.getLogger("django_agentruns.worker")
 
@@ -83,7 +84,7 @@ def unregister(worker_id: str) -> None:
 def live(at: datetime | None = None) -> QuerySet[WorkerRecord]:
     """The workers that beat within the last lease TTL."""
     at = at or timezone.now()
-    return WorkerRecord.objects.filter(last_seen_at__gte=at - live_window())
+    return reading(WorkerRecord.objects.filter(last_seen_at__gte=at - live_window()))
 
 
 def is_live(record: WorkerRecord, at: datetime | None = None) -> bool:

@@ -127,6 +127,13 @@ class RunContext:
         """Store each channel's text streamed since the last boundary (fenced, like emit)."""
         self._control.apply(chunks.coalesce(self._control))
 
+    def _before_wait(self) -> None:
+        """A wait releases the lease: the chunks sent so far go out live while this attempt
+        still holds the run (the sender's writes are fenced on it: after the wait they would
+        be dropped), and the streamed text is stored."""
+        chunks.flush_sent(self._control)
+        self._coalesce()
+
     async def _acoalesce(self) -> None:
         self._control.apply(await chunks.acoalesce(self._control))
     # Durable steps (django_agentruns.runtime.steps): run once per run, result stored.
@@ -175,13 +182,13 @@ class RunContext:
     def receive(self, key: str, *, timeout: float | None = None, prompt: Any = None) -> Any:
         """The payload delivered for `key`; if none yet, the run waits for it (see
         `receiving.receive`): checkpoint first, the next attempt resumes from there."""
-        self._coalesce()  # a wait releases the lease: store the streamed text first
+        self._before_wait()
         return receiving.receive(self, key, timeout=timeout, prompt=prompt)
 
     def request_approval(self, key: str, proposal: Any, *,
                          timeout: float | None = None) -> Approval:
         """`receive` with a person's structured answer (`approve`, `reject`)."""
-        self._coalesce()  # a wait releases the lease: store the streamed text first
+        self._before_wait()
         return receiving.request_approval(self, key, proposal, timeout=timeout)
 
     def spawn(self, agent: str, input: Any = None, *, key: str, queue: str | None = None,
@@ -195,7 +202,7 @@ class RunContext:
     def wait_for_runs(self, ids: Iterable[int], *,
                       timeout: float | None = None) -> dict[int, RunResult]:
         """Each child run's result once all are finished; until then the run waits."""
-        self._coalesce()  # a wait releases the lease: store the streamed text first
+        self._before_wait()
         return receiving.wait_for_runs(self, ids, timeout=timeout)
 
     async def areceive(self, key: str, *, timeout: float | None = None,

@@ -17,6 +17,7 @@ from ..exceptions import InvalidInputError
 from ..limits import effective_budget
 from ..ops import metrics
 from ..outcomes import Renewal, UsageTotals
+from ..pricing import configured_cost
 from ..validation import is_short_text
 from .control import AttemptControl
 
@@ -48,6 +49,8 @@ def usage_write(control: AttemptControl, input_tokens: Any, output_tokens: Any, 
     if not is_short_text(model, MODEL_MAX, empty=True):
         raise InvalidInputError(f"record_usage: model must be a string of at most {MODEL_MAX} "
                                 f"characters with no NUL or surrogate, not {model!r:.60}")
+    if not cost and model:  # no cost given: the model's configured price, if it has one
+        cost = configured_cost(model, input_tokens, output_tokens) or 0.0
     control.check()
     control.usage_calls += 1  # the write's key: retried as it is, it adds nothing again
     return transitions.UsageWrite(control.ref, input_tokens, output_tokens, float(cost), model,

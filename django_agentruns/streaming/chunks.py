@@ -241,6 +241,15 @@ def _worse(worst: Renewal, result: Result) -> Renewal:
     return result if result is Renewal.LOST or worst is Renewal.OK else worst
 
 
+def flush_sent(control: Any) -> None:
+    """Before a wait, from the attempt's thread: wait until the chunks this attempt sent are
+    delivered. The sender gathers for BATCH_INTERVAL and fences each write on the attempt;
+    a wait committed meanwhile (the run `waiting`, no longer this attempt's) would have the
+    last chunks before it dropped, unseen by every reader."""
+    if _buffers.get(control) is not None:
+        sender().flush()
+
+
 def finish(control: Any, *, store: bool) -> None:
     """At the end of the attempt, before it settles: coalesce what is left, unless the
     lease is lost (then nothing is written). Never raises: the text is live output, the

@@ -146,7 +146,6 @@ class Hub:
                  listen: bool = False) -> None:
         self._read = read
         self._read_chunks = read_chunks
-        self._attempts: dict[int, int] = {}  # each watched run's attempt, as last read
         self._chunk_positions: dict[int, int] = {}  # SQLite: last chunk row read, per run
         self.listener: Listener | None = Listener(self.watched, self.deliver_chunks) \
             if listen else None
@@ -182,12 +181,12 @@ class Hub:
             return set(self._subs)
 
     def deliver_chunks(self, run_id: int, chunks: list[Row]) -> None:
-        """Hand live chunks to every subscription of the run, less those of an attempt
-        older than the run's current one (a stale worker's)."""
+        """Hand live chunks to every subscription of the run. An earlier attempt's are
+        handed on too: the sender fenced each on the attempt holding the run when it was
+        sent (a stale worker's never went out), and one sent just before a wait or a retry
+        may arrive after the next attempt started."""
         wakes = []
         with _lock:
-            current = self._attempts.get(run_id, 0)
-            chunks = [c for c in chunks if c.get("attempt", 0) >= current]
             for sub in self._subs.get(run_id, ()) if chunks else ():
                 if sub.parked:
                     continue
@@ -212,7 +211,6 @@ class Hub:
             subs.remove(sub)
             if not subs:
                 del self._subs[sub.run_id]
-                self._attempts.pop(sub.run_id, None)
                 self._chunk_positions.pop(sub.run_id, None)
 
     def poll_once(self) -> bool:
@@ -228,7 +226,7 @@ class Hub:
         if not positions:
             return False
         found = self._read(positions)
-        chunks = self._chunks_past(positions, found)
+        chunks = self._chunks_past(positions)
         wakes = []
         with _lock:
             for run_id, after in positions.items():
@@ -255,15 +253,10 @@ class Hub:
         _wake_all(wakes)
         return any(f.full for f in found.values())
 
-    def _chunks_past(self, positions: Mapping[int, int],
-                     found: Mapping[int, Found]) -> dict[int, list[Row]]:
-        """Note each run's attempt; read the stored chunks past each run's position (SQLite),
-        less those of an older attempt."""
+    def _chunks_past(self, positions: Mapping[int, int]) -> dict[int, list[Row]]:
+        """Read the stored chunks past each run's position (SQLite), in the order they were
+        written; an earlier attempt's too (fenced when written, like `deliver_chunks`')."""
         with _lock:
-            for run_id in positions:
-                attempt = found[run_id].attempt if run_id in found else None
-                if attempt is not None:
-                    self._attempts[run_id] = attempt
             chunk_positions = {run_id: self._chunk_positions.get(run_id, 0)
                                for run_id in positions}
         if self._read_chunks is None:
@@ -274,8 +267,7 @@ class Hub:
             for run_id, (position, rows) in read.items():
                 if run_id in self._subs:
                     self._chunk_positions[run_id] = position
-                current = self._attempts.get(run_id, 0)
-                out[run_id] = [c for c in rows if c["attempt"] >= current]
+                out[run_id] = list(rows)
         return out
 
     def _ensure_thread(self) -> None:

@@ -54,6 +54,7 @@ from django.views.decorators.http import require_GET
 
 from ..conf import app_settings
 from ..models import AgentRun, RunEvent
+from ..queries import reading
 from ..states import TERMINAL
 from . import access
 from .hub import Found, Hub, Row
@@ -83,12 +84,12 @@ def read_runs(positions: Mapping[int, int]) -> dict[int, Found]:
     # last event too, so once the status reads terminal every event is visible.
     attempts: dict[int, int] = {}
     runs: dict[int, Row] = {}
-    for pk, status, reason, attempt in AgentRun.objects.filter(
+    for pk, status, reason, attempt in AgentRun.objects.for_reading().filter(
             pk__in=list(positions)).values_list("id", "status", "reason", "attempt"):
         runs[pk], attempts[pk] = {"status": status, "reason": reason}, attempt
     wanted = reduce(operator.or_, (Q(run_id=run_id, seq__gt=after)
                                    for run_id, after in positions.items()))
-    events = RunEvent.objects.filter(wanted)
+    events = reading(RunEvent.objects.filter(wanted))
     if len(positions) > 1:  # a batch per run: one long backlog cannot starve the others
         events = events.annotate(rank=Window(RowNumber(), partition_by=F("run_id"),
                                              order_by=F("seq").asc())).filter(rank__lte=BATCH)

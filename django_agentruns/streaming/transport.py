@@ -26,9 +26,10 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, close_old_connections, connection, connections
 from django.db.models import Q
 
-from ..db import Reconnects, retry_on_lock, serve_on_demand
+from ..db import Reconnects, read_alias, retry_on_lock, serve_on_demand
 from ..models import AgentRun, StreamChunk
 from ..outcomes import AttemptRef
+from ..queries import reading
 
 logger = logging.getLogger("django_agentruns.stream")
 
@@ -274,14 +275,14 @@ def _write_rows(merged: dict[AttemptRef, list[Chunk]],
 def read_chunks(positions: Mapping[int, int]) -> dict[int, tuple[int, list[Chunk]]]:
     """SQLite (the web poller): each run's chunks past its position, with the new
     position; nothing (and no statement) on PostgreSQL, where the listener brings them."""
-    if connection.vendor != "sqlite" or not positions:
+    if connections[read_alias()].vendor != "sqlite" or not positions:
         return {}
     wanted = Q()
     for run_id, after in positions.items():
         wanted |= Q(run_id=run_id, id__gt=after)
     found: dict[int, tuple[int, list[Chunk]]] = {}
-    for pk, run_id, attempt, channel, first, end, text in StreamChunk.objects.filter(
-            wanted).order_by("id").values_list("id", "run_id", "attempt", "channel",
+    for pk, run_id, attempt, channel, first, end, text in reading(StreamChunk.objects.filter(
+            wanted)).order_by("id").values_list("id", "run_id", "attempt", "channel",
                                                "first", "end", "text")[:5000]:
         _, chunks = found.setdefault(run_id, (0, []))
         chunks.append({"channel": channel, "text": text, "attempt": attempt,

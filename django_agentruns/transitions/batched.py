@@ -31,7 +31,7 @@ from ..exceptions import LimitExceeded
 from ..models import AgentRun, Reason, RunEvent, Status
 from ..outcomes import AttemptRef, Renewal, Settlement, StepStart, UsageTotals
 from . import rawsql
-from .attempts import checkpoint, emit, renew
+from .attempts import checkpoint, emit, renew, trim_history
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded, settle_succeeded, settle_succeeded_many
 from .snoozing import record_usage, record_usage_in
@@ -182,11 +182,15 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
                                 count=write.count))
         caps.append(write.max_events)
     if saved:
-        # Every checkpoint's state is kept (`fork` starts from one), in this transaction.
-        sql, params = rawsql.insert_checkpoints(
-            [(writes[i].ref.run_id, *_state(writes[i])) for i in saved], at)
+        # The latest states are kept (`fork` starts from one), in this transaction.
+        rows = [(writes[i].ref.run_id, *_state(writes[i])) for i in saved]
+        sql, params = rawsql.insert_checkpoints(rows, at)
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
+        newest: dict[int, int] = {}
+        for run_id, _saved, number in rows:
+            newest[run_id] = max(number, newest.get(run_id, 0))
+        trim_history(list(newest.items()))
     # A checkpoint not saved may be a replay (its number stored already): it only renews.
     replays = [i for i in pointing if i not in saved and results[i] is Renewal.OK]
     _fenced(writes, replays, results, [(LEASE, TIMESTAMP)], lambda w: (w.ref.lease_until(at),))

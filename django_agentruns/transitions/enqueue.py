@@ -220,11 +220,14 @@ def insert_fork(
     its last; with none saved, from the start), with `input` (None: the origin's) and
     `limit_key` (None: the origin's).
 
-    One transaction: the new run, a copy of the origin's checkpoints 1..N (so the fork's
-    own numbers go on from N, as its `checkpoint_count` does, and a fork of the fork can
-    start from any of them) and a `run.forked` event opening its timeline. The origin and
-    its timeline are not touched. None: no such run; `InvalidInputError` for a checkpoint
-    the run never reached (nothing written).
+    One transaction: the new run, a copy of the ONE state it starts from (checkpoint N, as
+    its own checkpoint N: its numbers go on from N, as its `checkpoint_count` does, and a
+    fork of the fork can start from N again), and a `run.forked` event opening its
+    timeline. None of the origin's other history is copied, and nothing of the fork points
+    into the origin's rows, so purging the origin, or trimming its history past
+    `CHECKPOINT_HISTORY`, never breaks the fork. The origin and its timeline are not
+    touched. None: no such run; `InvalidInputError` for a checkpoint the run never reached
+    or no longer keeps (nothing written).
 
     Steps: with `replay`, every step the origin completed is copied (the fork gets their
     results without executing them, and records no usage for them); without, those
@@ -243,8 +246,10 @@ def insert_fork(
             if n > origin.checkpoint_count or not saved:
                 raise InvalidInputError(
                     f"Run {origin_id} has no checkpoint {n}: it saved "
-                    f"{origin.checkpoint_count}" + ("" if n > origin.checkpoint_count
-                                                    else " (its history is incomplete)"))
+                    f"{origin.checkpoint_count}" + ("" if n > origin.checkpoint_count else
+                                                    " and keeps only its latest ones "
+                                                    "(CHECKPOINT_HISTORY; a fork keeps the "
+                                                    "one it started from)"))
             state = saved[0]
         run = AgentRun.objects.create(
             agent=agent or origin.agent, queue=queue or origin.queue, priority=origin.priority,
@@ -260,7 +265,7 @@ def insert_fork(
                 cursor.execute(
                     f"INSERT INTO {table} (run_id, number, state, created_at) "
                     f"SELECT %s, number, state, created_at FROM {table} "
-                    f"WHERE run_id = %s AND number <= %s", [run.pk, origin_id, n])
+                    f"WHERE run_id = %s AND number = %s", [run.pk, origin_id, n])
         _copy_steps(origin_id, run.pk, None if replay else n)
         extra: dict[str, Any] = {"replay": True} if replay else {}
         if run.agent != origin.agent:

@@ -8,6 +8,7 @@ of paying for the same calls again.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 from typing import Any
 
@@ -190,3 +191,8 @@ def step_research(ctx: RunContext) -> dict[str, Any]:
     ctx.step("summarise", _call_model, f"Summarise {len(sources)} sources on {topic}")
     summary = " ".join(source["snippet"] for source in sources)
     return {"topic": topic, "summary": summary, "sources": [s["title"] for s in sources]}
+
+
+# The chat page's Pydantic AI agent (demo.assistant), where the `example` extra installed it.
+if importlib.util.find_spec("pydantic_ai") is not None:
+    from . import assistant  # noqa: F401

@@ -72,7 +72,7 @@ def release_and_finish(locker: psycopg.Connection[Any], worker: helpers.ManagePr
     with the worker still up, stop it cleanly, and return its log."""
     assert statuses(runs) == {Status.QUEUED}
     locker.execute("ROLLBACK")
-    helpers.wait_until(lambda: statuses(runs) == {Status.SUCCEEDED}, timeout=30,
+    helpers.wait_until(lambda: statuses(runs) == {Status.SUCCEEDED}, timeout=60,
                        message="every run to succeed once the lock is gone")
     assert worker.returncode is None, worker.output()
     log = str(worker.stderr)
@@ -112,14 +112,14 @@ def test_connection_terminated_mid_settle_loses_nothing(worker_env: dict[str, st
             locker.execute("BEGIN")
             locker.execute(f'SELECT 1 FROM "{TABLE}" WHERE id = %s FOR UPDATE', [run])
             SideEffect.objects.create(run_id=run, note="open")  # the agent returns now
-            pid = helpers.wait_until(lambda: waiting_backend(admin, SETTLE_SQL), timeout=30,
+            pid = helpers.wait_until(lambda: waiting_backend(admin, SETTLE_SQL), timeout=60,
                                      message="settle_succeeded blocked on the row lock")
             terminate(admin, pid)
             locker.execute("ROLLBACK")
         # The killed settle rolled back; the worker's attempt store writes the outcome again
         # on a fresh connection (its writer reconnects), so the run succeeds on its first
         # attempt.
-        helpers.wait_until(lambda: statuses([run]) == {Status.SUCCEEDED}, timeout=30,
+        helpers.wait_until(lambda: statuses([run]) == {Status.SUCCEEDED}, timeout=60,
                            message="the run to succeed")
         assert worker.returncode is None, worker.output()
         log = worker.stderr

@@ -216,6 +216,20 @@ if importlib.util.find_spec("langgraph") is not None:
         values = run_graph(traced.compile(checkpointer=AgentRunsSaver()), graph_input(ctx))
         return {"output": values["messages"][-1]["content"]}
 
+    def _counter_graph() -> Any:
+        counting = StateGraph(int)  # type: ignore[type-var]
+        counting.add_node("add", lambda n: n + 1)
+        counting.add_edge(START, "add")
+        counting.add_edge("add", END)
+        return counting.compile(checkpointer=AgentRunsSaver())
+
+    @agent("tests.langgraph_thread")
+    def langgraph_thread(ctx: RunContext) -> Any:
+        """A graph with no model, on the thread input["thread"] names (else the run's own)."""
+        thread = ctx.input.get("thread")
+        config = {"configurable": {"thread_id": thread}} if thread else None
+        return run_graph(_counter_graph(), ctx.input.get("n", 1), config=config)
+
 
 if importlib.util.find_spec("agents") is not None:
     from agents import Agent as SdkAgent

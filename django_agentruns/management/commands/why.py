@@ -20,7 +20,7 @@ class Command(BaseCommand):
         parser.add_argument("run_id", type=run_id, help="The run's id.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        run = AgentRun.objects.filter(pk=options["run_id"]).first()
+        run = AgentRun.objects.for_reading().filter(pk=options["run_id"]).first()
         if run is None:
             raise CommandError(f"No run with id {options['run_id']}")
         waiting = explain_wait(run)

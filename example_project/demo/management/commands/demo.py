@@ -1,5 +1,9 @@
 """Enqueue a few demo runs, work them off with burst workers, play the operator who approves
-the refund, and print what happened: one line per run, then what to try next."""
+the refund and the Pydantic AI assistant's tool call, and print what happened: one line per
+run, the assistant's answer, then what to try next.
+
+The assistant talks to the demo's canned model server (example_project/demo/model_server.py,
+started in this process), or to a real provider when OPENAI_API_KEY / OPENAI_BASE_URL is set."""
 
 from __future__ import annotations
 
@@ -16,8 +20,11 @@ from django.db.models import Min
 from django.utils import timezone
 
 from django_agentruns import approve, enqueue, set_limit
-from django_agentruns.models import AgentRun, Status
+from django_agentruns.models import AgentRun, RunWait, Status
+from django_agentruns.registry import find_agent
 from django_agentruns.runtime.worker import Worker
+
+from ...views import ASSISTANT, ASSISTANT_INPUT
 
 TOPICS = ["agent runs", "job queues"]
 CITIES = ["Lisbon", "Oslo"]
@@ -67,6 +74,8 @@ class Command(BaseCommand):
                 enqueue("demo.llm_chain", input={"steps": 2}),
                 enqueue("demo.llm_chain", input={"steps": 4}),  # passes its token budget
             ]
+            if find_agent(ASSISTANT) is not None:  # the Pydantic AI agent, where installed
+                runs.append(enqueue(ASSISTANT, input=ASSISTANT_INPUT))
         ids = [run.pk for run in runs]
         self.stdout.write(f"Enqueued {len(ids)} runs: {', '.join(map(str, ids))}")
         verbose = options["verbosity"] > 1
@@ -81,6 +90,7 @@ class Command(BaseCommand):
         finally:
             worker_log.setLevel(level)
         self._print_runs(ids, verbose)
+        self._print_assistant(ids)
         left = AgentRun.objects.filter(pk__in=ids, status__in=UNFINISHED).count()
         if left:
             raise CommandError(f"{left} run{'' if left == 1 else 's'} left unfinished "
@@ -108,6 +118,8 @@ class Command(BaseCommand):
                 approve(refund, REFUND_KEY, by="demo-operator", note="partial refund",
                         proposal={"order": 1042, "amount": 60, "reason": "late delivery"})
                 continue
+            if self._approve_tool_calls(runs):
+                continue
             unfinished = runs.filter(status__in=UNFINISHED)
             if not unfinished.exclude(status=Status.WAITING).exists():
                 return  # all finished, or only waits nobody here will answer
@@ -115,6 +127,25 @@ class Command(BaseCommand):
             due = unfinished.filter(status=Status.QUEUED).aggregate(at=Min("available_at"))
             ahead = (due["at"] - timezone.now()).total_seconds() if due["at"] else 0.05
             time.sleep(min(LONGEST_NAP, max(0.05, ahead), max(0.0, deadline - time.monotonic())))
+
+    def _approve_tool_calls(self, runs: Any) -> bool:
+        """Approve the Pydantic AI assistant's tool calls waiting for a person (on the run's
+        admin page, an operator's Approve): whether there was one."""
+        waits = RunWait.objects.filter(
+            run__in=runs.filter(agent=ASSISTANT, status=Status.WAITING),
+            kind=RunWait.Kind.APPROVAL, delivered_at__isnull=True).select_related("run")
+        answered = False
+        for wait in waits:
+            if wait.run.wait_key != wait.key:
+                continue
+            prompt = wait.prompt if isinstance(wait.prompt, dict) else {}
+            call = prompt.get("proposal") if isinstance(prompt.get("proposal"), dict) else {}
+            self.stdout.write(f"Run {wait.run_id} ({ASSISTANT}, Pydantic AI) asks to call "
+                              f"{call.get('tool')}({_short(call.get('args'), 40)}); "
+                              "approving it as demo-operator.")
+            approve(wait.run_id, wait.key, by="demo-operator", note="within policy")
+            answered = True
+        return answered
 
     def _print_runs(self, ids: list[int], verbose: bool) -> None:
         self.stdout.write("")
@@ -132,6 +163,14 @@ class Command(BaseCommand):
                     self.stdout.write(f"      {event.seq:>4}  {event.attempt:>3}  "
                                       f"{event.type:<16} {_short(event.payload)}")
 
+    def _print_assistant(self, ids: list[int]) -> None:
+        """The Pydantic AI assistant's streamed answer, whole, and which model wrote it."""
+        run = AgentRun.objects.filter(pk__in=ids, agent=ASSISTANT).first()
+        if run is None or not isinstance(run.output, dict):
+            return
+        self.stdout.write(f"\nRun {run.pk} ({ASSISTANT}, model {run.output['model']}) answered: "
+                          f"{_short(run.output['answer'], 200)}")
+
     def _next_steps(self) -> None:
         python = _python()
         self.stdout.write(self.style.SUCCESS("\nEvery run finished.") + " Next steps:")
@@ -139,7 +178,10 @@ class Command(BaseCommand):
         self.stdout.write(f"  {python} manage.py runserver")
         self.stdout.write("  then open http://127.0.0.1:8000/admin/django_agentruns/agentrun/"
                           " (the runs, each with its timeline; Overview at the top right)")
-        self.stdout.write("  and http://127.0.0.1:8000/demo/live/ (a reply streamed live, "
+        self.stdout.write("  and http://127.0.0.1:8000/demo/live/ (the Pydantic AI assistant "
+                          "streams its answer and waits for your approval in the admin; "
                           "with a worker running: manage.py runworker)")
+        self.stdout.write("  A real model for the assistant: OPENAI_API_KEY=... (or "
+                          "OPENAI_BASE_URL=...) and DEMO_MODEL=gpt-4o-mini")
         self.stdout.write("  Each run's timeline and the worker's log: manage.py demo "
                           "--verbosity 2")
