@@ -13,7 +13,9 @@ time, after each fill step.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -55,9 +57,17 @@ def check_disk(events: int, path: str = "/") -> tuple[int, int]:
 
 def fill(conn: psycopg.Connection[Any], runs: int, layout_env: dict[str, str]) -> None:
     """Add `runs` finished runs with their events and a checkpoint each, in batches."""
-    state = json.dumps({"messages": ["x" * (STATE_BYTES // 10)] * 9, "step": 7})
-    payload = json.dumps({"role": "assistant", "tool": "search",
-                          "text": "y" * (EVENT_BYTES - 60)})
+    # Random text, as a model's messages are: a repeated string would compress to nothing
+    # in TOAST and make the sizes meaningless. md5 gives 32 characters a call.
+    # The subqueries name an outer column, or PostgreSQL would run them once for all rows,
+    # and an inner one, or the aggregate would belong to the outer query.
+    def state(row: str) -> str:
+        return ("jsonb_build_object('step', 7, 'messages', (SELECT jsonb_agg(md5(random()::text"
+                f" || {row} || i)) FROM generate_series(1, {STATE_BYTES // 34}) i))")
+
+    payload = ("jsonb_build_object('role', 'assistant', 'tool', 'search', 'text', (SELECT "
+               "string_agg(md5(random()::text || r || '.' || s || i), ' ') FROM generate_series(1, "
+               f"{(EVENT_BYTES - 60) // 33}) i))")
     done = 0
     while done < runs:
         n = min(BATCH_RUNS, runs - done)
@@ -72,9 +82,9 @@ def fill(conn: psycopg.Connection[Any], runs: int, layout_env: dict[str, str]) -
                 " release_dedupe_at_start)"
                 " SELECT 'bench.llm', 'history', 0, '', 0, '{\"ticket\": 1}', '{\"label\": 1}',"
                 " 'succeeded', 'completed', 1, 0, 3, '', now(), '', 0, 900, 300, 0.01,"
-                " %s::jsonb, 1, 1, '', '', '', '', now() - interval '40 days',"
+                f" {state('g')}, 1, 1, '', '', '', '', now() - interval '40 days',"
                 " now() - interval '40 days', now() - interval '40 days', '', '', '', false"
-                " FROM generate_series(1, %s) RETURNING id", [state, n]).fetchall()]
+                " FROM generate_series(1, %s) g RETURNING id", [n]).fetchall()]
         if layout_env.get("BENCH_HISTORY_PARTITION"):
             subprocess.run([sys.executable, "-m", "django", "partitions", "ensure"],
                            env=layout_env, cwd=REPO_ROOT, check=True,
@@ -83,19 +93,25 @@ def fill(conn: psycopg.Connection[Any], runs: int, layout_env: dict[str, str]) -
             conn.execute(
                 "INSERT INTO django_agentruns_runevent (run_id, seq, event_id, type, payload,"
                 " attempt, created_at) SELECT r, s, gen_random_uuid(), 'llm.message',"
-                " %s::jsonb, 1, now() FROM unnest(%s::bigint[]) r, generate_series(1, %s) s",
-                [payload, ids, EVENTS_PER_RUN])
+                f" {payload}, 1, now() FROM unnest(%s::bigint[]) r, generate_series(1, %s) s",
+                [ids, EVENTS_PER_RUN])
             conn.execute(
                 "INSERT INTO django_agentruns_runcheckpoint (run_id, number, state, created_at)"
-                " SELECT r, 1, %s::jsonb, now() FROM unnest(%s::bigint[]) r", [state, ids])
+                f" SELECT r, 1, {state('r')}, now() FROM unnest(%s::bigint[]) r", [ids])
         done += n
     conn.execute("VACUUM ANALYZE")
 
 
-def probe(env: dict[str, str], calls: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-m", "bench.history_probe", str(calls)], env=env,
-                         cwd=REPO_ROOT, check=True, capture_output=True, text=True)
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+def probe(env: dict[str, str], calls: int, rounds: int = 3) -> dict[str, float]:
+    """Medians over `rounds` probe processes of each figure, and the load average: the
+    machine is shared, and one probe's p99 is one slow moment."""
+    seen: list[dict[str, float]] = []
+    for _ in range(rounds):
+        out = subprocess.run([sys.executable, "-m", "bench.history_probe", str(calls)],
+                             env=env, cwd=REPO_ROOT, check=True, capture_output=True, text=True)
+        seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {**{k: statistics.median(s[k] for s in seen) for k in seen[0]},
+            "load1": os.getloadavg()[0]}
 
 
 def wal_lsn(admin: Admin) -> int:
@@ -186,7 +202,7 @@ def run_layout(layout: str, points: list[int], span: int, calls: int) -> LayoutR
 
 
 def main(events: int, points: list[int] | None = None, span: int = 50_000,
-         calls: int = 300) -> list[LayoutResult]:
+         calls: int = 200) -> list[LayoutResult]:
     points = sorted(points or [min(events, 1_000_000), events])
     points = sorted(set(points))
     needed, free = check_disk(points[-1])
