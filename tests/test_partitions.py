@@ -9,6 +9,7 @@ back in PostgreSQL), so the shared test database keeps its plain tables for the 
 from __future__ import annotations
 
 import importlib
+import json
 import uuid
 from datetime import timedelta
 from io import StringIO
@@ -316,3 +317,49 @@ def test_ensure_skips_while_another_process_holds_its_lock(partitioned: int) -> 
     finally:
         other.close()
     assert len(partitions.ensure().created) == len(partitions.history_tables())
+
+
+@pytest.mark.postgres_only
+@pytest.mark.slow
+def test_a_fresh_install_is_partitioned_and_a_real_worker_writes_across_a_boundary(
+        db: None) -> None:
+    """Migration 0016 on a new database with the setting on, then a worker process: it
+    makes the partitions the next runs need itself, and their history lands in them."""
+    url = helpers.database_url(connection.settings_dict)
+    server, name = url.rsplit("/", 1)[0], f"{connection.settings_dict['NAME']}_fresh_parts"
+    with psycopg.connect(f"{server}/postgres", autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.execute(f'CREATE DATABASE "{name}"')
+    env = {**helpers.subprocess_env(connection.settings_dict), "DATABASE_URL": f"{server}/{name}",
+           "AGENTRUNS_TEST_SETTINGS": json.dumps({"HISTORY_PARTITION": 1000})}
+    try:
+        done = helpers.run_manage(["migrate", "-v", "0"], env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        with psycopg.connect(f"{server}/{name}", autocommit=True) as fresh:
+            parts = fresh.execute("SELECT count(*) FROM pg_partitioned_table").fetchone()
+            assert parts == (len(partitions.history_tables()),)
+            # The next runs' ids straddle 2000, past the partitions migrate made ([0, 2000)).
+            fresh.execute("SELECT setval(pg_get_serial_sequence('django_agentruns_agentrun', "
+                          "'id'), 1995)")
+        enq = helpers.run_manage(["shell", "-c", "from django_agentruns import enqueue; "
+                                  "[enqueue('tests.steps', {'steps': 2}) for _ in range(10)]"],
+                                 env)
+        assert enq.returncode == 0, enq.stderr
+        work = helpers.run_manage(["runworker", "--burst"], env, timeout=120)
+        assert work.returncode == 0, work.stderr
+        with psycopg.connect(f"{server}/{name}", autocommit=True) as fresh:
+            statuses = fresh.execute("SELECT status, count(*) FROM django_agentruns_agentrun "
+                                     "GROUP BY status").fetchall()
+            assert statuses == [("succeeded", 10)]
+            rows = fresh.execute("SELECT tableoid::regclass::text, run_id FROM "
+                                 "django_agentruns_runevent").fetchall()
+            runs = {run_id for _, run_id in rows}
+            assert runs == set(range(1996, 2006))
+            for table, run_id in rows:
+                assert table == f"django_agentruns_runevent_p{run_id // 1000 * 1000}"
+            checkpoints = fresh.execute("SELECT count(DISTINCT run_id) FROM "
+                                        "django_agentruns_runcheckpoint").fetchone()
+            assert checkpoints == (10,)
+    finally:
+        with psycopg.connect(f"{server}/postgres", autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
