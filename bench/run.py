@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from bench import fair, llm
+from bench import fair, history, llm
 from bench.engines import ENGINES, OURS, OURS_POOL, PEERS, Engine
 from bench.harness import (
     RUN_DB,
@@ -497,12 +497,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run of about 2 minutes")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 quick)")
     parser.add_argument("--no-sqlite", action="store_true", help="skip the SQLite extra rows")
-    parser.add_argument("--only", choices=["llm", "fair"], default=None,
-                        help="only the LLM-shaped rows (bench/llm.py): their section of the "
-                             "output is replaced, the rest kept; or only fair shares "
-                             "(bench/fair.py), printed and written to bench/fair_results.md")
+    parser.add_argument("--only", choices=["llm", "fair", "history"], default=None,
+                        help="llm: only the LLM-shaped rows (bench/llm.py): their section of "
+                             "the output is replaced, the rest kept; fair: fair shares "
+                             "(bench/fair.py), printed and written to bench/fair_results.md; "
+                             "history: the long-horizon history bench (bench/history.py), "
+                             "printed only")
+    parser.add_argument("--events", type=int, default=1_000_000,
+                        help="history: events to fill (measured at 1M and at this many)")
+    parser.add_argument("--span", type=int, default=50_000,
+                        help="history: HISTORY_PARTITION of the partitioned layout")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.only == "history":
+        history.main(args.events, span=args.span)
+        return 0
     plan = QUICK if args.quick else FULL
     if args.reps is not None:
         if args.reps < 1:

@@ -58,7 +58,9 @@ AGENTRUNS = {"POLL_INTERVAL": 1.0,
              "PREPARED_STATEMENTS": env.bool("BENCH_PREPARED", default=True),
              "LISTEN_DATABASE": "listen" if "listen" in DATABASES else None,
              # bench/fair.py: weights of the fairness groups of its runs (JSON)
-             "FAIR_WEIGHTS": env.json("BENCH_FAIR_WEIGHTS", default={})}
+             "FAIR_WEIGHTS": env.json("BENCH_FAIR_WEIGHTS", default={}),
+             # bench/history.py: the partitioned layout's span (run ids per partition).
+             "HISTORY_PARTITION": env.int("BENCH_HISTORY_PARTITION", default=0) or None}
 
 # django-tasks-db: the database backend of Django's task framework.
 TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}

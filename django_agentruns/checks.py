@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.utils.module_loading import import_string
 
-from .conf import SETTING_NAME, AppSettings, Defaults
+from .conf import SETTING_NAME, AppSettings, Defaults, app_settings
 from .fairness import weight_problem
 from .pricing import problem as price_problem
 from .registry import QUEUE_RULE, is_queue_name
@@ -35,6 +35,8 @@ W003_SHORT_LEASE = "agentruns.W003"
 W004_RECONNECT_PER_RUN = "agentruns.W004"
 W008_CONNECTIONS = "agentruns.W008"
 W009_PINNED_VERSIONS = "agentruns.W009"
+E020_BAD_HISTORY_PARTITION = "agentruns.E020"
+W020_HISTORY_LAYOUT = "agentruns.W020"
 
 SHORTEST_SENSIBLE_LEASE = 1.0
 # Both SQLite warnings give the one fix, with the values SQLITE_OPTIONS and the guides use.
@@ -373,3 +375,32 @@ def check_pinned_versions(app_configs: Any = None, databases: Any = None,
                     hint=f"Keep a worker with version {row.version} of {row.agent!r} running "
                          f"until they finish, or give @agent a migrate(state, from_version).",
                     id=W009_PINNED_VERSIONS) for row in rows]
+
+
+@register()
+def check_history_partition(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    from .ops.partitions import setting_problem
+
+    raw = getattr(settings, SETTING_NAME, None)
+    problem = setting_problem(raw.get("HISTORY_PARTITION")) if isinstance(raw, dict) else None
+    return [Error(f"{SETTING_NAME}['HISTORY_PARTITION'] {problem}.",
+                  hint="Run ids per partition, e.g. 1_000_000 (docs/history.md).",
+                  id=E020_BAD_HISTORY_PARTITION)] if problem else []
+
+
+@register(Tags.database)
+def check_history_layout(app_configs: Any = None, databases: Any = None,
+                         **kwargs: Any) -> list[CheckMessage]:
+    """The history tables' layout against HISTORY_PARTITION: a setting changed after
+    `migrate`. Asked only with databases (`migrate`, `check --database default`)."""
+    if not databases:
+        return []
+    from .ops.partitions import layout_problems, setting_problem
+
+    if setting_problem(app_settings.HISTORY_PARTITION):
+        return []  # E020 says it
+    try:
+        found = layout_problems()
+    except Exception:  # not migrated yet, or no database to read
+        return []
+    return [Warning(problem, hint=hint, id=W020_HISTORY_LAYOUT) for problem, hint in found]

@@ -126,6 +126,10 @@ class Defaults:
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""
+    HISTORY_PARTITION: int | None = None
+    """PostgreSQL: run ids per partition of the history tables (events, checkpoints, waits,
+    steps, usage, chunks), e.g. 1_000_000; old history then goes by dropping partitions
+    (docs/history.md). None: plain tables. Read by migrate; SQLite ignores it."""
 
 
 # Read on every setting lookup, some of them per run: built once.

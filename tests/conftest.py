@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import django
 import pytest
@@ -118,3 +119,33 @@ def fake_provider() -> Iterator[fakeprovider.FakeProvider]:
     give a worker subprocess `fake_provider.env()` to reach it."""
     with fakeprovider.FakeProvider() as provider:
         yield provider
+
+
+HISTORY_SPAN = 1000
+
+
+@pytest.fixture(params=["plain", "partitioned"])
+def history_layout(request: pytest.FixtureRequest, settings: Any) -> Iterator[str]:
+    """Runs a test on plain history tables, then (PostgreSQL) on history partitioned by run
+    id (`HISTORY_PARTITION`). The conversion is DDL inside the test's transaction, which
+    PostgreSQL rolls back with it: the next test finds the plain tables again. On SQLite the
+    setting is on too, and ignored: the same plain tables."""
+    if request.param == "plain":
+        yield "plain"
+        return
+    marker = request.node.get_closest_marker("django_db")
+    if "transactional_db" in request.fixturenames or "live_server" in request.fixturenames or \
+            (marker is not None and marker.kwargs.get("transaction")):
+        pytest.skip("partitioned layout only under a rolled-back test transaction")
+    from django_agentruns.ops import partitions
+
+    settings.AGENTRUNS = {**(getattr(settings, "AGENTRUNS", None) or {}),
+                          "HISTORY_PARTITION": HISTORY_SPAN}
+    request.getfixturevalue("db")
+    if connection.vendor == "postgresql":
+        partitions.convert(HISTORY_SPAN)
+        assert partitions.partitioned_tables() == set(partitions.history_tables())
+    else:
+        assert partitions.span() is None
+        assert not partitions.partitioned_tables()
+    yield "partitioned"

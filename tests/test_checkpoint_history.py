@@ -17,6 +17,9 @@ from django_agentruns.models import AgentRun, RunCheckpoint
 from django_agentruns.outcomes import AttemptRef, Renewal
 from django_agentruns.registry import scope_policy
 
+# Each test runs on plain history tables and on partitioned ones (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("history_layout")
+
 
 def numbers(run_id: int) -> list[int]:
     return list(RunCheckpoint.objects.filter(run_id=run_id).order_by("number")

@@ -25,6 +25,9 @@ from tests.testapp.models import SideEffect
 
 STEPS = 6
 
+# Each test runs on plain history tables and on partitioned ones (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("history_layout")
+
 
 def claim_one(worker: str = "w-test", ttl: float = 2.0) -> AttemptRef:
     [run] = transitions.claim(worker, ["default"], 1, scope_policy(), {}, ttl)

@@ -206,7 +206,10 @@ def test_every_check_id_is_exercised() -> None:
                                                  checks.W004_RECONNECT_PER_RUN,
                                                  checks.W008_CONNECTIONS,
                                                  # tests/test_step_replay.py
-                                                 checks.W009_PINNED_VERSIONS}
+                                                 checks.W009_PINNED_VERSIONS,
+                                                 # tests/test_partitions.py
+                                                 checks.E020_BAD_HISTORY_PARTITION,
+                                                 checks.W020_HISTORY_LAYOUT}
     assert exercised == CHECK_IDS
     assert len(CHECK_IDS) >= 7
 

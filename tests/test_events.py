@@ -22,6 +22,9 @@ LIFECYCLE = {transitions.STARTED, transitions.SUCCEEDED, transitions.RETRYING,
              transitions.DEAD_LETTERED, transitions.CANCELLED, transitions.CANCEL_REQUESTED,
              transitions.ABANDONED, transitions.RETRIED, transitions.CHECKPOINT}
 
+# Each test runs on plain history tables and on partitioned ones (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("history_layout")
+
 
 def run_burst() -> None:
     Worker(burst=True, reap_interval=0, max_contention_wait=10).run(install_signals=False)

@@ -23,6 +23,9 @@ from django_agentruns.runtime.worker import Worker
 from tests import helpers
 from tests.testapp.step_agents import executions
 
+# Each test runs on plain history tables and on partitioned ones (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("history_layout")
+
 
 def burst() -> None:
     Worker(burst=True, reap_interval=0).run(install_signals=False)

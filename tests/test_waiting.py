@@ -37,6 +37,9 @@ from tests.testapp.models import SideEffect
 
 WORKER = ["runworker", "--queues", "waiting,default", "--concurrency", "1"]
 
+# Each test runs on plain history tables and on partitioned ones (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("history_layout")
+
 
 def status(run_id: int) -> str:
     return AgentRun.objects.values_list("status", flat=True).get(pk=run_id)

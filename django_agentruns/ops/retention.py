@@ -34,6 +34,7 @@ from ..models import (
     StreamChunk,
 )
 from ..queries import dead_letter
+from . import partitions
 
 logger = logging.getLogger("django_agentruns.retention")
 
@@ -90,6 +91,7 @@ class PurgeReport:
     runs: int = 0
     events: int = 0
     batches: int = 0
+    partitions: list[str] | None = None  # dropped (or, dry run, droppable) partitions
 
 
 def purgeable(
@@ -125,10 +127,17 @@ def purge(
     report = PurgeReport()
     if dry_run:
         report.runs = AgentRun.objects.filter(where).count()
-        report.events = RunEvent.objects.filter(
-            run_id__in=AgentRun.objects.filter(where).values("id")).count()
+        if RunEvent._meta.db_table in partitions.partitioned_tables():
+            # Events go with their partition, not with their run.
+            report.partitions = partitions.drop(dry_run=True, going=where).dropped
+        else:
+            report.events = RunEvent.objects.filter(
+                run_id__in=AgentRun.objects.filter(where).values("id")).count()
         return report
     prune_finished_chunks()
+    # Partitioned history stays where it is: its partition goes once all its runs are gone.
+    keep = {m for m in partitions.HISTORY_MODELS
+            if m._meta.db_table in partitions.partitioned_tables()}
     while True:
         with transaction.atomic():
             # Locked (PostgreSQL; SQLite's IMMEDIATE transaction holds the write lock): an
@@ -136,18 +145,23 @@ def purge(
             batch = list(AgentRun.objects.filter(where).order_by("id").select_for_update()
                          .values_list("id", flat=True)[:batch_size])
             if not batch:
-                return report
-            deleted = delete_runs(batch, batch_size)
-        runs, events = deleted[AgentRun], deleted[RunEvent]
+                break
+            deleted = delete_runs(batch, batch_size, keep=keep)
+        runs, events = deleted[AgentRun], deleted.get(RunEvent, 0)
         report.runs += runs
         report.events += events
         report.batches += 1
         if progress is not None:
             progress(report)
+    if keep:
+        report.partitions = partitions.drop().dropped
+    return report
 
 
-def delete_runs(run_ids: list[int], batch_size: int = 1000) -> dict[type[models.Model], int]:
-    """Delete these runs and every row they own; clear the links other runs keep to them.
+def delete_runs(run_ids: list[int], batch_size: int = 1000, *,
+                keep: Iterable[type[models.Model]] = ()) -> dict[type[models.Model], int]:
+    """Delete these runs and every row they own, but for the tables in `keep` (partitioned
+    history, left to the partition's drop); clear the links other runs keep to them.
     Rows deleted per model. The caller holds the runs (a locked read in its transaction).
 
     The owned rows go first, by run, so the runs' own delete has nothing left to cascade
@@ -156,6 +170,8 @@ def delete_runs(run_ids: list[int], batch_size: int = 1000) -> dict[type[models.
     counts: dict[type[models.Model], int] = {}
     with transaction.atomic():
         for model, field, payloads in OWNED_BY_RUN:
+            if model in keep:
+                continue
             counts[model] = _delete_owned(model, field, payloads, run_ids, batch_size)
         for model, field in LINKS_TO_RUN:
             model._base_manager.filter(**{f"{field}_id__in": run_ids}).update(**{field: None})

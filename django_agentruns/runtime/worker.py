@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import os
 import signal
 import socket
@@ -33,7 +34,7 @@ from ..conf import app_settings
 from ..db import close_all_connections
 from ..exceptions import AgentRunsError
 from ..models import AgentRun
-from ..ops import visibility
+from ..ops import partitions, visibility
 from ..outcomes import AttemptRef, Settlement, StopReason
 from ..queues import PausedSet
 from ..registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
@@ -54,6 +55,7 @@ logger = logging.getLogger("django_agentruns.worker")
 CONTENTION_START = 0.002
 CONTENTION_MAX = 0.1
 LAPSED_SCAN_INTERVAL = 1.0
+ENSURE_INTERVAL = 10.0  # seconds between a worker's looks at the history partitions
 
 
 class ContentionTimeout(AgentRunsError):
@@ -111,6 +113,7 @@ class Worker:
         self._listener: Listener | None = None
         self._signals = 0
         self._last_reap = 0.0
+        self._last_ensure = -math.inf
         self._last_lapsed_scan = 0.0
         self._limited = LimitedClaim(LAPSED_SCAN_INTERVAL)  # flow control
         self._fair = FairClaim(LAPSED_SCAN_INTERVAL)  # fair shares, once a group exists
@@ -197,6 +200,7 @@ class Worker:
             try:
                 close_old_connections()
                 self._maybe_reap()
+                self._maybe_ensure_partitions()
                 self._ticker.tick()
                 claimed = self._claim()
                 errors = 0
@@ -268,6 +272,20 @@ class Worker:
                            ", ".join(sorted({agent for _, agent in left})),
                            extra={"worker_id": self.worker_id})
         return False
+
+    def _maybe_ensure_partitions(self) -> None:
+        """Partitioned history: make the partitions new runs will need, from every worker
+        (no leader; a try-lock lets one do the DDL at a time), once per ENSURE_INTERVAL: one
+        catalog read and a sequence read when nothing is due."""
+        now = time.monotonic()
+        if now - self._last_ensure < ENSURE_INTERVAL:
+            return
+        self._last_ensure = now
+        if partitions.span() is not None:
+            created = partitions.ensure().created
+            if created:
+                logger.info("created history partitions %s", ", ".join(created),
+                            extra={"worker_id": self.worker_id})
 
     def _maybe_reap(self) -> None:
         if self.reap_interval <= 0:

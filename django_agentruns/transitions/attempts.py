@@ -104,7 +104,7 @@ def emit(
             return renewal
         added = append_one((ref.run_id, type_, payload, ref.attempt, event_id), at,
                            unless_exists=True, below=max_events)
-        if not added and max_events is not None and not event_exists(event_id):
+        if not added and max_events is not None and not event_exists(ref.run_id, event_id):
             raise LimitExceeded(f"run {ref.run_id} holds {max_events} events, the most "
                                 f"{SETTING_NAME}['MAX_EVENTS_PER_RUN'] allows; the event "
                                 f"{type_!r} was not recorded")

@@ -243,7 +243,9 @@ def _refuse_over_cap(missing: list[EmitWrite]) -> None:
     its run's cap fails, as `transitions.emit` does (the store retries the others alone)."""
     if not missing:
         return
-    stored = set(RunEvent.objects.filter(event_id__in=[w.event_id for w in missing])
+    # By run too: partitioned history is keyed (run_id, event_id), one partition a run.
+    stored = set(RunEvent.objects.filter(run_id__in={w.ref.run_id for w in missing},
+                                         event_id__in=[w.event_id for w in missing])
                  .values_list("event_id", flat=True))
     for write in missing:
         if write.event_id not in stored and write.max_events is not None:

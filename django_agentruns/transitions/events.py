@@ -92,8 +92,10 @@ def append_one(
         where.append("last.seq < %s")
         params.append(below)
     if unless_exists:
-        where.append(f"NOT EXISTS (SELECT 1 FROM {table} WHERE event_id = %s)")
-        params.append(params[1])
+        # By run too: with partitioned history the key is (run_id, event_id), and the
+        # run id confines the look-up to one partition.
+        where.append(f"NOT EXISTS (SELECT 1 FROM {table} WHERE run_id = %s AND event_id = %s)")
+        params += [run_id, params[1]]
     if where:
         sql += " WHERE " + " AND ".join(where)
     with connection.cursor() as cursor:
@@ -101,8 +103,8 @@ def append_one(
         return bool(cursor.rowcount)
 
 
-def event_exists(event_id: uuid.UUID) -> bool:
-    return RunEvent.objects.filter(event_id=event_id).exists()
+def event_exists(run_id: int, event_id: uuid.UUID) -> bool:
+    return RunEvent.objects.filter(run_id=run_id, event_id=event_id).exists()
 
 
 def _prep(name: str, value: Any) -> Any:

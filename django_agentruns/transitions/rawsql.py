@@ -209,7 +209,8 @@ def insert_new_events(
     sql = (f"WITH v AS {json_rows(_NEW_EVENT)} "
            f"INSERT INTO {table} (run_id, seq, event_id, type, payload, attempt, created_at) "
            f"SELECT v.run_id, {last} + 1, v.event_id, v.type, v.payload, v.attempt, %s "
-           f"FROM v WHERE NOT EXISTS (SELECT 1 FROM {table} x WHERE x.event_id = v.event_id) "
+           f"FROM v WHERE NOT EXISTS (SELECT 1 FROM {table} x WHERE x.run_id = v.run_id "
+           f"AND x.event_id = v.event_id) "
            f"AND (v.cap IS NULL OR {last} < v.cap) RETURNING run_id")
     return sql, [json_values(rows, [t for _, t in _NEW_EVENT]),
                  prep(RunEvent, "created_at", at)]

@@ -54,3 +54,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         verb = "would delete" if options["dry_run"] else "deleted"
         self.stdout.write(f"{verb} {report.runs} runs and {report.events} events")
+        if report.partitions:
+            verb = "would drop" if options["dry_run"] else "dropped"
+            self.stdout.write(f"{verb} {len(report.partitions)} history partition(s): "
+                              f"{', '.join(report.partitions)}")

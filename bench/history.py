@@ -1,0 +1,219 @@
+"""Long-horizon history bench (`python -m bench --only history`): claim and enqueue latency
+over a large history, plain tables against partitioned ones (`HISTORY_PARTITION`), and
+dropping one partition of history against deleting the same runs' rows.
+
+Each layout is filled and measured in a database of its own, dropped before the next.
+The fill is set-based SQL (INSERT ... SELECT generate_series), never the worker: finished
+runs of an LLM-shaped agent, EVENTS_PER_RUN events of about 500 bytes of JSON each and one
+checkpoint of about STATE_BYTES of state (kept on the run row too, as the engine keeps its
+latest). Latencies are measured by a Django process (bench.history_probe) one call at a
+time, after each fill step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from bench.pg import REPO_ROOT, Admin, db_url, django_env, migrate
+
+EVENTS_PER_RUN = 10
+STATE_BYTES = 3000
+EVENT_BYTES = 500
+BYTES_PER_EVENT = 1700
+"""Disk per event filled, all tables, indexes and WAL in flight (measured: about 1.2 KB
+stored per event at these sizes; WAL and headroom on top)."""
+BATCH_RUNS = 20_000
+PREFIX = "agentruns_bench_history"
+
+HISTORY = ("django_agentruns_runevent", "django_agentruns_runcheckpoint")
+
+
+@dataclass
+class LayoutResult:
+    layout: str
+    points: dict[int, dict[str, float]] = field(default_factory=dict)
+    drop: dict[str, float] = field(default_factory=dict)
+    sizes: dict[str, float] = field(default_factory=dict)
+
+
+def needed_bytes(events: int) -> int:
+    return events * BYTES_PER_EVENT
+
+
+def check_disk(events: int, path: str = "/") -> tuple[int, int]:
+    """(needed, free) bytes; one layout's database exists at a time."""
+    return needed_bytes(events), shutil.disk_usage(path).free
+
+
+def fill(conn: psycopg.Connection[Any], runs: int, layout_env: dict[str, str]) -> None:
+    """Add `runs` finished runs with their events and a checkpoint each, in batches."""
+    # Random text, as a model's messages are: a repeated string would compress to nothing
+    # in TOAST and make the sizes meaningless. md5 gives 32 characters a call.
+    # The subqueries name an outer column, or PostgreSQL would run them once for all rows,
+    # and an inner one, or the aggregate would belong to the outer query.
+    def state(row: str) -> str:
+        return ("jsonb_build_object('step', 7, 'messages', (SELECT jsonb_agg(md5(random()::text"
+                f" || {row} || i)) FROM generate_series(1, {STATE_BYTES // 34}) i))")
+
+    payload = ("jsonb_build_object('role', 'assistant', 'tool', 'search', 'text', (SELECT "
+               "string_agg(md5(random()::text || r || '.' || s || i), ' ') FROM generate_series(1, "
+               f"{(EVENT_BYTES - 60) // 33}) i))")
+    done = 0
+    while done < runs:
+        n = min(BATCH_RUNS, runs - done)
+        with conn.transaction():
+            ids = [r[0] for r in conn.execute(
+                "INSERT INTO django_agentruns_agentrun (agent, queue, priority, scope, fired_seq,"
+                " input, output, status, reason, attempt, requeue_count, max_requeues,"
+                " claimed_by, available_at, limit_key, snooze_count, input_tokens,"
+                " output_tokens, cost, checkpoint_state, checkpoint_count, agent_version,"
+                " cancel_reason, error_type, error_message, error_traceback, created_at,"
+                " started_at, finished_at, wait_key, spawn_key, dedupe_key,"
+                " release_dedupe_at_start)"
+                " SELECT 'bench.llm', 'history', 0, '', 0, '{\"ticket\": 1}', '{\"label\": 1}',"
+                " 'succeeded', 'completed', 1, 0, 3, '', now(), '', 0, 900, 300, 0.01,"
+                f" {state('g')}, 1, 1, '', '', '', '', now() - interval '40 days',"
+                " now() - interval '40 days', now() - interval '40 days', '', '', '', false"
+                " FROM generate_series(1, %s) g RETURNING id", [n]).fetchall()]
+        if layout_env.get("BENCH_HISTORY_PARTITION"):
+            subprocess.run([sys.executable, "-m", "django", "partitions", "ensure"],
+                           env=layout_env, cwd=REPO_ROOT, check=True,
+                           stdout=subprocess.DEVNULL)
+        with conn.transaction():
+            conn.execute(
+                "INSERT INTO django_agentruns_runevent (run_id, seq, event_id, type, payload,"
+                " attempt, created_at) SELECT r, s, gen_random_uuid(), 'llm.message',"
+                f" {payload}, 1, now() FROM unnest(%s::bigint[]) r, generate_series(1, %s) s",
+                [ids, EVENTS_PER_RUN])
+            conn.execute(
+                "INSERT INTO django_agentruns_runcheckpoint (run_id, number, state, created_at)"
+                f" SELECT r, 1, {state('r')}, now() FROM unnest(%s::bigint[]) r", [ids])
+        done += n
+    conn.execute("VACUUM ANALYZE")
+
+
+def probe(env: dict[str, str], calls: int, rounds: int = 3) -> dict[str, float]:
+    """Medians over `rounds` probe processes of each figure, and the load average: the
+    machine is shared, and one probe's p99 is one slow moment."""
+    seen: list[dict[str, float]] = []
+    for _ in range(rounds):
+        out = subprocess.run([sys.executable, "-m", "bench.history_probe", str(calls)],
+                             env=env, cwd=REPO_ROOT, check=True, capture_output=True, text=True)
+        seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {**{k: statistics.median(s[k] for s in seen) for k in seen[0]},
+            "load1": os.getloadavg()[0]}
+
+
+def wal_lsn(admin: Admin) -> int:
+    return int(admin.value("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn"))
+
+
+def measure_drop(admin: Admin, conn: psycopg.Connection[Any], layout: str, env: dict[str, str],
+                 span: int) -> dict[str, float]:
+    """Purge the runs of the oldest span, then time getting rid of their history: the
+    partitions' drop, or the plain tables' DELETE by batches of 1,000 runs (as purge did)."""
+    # The first span holding filled runs only (the probes' runs came before the fill).
+    first = conn.execute("SELECT min(id) FROM django_agentruns_agentrun WHERE agent = "
+                         "'bench.llm'").fetchone()[0]
+    lo = (int(first) // span + 1) * span
+    hi = lo + span
+    rows = int(conn.execute("SELECT count(*) FROM django_agentruns_runevent WHERE run_id >= %s"
+                            " AND run_id < %s", [lo, hi]).fetchone()[0])
+    runs = "DELETE FROM django_agentruns_agentrun WHERE id >= %s AND id < %s"
+    if layout == "partitioned":  # purge deletes the runs, then drops what they leave
+        conn.execute(runs, [lo, hi])
+    conn.execute("CHECKPOINT")
+    if layout == "partitioned":  # ops.partitions.drop, timed in its own process
+        out = subprocess.run([sys.executable, "-m", "bench.history_probe", "drop"], env=env,
+                             cwd=REPO_ROOT, check=True, capture_output=True, text=True)
+        took, wal = json.loads(out.stdout.strip().splitlines()[-1])
+    else:  # the owned rows first, by batches of 1,000 runs, as purge deletes them
+        wal0, t0 = wal_lsn(admin), time.perf_counter()
+        for start in range(lo, hi, 1000):
+            with conn.transaction():
+                for table in HISTORY:
+                    conn.execute(f"DELETE FROM {table} WHERE run_id >= %s AND run_id < %s",
+                                 [start, min(hi, start + 1000)])
+        took, wal = time.perf_counter() - t0, wal_lsn(admin) - wal0
+        conn.execute(runs, [lo, hi])
+    time.sleep(1.5)  # the backend's counters reach pg_stat a moment after its commit
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    dead = conn.execute("SELECT COALESCE(sum(n_dead_tup), 0) FROM pg_stat_user_tables WHERE "
+                        "relname LIKE 'django_agentruns_runevent%%' OR relname LIKE "
+                        "'django_agentruns_runcheckpoint%%'").fetchone()[0]
+    return {"span_runs": span, "event_rows": rows, "seconds": took, "wal_bytes": wal,
+            "dead_tuples": int(dead)}
+
+
+def sizes(conn: psycopg.Connection[Any]) -> dict[str, float]:
+    runs = int(conn.execute("SELECT count(*) FROM django_agentruns_agentrun").fetchone()[0])
+    out: dict[str, float] = {"runs": runs}
+    for table in ("django_agentruns_agentrun", *HISTORY):
+        total = conn.execute(
+            "SELECT COALESCE(sum(pg_total_relation_size(relid)), 0), "
+            "COALESCE(sum(pg_indexes_size(relid)), 0) FROM (SELECT relid FROM "
+            "pg_partition_tree(%s::regclass) UNION SELECT %s::regclass) t",
+            [table, table]).fetchone()
+        out[f"{table}_mb_per_m_runs"] = float(total[0]) / 2**20 * 1e6 / max(runs, 1)
+        out[f"{table}_index_mb_per_m_runs"] = float(total[1]) / 2**20 * 1e6 / max(runs, 1)
+    return out
+
+
+def run_layout(layout: str, points: list[int], span: int, calls: int) -> LayoutResult:
+    admin = Admin()
+    name = f"{PREFIX}_{layout}"
+    admin.drop(name)
+    admin.execute(f'CREATE DATABASE "{name}"')
+    extra = {"BENCH_HISTORY_PARTITION": str(span)} if layout == "partitioned" else {}
+    env = django_env(db_url(name), **extra)
+    result = LayoutResult(layout)
+    try:
+        subprocess.run([sys.executable, "-m", "django", "migrate", "--verbosity", "0"],
+                       env=env, cwd=REPO_ROOT, check=True)
+        result.points[0] = probe(env, calls)
+        filled = 0
+        with psycopg.connect(db_url(name), autocommit=True) as conn:
+            for events in points:
+                runs = (events - filled) // EVENTS_PER_RUN
+                started = time.perf_counter()
+                fill(conn, runs, env)
+                filled = events
+                print(f"  {layout}: filled {events:,} events in "
+                      f"{time.perf_counter() - started:.0f} s", flush=True)
+                result.points[events] = probe(env, calls)
+                print(f"  {layout} at {events:,}: {result.points[events]}", flush=True)
+            result.sizes = sizes(conn)
+            result.drop = measure_drop(admin, conn, layout, env, span)
+            print(f"  {layout} drop: {result.drop}", flush=True)
+    finally:
+        admin.drop(name)
+        admin.close()
+    return result
+
+
+def main(events: int, points: list[int] | None = None, span: int = 50_000,
+         calls: int = 200) -> list[LayoutResult]:
+    points = sorted(points or [min(events, 1_000_000), events])
+    points = sorted(set(points))
+    needed, free = check_disk(points[-1])
+    print(f"history bench: {points[-1]:,} events, about {needed / 2**30:.1f} GiB of disk "
+          f"needed per layout (one at a time); {free / 2**30:.1f} GiB free", flush=True)
+    if free < 1.5 * needed:
+        raise SystemExit(f"refused: free disk ({free / 2**30:.1f} GiB) is under 1.5 times "
+                         f"what the fill needs ({needed / 2**30:.1f} GiB); pass fewer --events")
+    results = [run_layout(layout, points, span, calls) for layout in ("plain", "partitioned")]
+    print(json.dumps([r.__dict__ for r in results], indent=1))
+    return results
+
+
+_ = migrate  # the harness's template path is not used: each layout migrates its own database
