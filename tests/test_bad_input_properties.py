@@ -305,7 +305,8 @@ def test_cancel_and_retry_take_any_reason_and_operator(reason: Any, by: Any) -> 
 
 CAPS = {"MAX_INPUT_BYTES", "MAX_OUTPUT_BYTES", "MAX_STATE_BYTES", "MAX_EVENT_BYTES",
         "MAX_EVENTS_PER_RUN", "SCHEDULE_MAX_CATCH_UP", "MAX_STEPS_PER_RUN", "MAX_SPAWN_DEPTH",
-        "MAX_CHILDREN_PER_RUN", "MAX_DELIVERIES_PER_RUN"}
+        "MAX_CHILDREN_PER_RUN", "MAX_DELIVERIES_PER_RUN", "CHECKPOINT_HISTORY"}
+NONE_ALLOWED = {"CHECKPOINT_HISTORY"}  # None: no cap
 NUMBERS = {"LEASE_TTL", "POLL_INTERVAL", "BACKOFF_BASE", "BACKOFF_CAP", "REAP_INTERVAL",
            "GRACE", "MAX_REQUEUES", "CLAIM_BATCH", "BACKOFF_JITTER", "STREAMS_PER_USER",
            "STREAMS_PER_PROCESS", "WRITER_CONNECTIONS", "MAX_SNOOZES", "WAITERS_PER_PROCESS",
@@ -392,8 +393,10 @@ def good_number(key: str) -> st.SearchStrategy[Any]:
 
 def bad_number(key: str) -> st.SearchStrategy[Any]:
     """Values no numeric setting may hold: not numbers, not finite, out of range."""
-    wrong_type = st.none() | st.booleans() | odd_text | st.just(Decimal("1")) | \
+    wrong_type = st.booleans() | odd_text | st.just(Decimal("1")) | \
         st.lists(st.integers(), max_size=1) | st.just(10**400)
+    if key not in NONE_ALLOWED:
+        wrong_type |= st.none()
     not_finite = st.sampled_from([float("nan"), float("inf"), float("-inf")])
     if key in AT_LEAST_ONE:
         out = st.integers(max_value=0) | st.floats(min_value=1.5, max_value=10, exclude_max=True)
