@@ -15,7 +15,8 @@ class AgentRunsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from .ops import pooling, replica  # noqa: F401 - registers the system checks
+        from . import checks  # noqa: F401 - registers the system checks
+        from .ops import pooling, replica  # noqa: F401 - registers theirs
 
         # Like admin.py: every installed app's agents module registers its agents.
         autodiscover_modules("agents")

@@ -374,3 +374,18 @@ def test_runworker_warns_when_its_processes_could_pass_max_connections(
     assert [m.id for m in messages] == ([checks.W008_CONNECTIONS] if warns else [])
     if warns:
         assert f"--processes {processes}" in messages[0].msg
+
+
+def test_manage_py_check_runs_the_settings_checks_in_a_fresh_process() -> None:
+    """The app registers its checks itself (AppConfig.ready): a project that never imports
+    `django_agentruns.checks` still has a bad setting reported by `manage.py check`."""
+    import json
+    import os
+
+    from tests import helpers
+
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings",
+           "AGENTRUNS_TEST_SETTINGS": json.dumps({"LIMITS": {"b": {"per_hour": 3}}})}
+    result = helpers.run_manage(["check"], env)
+    assert result.returncode != 0
+    assert "agentruns.E011" in result.stderr, result.stderr
