@@ -70,8 +70,10 @@ def attempt_span(run: AgentRun, worker_id: str | None = None) -> Iterator[Attemp
     """A CONSUMER span named `process <queue>` around one attempt of `run` (as claimed).
 
     An exception escaping the block is recorded on the span (status ERROR) and re-raised.
+    With no SDK configured there is no span at all: it would record nothing, yet cost
+    Python per run.
     """
-    if trace is None:
+    if trace is None or not configured():
         yield AttemptSpan()
         return
     attributes: dict[str, str | int] = {
@@ -89,6 +91,13 @@ def attempt_span(run: AgentRun, worker_id: str | None = None) -> Iterator[Attemp
     with tracer.start_as_current_span(f"process {run.queue}", kind=SpanKind.CONSUMER,
                                       attributes=attributes) as span:
         yield AttemptSpan(span)
+
+
+def configured() -> bool:
+    """Whether the application set a tracer provider (an SDK): until it does, the API's
+    default proxy hands out spans that record nothing."""
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
 
 
 @contextmanager
