@@ -77,6 +77,10 @@ def describe(shape_: str) -> str:
     if shape_.startswith("WITH picked AS"):
         return ("claim in one statement: lock due agentrun (FOR UPDATE SKIP LOCKED), UPDATE "
                 "them, INSERT their runevent")
+    if shape_.startswith("WITH v (run_id, run_attempt") and "picked AS" in shape_:
+        return ("settle successes and claim the next in one statement: UPDATE agentrun FROM "
+                "VALUES, INSERT their runevent; lock due agentrun (SKIP LOCKED), UPDATE them, "
+                "INSERT their runevent")
     if shape_.startswith("WITH v (run_id, run_attempt"):
         return ("settle successes: UPDATE agentrun FROM VALUES"
                 + (", INSERT their runevent (one statement)" if "INSERT" in shape_ else ""))
@@ -288,6 +292,8 @@ def summarize_wall(raw: str) -> str:
 # Where on-CPU time goes: the phase a sample is in (first match from the outermost
 # django_agentruns frame inwards), and the library its innermost frame is in.
 PHASES = [
+    ("settle and claim (transitions.settle_and_claim)",
+     "settle_and_claim (django_agentruns/transitions/handover.py"),
     ("claim (transitions.claim)", "claim (django_agentruns/transitions/claiming.py"),
     ("attempt writes (store: transitions.apply_writes)", "apply_writes (django_agentruns/"),
     ("start an attempt (Worker._start: log, submit)", "Worker._start (django_agentruns/"),
