@@ -150,3 +150,31 @@ def test_successes_whose_statement_failed_are_written_by_the_store(
     assert worker.store is not None
     assert worker.store.writes == 1
     assert AgentRun.objects.filter(status=Status.SUCCEEDED).count() == 4
+
+
+@pytest.mark.postgres_only
+def test_a_statement_shape_seen_before_gets_the_same_parameters_without_its_text_built(
+) -> None:
+    from datetime import timedelta
+
+    from django_agentruns.transitions import due, rawsql
+
+    at = transitions.now()
+    compiled = due.compiled_due(connection.vendor, ("default",), ScopePolicy(), 2,
+                                ids_only=True, agents=frozenset({"tests.noop"}))
+    args = ([(7, 1, {"out": [1, 2]}, transitions.lifecycle_event_id()),
+             (8, 2, None, transitions.lifecycle_event_id())], WORKER, Status.RUNNING,
+            Status.SUCCEEDED, "completed", transitions.SUCCEEDED, compiled, at, Status.QUEUED,
+            {"tests.slow": at + timedelta(seconds=90)}, at + timedelta(seconds=30),
+            transitions.STARTED)
+    rawsql._SHAPES.clear()
+    built = rawsql.settle_and_claim(*args)
+    assert rawsql._SHAPES  # kept by shape
+    again = rawsql.settle_and_claim(*args)
+
+    def plain(params: list[Any]) -> list[Any]:
+        return [getattr(p, "obj", p) for p in params]  # psycopg's Jsonb wraps the value
+
+    assert again[0] is built[0]
+    assert plain(again[1]) == plain(built[1])
+    assert built[0].count("%s") == len(built[1])

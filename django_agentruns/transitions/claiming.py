@@ -120,7 +120,7 @@ def _claim_due_returning(
                                          special, at + timedelta(seconds=default_ttl), STARTED)
     with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
         cursor.execute(sql, params)
-        claimed = rawrows.runs_from(cursor)
+        claimed = rawrows.runs_from(cursor, sql=sql)
     claimed.sort(key=lambda r: (-r.priority, r.available_at, r.fired_seq, r.pk))
     return claimed
 

@@ -91,10 +91,10 @@ def _in_one_statement(
             cursor.execute(sql, params)
             fetched = cursor.fetchall()
             first = fetched[0]  # the LEFT JOIN answers one row at least
-            names = rawrows.column_names(cursor)
+            names = rawrows.column_names(cursor, sql)
             ids, parents = first[names.index("settled_ids")], \
                 first[names.index("settled_parents")]
-            claimed = rawrows.runs_from(cursor, fetched)
+            claimed = rawrows.runs_from(cursor, fetched, sql)
     except IntegrityError:
         return None
     done = set(ids or ())

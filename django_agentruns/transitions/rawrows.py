@@ -39,20 +39,27 @@ def _preparing_cursor_class() -> type:
     return PreparingCursor
 
 
-def column_names(cursor: Any) -> tuple[str, ...]:
-    """The names of a result's columns: from psycopg's result itself where there is one
-    (`description` builds an object per column, some 40 per claimed row's statement)."""
-    result = getattr(cursor, "pgresult", None)
-    if result is not None:
-        return tuple(result.fname(i).decode() for i in range(result.nfields))
-    return tuple(c.name for c in cursor.description)
+def column_names(cursor: Any, sql: str | None = None) -> tuple[str, ...]:
+    """The names of a result's columns, kept per statement text `sql` (`description`
+    builds an object per column, some 40 per claimed row, run after run)."""
+    columns = _COLUMNS.get(sql) if sql is not None else None
+    if columns is None:
+        columns = tuple(c.name for c in cursor.description)
+        if sql is not None and len(_COLUMNS) < 256:
+            _COLUMNS[sql] = columns
+    return columns
 
 
-def runs_from(cursor: Any, rows: list[Any] | None = None) -> list[AgentRun]:
+_COLUMNS: dict[str, tuple[str, ...]] = {}
+
+
+def runs_from(cursor: Any, rows: list[Any] | None = None,
+              sql: str | None = None) -> list[AgentRun]:
     """Model instances from the rows of a statement that returned whole AgentRun rows
-    (`rows`: those fetched already), converted as the ORM would (JSON decoded); any extra
-    column becomes an attribute. A row whose id is NULL (an outer join's) is no run."""
-    columns = column_names(cursor)
+    (`rows`: those fetched already; `sql`: its text, to keep its columns' names by),
+    converted as the ORM would (JSON decoded); any extra column becomes an attribute. A
+    row whose id is NULL (an outer join's) is no run."""
+    columns = column_names(cursor, sql)
     names, kept, extra, converters = _row_shape(columns)
     at_id = columns.index("id")
     runs = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -39,10 +40,19 @@ def qn(name: str) -> str:
 
 
 def prep(model: type[AgentRun] | type[RunEvent], name: str, value: Any) -> Any:
-    """A value as the field would send it (JSON adapted, UUID and datetime for SQLite)."""
+    """A value as the field would send it (JSON adapted, UUID and datetime for SQLite).
+    PostgreSQL takes an aware datetime or a UUID as it is (the field would only check)."""
+    if isinstance(value, datetime | uuid.UUID) and getattr(value, "tzinfo", True) is not None \
+            and connection.vendor == "postgresql":
+        return value
+    return _field(model, name).get_db_prep_value(value, connection)
+
+
+@functools.cache
+def _field(model: type[AgentRun] | type[RunEvent], name: str) -> Field[Any, Any]:
     field = model._meta.get_field(name)
     assert isinstance(field, Field)
-    return field.get_db_prep_value(value, connection)
+    return field
 
 
 class Compiled:
@@ -338,6 +348,12 @@ def settle_and_claim(
     Its rows are the claimed runs, each with `settled_ids` and `settled_parents` (the
     settled runs and their parents, in the same order); one row of NULLs but those two
     when nothing was claimed."""
+    shape = (connection.vendor, len(items), tuple(lease_ttls), due.sql)
+    sql = _SHAPES.get(shape)
+    if sql is not None:  # the text of a shape seen before: only its parameters are new
+        return sql, _settle_and_claim_params(items, worker_id, running, succeeded, completed,
+                                             ended, due, at, queued, lease_ttls,
+                                             default_lease, started)
     head, update, params = _succeed_parts(items, worker_id, running, succeeded, completed, at)
     settle, more = _succeed_ctes(head, update, ended, at)
     claim, claim_params = _claim_ctes(due, at, worker_id, running, queued, lease_ttls,
@@ -345,4 +361,30 @@ def settle_and_claim(
     sql = (f"{settle}, {claim} SELECT claimed.*, s.settled_ids, s.settled_parents FROM "
            f"(SELECT array_agg(id) AS settled_ids, array_agg(parent_id) AS settled_parents "
            f"FROM done) s LEFT JOIN claimed ON true")
+    if len(_SHAPES) < 256:
+        _SHAPES[shape] = sql
     return sql, params + more + claim_params
+
+
+_SHAPES: dict[tuple[Any, ...], str] = {}
+
+
+def _settle_and_claim_params(
+    items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
+    completed: str, ended: str, due: Compiled, at: datetime, queued: str,
+    lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
+) -> list[Any]:
+    """`settle_and_claim`'s parameters in its text's order, without building the text (a
+    worker sends the same few shapes run after run)."""
+    params: list[Any] = []
+    for run_id, attempt, output, event_id in items:
+        params += [run_id, attempt, prep(AgentRun, "output", output),
+                   prep(RunEvent, "event_id", event_id)]
+    params += [succeeded, completed, prep(AgentRun, "finished_at", at), running, worker_id,
+               ended, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at),
+               *due.bind(at), running, worker_id]
+    for agent, until in lease_ttls.items():
+        params += [agent, until]
+    params += [default_lease, at, queued, started,
+               prep(RunEvent, "payload", {"worker": worker_id}), at]
+    return params
