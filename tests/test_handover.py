@@ -113,7 +113,7 @@ def test_nothing_due_or_a_paused_queue_still_settles() -> None:
 def test_a_worker_drains_settling_each_success_with_its_next_claim() -> None:
     for n in range(12):
         enqueue("tests.noop", {"n": n})
-    worker = Worker(["default"], concurrency=3, burst=True, reap_interval=0)
+    worker = Worker(["default"], concurrency=1, burst=True, reap_interval=0)
     stats = worker.run(install_signals=False)
     assert stats.settled == {"succeeded": 12}
     assert AgentRun.objects.filter(status=Status.SUCCEEDED).count() == 12
@@ -121,10 +121,24 @@ def test_a_worker_drains_settling_each_success_with_its_next_claim() -> None:
         assert story(run_id) == [(1, transitions.STARTED), (2, transitions.SUCCEEDED)]
     assert worker.store is not None
     if connection.vendor == "postgresql":
-        # Every success went with a claim: the attempt store committed none of them.
+        # One slot: every success went with the next claim, none through the store.
         assert worker.store.writes == 0
     else:
         assert worker.store.writes == 12
+
+
+def test_with_many_slots_successes_go_with_the_claim_or_through_the_store() -> None:
+    """A success that comes while the claim loop's statement runs goes to the store
+    (settled meanwhile), not to the next statement: each is written once either way."""
+    for n in range(40):
+        enqueue("tests.noop", {"n": n})
+    worker = Worker(["default"], concurrency=8, burst=True, reap_interval=0)
+    stats = worker.run(install_signals=False)
+    assert stats.settled == {"succeeded": 40}
+    for run_id in AgentRun.objects.values_list("pk", flat=True):
+        assert story(run_id) == [(1, transitions.STARTED), (2, transitions.SUCCEEDED)]
+    assert worker.store is not None
+    assert worker.store.writes <= 40
 
 
 @pytest.mark.postgres_only

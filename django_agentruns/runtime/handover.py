@@ -72,6 +72,7 @@ class Handover:
         self._lock = threading.Lock()
         self._waiting: list[Handed] = []
         self._open = open
+        self._in_flight = False  # the claim loop's statement is running
 
     def call(self, write: Write) -> Result:
         if isinstance(write, SucceedWrite):
@@ -90,7 +91,7 @@ class Handover:
 
     def _hand(self, handed: Handed) -> bool:
         with self._lock:
-            if not self._open:
+            if not self._open or self._in_flight:
                 return False
             self._waiting.append(handed)
         self._wake.set()
@@ -98,9 +99,11 @@ class Handover:
 
     def take(self) -> list[Handed]:
         """The successes waiting, now the claim loop's to settle (then `settled` or
-        `to_store`)."""
+        `to_store`). Until then the ones that come go to the store: its writers settle
+        them while the loop's statement runs, rather than wait for the next one."""
         with self._lock:
             taken, self._waiting = self._waiting, []
+            self._in_flight = True
         return taken
 
     @staticmethod
@@ -108,8 +111,14 @@ class Handover:
         for handed in taken:
             handed.answer(results[handed.write.ref])
 
+    def release(self) -> None:
+        """The claim loop's statement is over (whatever its end): hand-overs again."""
+        with self._lock:
+            self._in_flight = False
+
     def to_store(self, taken: list[Handed]) -> None:
         """Successes whose statement failed (or was never run): the store writes them."""
+        self.release()
         for handed in taken:
             try:
                 future = self.store.submit(handed.write)

@@ -239,11 +239,11 @@ class Worker:
         taken = self.handover.take()  # successes: settled with this claim
         try:
             return self._settle_and_claim(taken)
-        except BaseException:
-            self.handover.to_store(taken)
-            raise
+        finally:
+            self.handover.release()
 
     def _settle_and_claim(self, taken: list[Handed]) -> int:
+        assert self.handover is not None
         # The slots of the successes settled here are free once the statement has run.
         free = self.concurrency - self.busy + len(taken)
         queues = self._paused.active(self.queues)
@@ -253,14 +253,20 @@ class Worker:
         now = time.monotonic()
         include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
         batch = min(free, int(app_settings.CLAIM_BATCH)) if queues else 0
-        # Flow control: runs of keys with a limits row first, never past their limit.
-        limited = self._limited.claim(self.worker_id, queues, batch, self._scopes, self._ttls,
-                                      float(app_settings.LEASE_TTL), self._known)
-        settled, claimed = transitions.settle_and_claim(
-            self.worker_id, [(h.write.ref, h.write.output) for h in taken], queues,
-            batch - len(limited), self._scopes, self._ttls, float(app_settings.LEASE_TTL),
-            include_lapsed=include_lapsed, agents=self._known)
+        try:
+            # Flow control: runs of keys with a limits row first, never past their limit.
+            limited = self._limited.claim(self.worker_id, queues, batch, self._scopes,
+                                          self._ttls, float(app_settings.LEASE_TTL),
+                                          self._known)
+            settled, claimed = transitions.settle_and_claim(
+                self.worker_id, [(h.write.ref, h.write.output) for h in taken], queues,
+                batch - len(limited), self._scopes, self._ttls, float(app_settings.LEASE_TTL),
+                include_lapsed=include_lapsed, agents=self._known)
+        except BaseException:
+            self.handover.to_store(taken)  # not written: the store writes them
+            raise
         runs = limited + claimed
+        self.handover.release()  # successes from now on wait for the next pass
         if include_lapsed and len(limited) < batch:  # else the claim did not look
             self._last_lapsed_scan = now
         for run in runs:
@@ -270,7 +276,7 @@ class Worker:
                 live = self.live.get(handed.write.ref.run_id)
                 if live is not None:
                     live.refilled = True
-        Handover.settled(taken, settled)
+        self.handover.settled(taken, settled)
         self.stats.claimed += len(runs)
         return len(runs)
 
