@@ -300,7 +300,7 @@ def cpu_table(results: Results, labels: dict[str, str]) -> str:
             cells.append(" / ".join(f"{statistics.median(v):.2f}" for v in parts if v)
                          if all(parts) else "—")
         if any(c != "—" for c in cells):
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            lines.append(f"| {label.replace(' (runs/s)', '')} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
