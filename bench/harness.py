@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import resource
 import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,7 +22,7 @@ import psutil
 import psycopg
 
 from bench.engines import Engine
-from bench.pg import PREFIX, REPO_ROOT, Admin, DbStats, django_env
+from bench.pg import PREFIX, REPO_ROOT, Admin, DbStats, db_url, django_env
 
 T = TypeVar("T")
 
@@ -176,6 +178,52 @@ def peak_rss(handles: list[psutil.Process], peak: int) -> int:
             peak = max(peak, h.memory_info().rss)
     return peak
 
+
+
+class CpuMeter(threading.Thread):
+    """CPU seconds a trial cost, split three ways: the worker processes (with their
+    children: this process's reaped children, so started after the meter and stopped
+    before `stop`), the PostgreSQL backends serving the trial's database (found in
+    `pg_stat_activity` every 100 ms, each read until it exits: its CPU since it started,
+    within the trial), and this harness process (its poller and samplers). Other agents'
+    load on the machine is in none of them."""
+
+    def __init__(self, database: str) -> None:
+        super().__init__(daemon=True)
+        self.database = database
+        self.backends: dict[int, float] = {}
+        self._children = _cpu(resource.RUSAGE_CHILDREN)
+        self._own = _cpu(resource.RUSAGE_SELF)
+        self._done = threading.Event()
+        self._conn = psycopg.connect(db_url("postgres"), autocommit=True)
+        self.start()
+
+    def _sample(self) -> None:
+        rows = self._conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s",
+                                  [self.database]).fetchall()
+        for (pid,) in rows:
+            with contextlib.suppress(psutil.Error):
+                t = psutil.Process(pid).cpu_times()
+                self.backends[pid] = t.user + t.system
+
+    def run(self) -> None:
+        while not self._done.wait(0.1):
+            with contextlib.suppress(psycopg.Error):
+                self._sample()
+
+    def stop(self) -> dict[str, float]:
+        """Seconds of CPU: worker, postgres, harness (call once the workers are reaped)."""
+        self._done.set()
+        self.join(5)
+        self._conn.close()
+        return {"worker": _cpu(resource.RUSAGE_CHILDREN) - self._children,
+                "postgres": sum(self.backends.values()),
+                "harness": _cpu(resource.RUSAGE_SELF) - self._own}
+
+
+def _cpu(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_trial(admin: Admin, what: str, fn: Callable[..., T], *args: Any) -> T:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +34,16 @@ import psutil
 import psycopg
 
 from bench.engines import OURS, PROCRASTINATE, Engine
-from bench.harness import PgTarget, client, log, run_trial, start_workers, stop_workers
+from bench.harness import (
+    RUN_DB,
+    CpuMeter,
+    PgTarget,
+    client,
+    log,
+    run_trial,
+    start_workers,
+    stop_workers,
+)
 from bench.pg import SERVER_URL, Admin, db_url, django_env
 
 if TYPE_CHECKING:
@@ -149,6 +159,7 @@ def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: i
     queued_sql = f"SELECT count(*) FROM {engine.table} WHERE status = '{engine.pending[0]}'"
     logfile = logs / f"{engine.key}-{kind}-{concurrency}x{processes}.log"
     target.open_poller()
+    meter = CpuMeter(RUN_DB)
     launched = time.perf_counter()
     workers = start_workers(engine, 1, concurrency, True, env, logfile, processes)
     sampler = Sampler(workers[0].pid, app, limit)
@@ -178,6 +189,7 @@ def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: i
         stop_workers(workers, wait_first=30.0)
         sampler.stop()
         target.close_poller()
+        cpu = meter.stop()
     if start is None or failed or (remaining == runs and not sampler.over):
         tail = logfile.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"{engine.key} {kind}: no run finished "
@@ -189,7 +201,8 @@ def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: i
             "named": sampler.named, "sockets": sampler.sockets,
             "rss_mb": sampler.rss_each / 2**20, "done": runs - remaining, "elapsed": elapsed,
             "capped": remaining > 0 and elapsed >= cap, "over": sampler.over,
-            "incomplete": remaining > 0 and elapsed < cap and not sampler.over}
+            "incomplete": remaining > 0 and elapsed < cap and not sampler.over,
+            **{f"cpu_{k}": 1000 * v / max(runs - remaining, 1) for k, v in cpu.items()}}
 
 
 METRICS = ("runs_per_s", "ratio", "events_per_s", "connections", "rss_mb")
@@ -217,6 +230,7 @@ def run_llm(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
             for metric in METRICS:
                 results.add(key(kind, concurrency, metric, processes), engine, float(r[metric]))
             results.flag(key(kind, concurrency, "runs_per_s", processes), engine, r)
+            results.add_cpu(key(kind, concurrency, "runs_per_s", processes), engine, r)
             if r["over"]:
                 results.capped.add(f"{key(kind, concurrency, 'over', processes)}:{engine.key}")
             log(f"[rep {rep + 1}/{plan.reps} {time.monotonic() - started:6.0f}s] "
@@ -226,7 +240,8 @@ def run_llm(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
                 f"{r['events_per_s']:7.1f} events/s  {r['connections']:.0f} connections per "
                 f"process ({r['named']} named, {r['sockets']} sockets in all)  "
                 f"RSS {r['rss_mb']:.0f} MB per process  {r['done']} of {runs} in "
-                f"{r['elapsed']:.1f}s"
+                f"{r['elapsed']:.1f}s  CPU ms/run worker {r['cpu_worker']:.2f} "
+                f"postgres {r['cpu_postgres']:.2f} harness {r['cpu_harness']:.2f}"
                 f"{'  (stopped: over the connection limit)' if r['over'] else ''}")
 
 
@@ -256,6 +271,23 @@ def table(results: Results, plan: Plan) -> str:
                 f"{med['ratio']:.2f} of {c / RUN_SECONDS:,.0f} | "
                 f"{rate(med['events_per_s'])} | {med['connections']:.0f} | "
                 f"{med['rss_mb']:.0f} | {verdict(goal, med)} |")
+    return "\n".join(lines)
+
+
+def cpu_table(results: Results, plan: Plan) -> str:
+    """CPU ms per run finished, medians: worker / PostgreSQL / harness."""
+    lines = ["| agent | runs | processes x concurrency | engine | worker | PostgreSQL | "
+             "harness |", "|---|---:|---:|---|---:|---:|---:|"]
+    for kind, per_process, processes, runs in plan.llm_configs:
+        row = key(kind, per_process * processes, "runs_per_s", processes)
+        for engine in ENGINES:
+            parts = [results.cpu.get(f"cpu_{p}:{row}", {}).get(engine.key)
+                     for p in ("worker", "postgres", "harness")]
+            if not all(parts):
+                continue
+            cells = " | ".join(f"{statistics.median(v or [0]):.2f}" for v in parts)
+            lines.append(f"| {kind.replace('llm_', '')} | {runs:,} | {processes} x "
+                         f"{per_process:,} | {engine.label} | {cells} |")
     return "\n".join(lines)
 
 
@@ -299,6 +331,11 @@ def section(results: Results, plan: Plan, info: dict[str, str], command: str) ->
         f"CPUs {info.get('CPUs (nproc)', '?')}, load average {info.get('load', '?')}.",
         "",
         table(results, plan),
+        "",
+        "CPU per run finished (ms, medians): the worker processes (start-up included), the "
+        "PostgreSQL backends serving the trial's database, the harness timing it.",
+        "",
+        cpu_table(results, plan),
         "",
         "`*` the cap struck first: runs finished / time. `†` the worker exited with runs "
         "unfinished. `‡` stopped when the worker held more connections than "

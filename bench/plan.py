@@ -43,7 +43,7 @@ class Plan:
     llm_cap: float = 30.0
 
 
-FULL = Plan(reps=3, drain_runs=5000, drain_cap=10.0, enqueue_one_runs=500, bulk_runs=2000,
+FULL = Plan(reps=3, drain_runs=5000, drain_cap=15.0, enqueue_one_runs=500, bulk_runs=2000,
             bulk_batch=1000, latency_rate=20.0, latency_seconds=10.0, io_runs=1000,
             io_serial_runs=70, io_cap=7.0, io_concurrency=(50, 100, 200), sqlite=True)
 QUICK = Plan(reps=1, drain_runs=1000, drain_cap=3.0, enqueue_one_runs=150, bulk_runs=1000,

@@ -77,6 +77,10 @@ def describe(shape_: str) -> str:
     if shape_.startswith("WITH picked AS"):
         return ("claim in one statement: lock due agentrun (FOR UPDATE SKIP LOCKED), UPDATE "
                 "them, INSERT their runevent")
+    if shape_.startswith("WITH v (run_id, run_attempt") and "picked AS" in shape_:
+        return ("settle successes and claim the next in one statement: UPDATE agentrun FROM "
+                "VALUES, INSERT their runevent; lock due agentrun (SKIP LOCKED), UPDATE them, "
+                "INSERT their runevent")
     if shape_.startswith("WITH v (run_id, run_attempt"):
         return ("settle successes: UPDATE agentrun FROM VALUES"
                 + (", INSERT their runevent (one statement)" if "INSERT" in shape_ else ""))
@@ -178,11 +182,12 @@ def child(mode: str, concurrency: int, out: Path) -> int:
         prof.disable()
     wall = time.perf_counter() - start
     cpu_end = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = (cpu_end.ru_utime - cpu_start.ru_utime) + (cpu_end.ru_stime - cpu_start.ru_stime)
+    system = cpu_end.ru_stime - cpu_start.ru_stime
+    cpu = (cpu_end.ru_utime - cpu_start.ru_utime) + system
     if prof is not None:
         prof.dump_stats(str(out.with_suffix(".pstats")))
     out.write_text(json.dumps({
-        "runs": sum(stats.settled.values()), "wall": wall, "cpu": cpu,
+        "runs": sum(stats.settled.values()), "wall": wall, "cpu": cpu, "system": system,
         "count": dict(log.count), "seconds": dict(log.seconds),
         "commits": log.commits, "commit_seconds": log.commit_seconds,
     }))
@@ -208,6 +213,7 @@ def drain(admin: Admin, runs: int, concurrency: int, mode: str,
     log.seconds.update(data["seconds"])
     log.commits, log.commit_seconds = data["commits"], data["commit_seconds"]
     result = {"runs": data["runs"], "wall": data["wall"], "cpu": data["cpu"],
+              "system": data.get("system", 0.0),
               "runs_per_s": data["runs"] / data["wall"],
               "commits": after.commits - before.commits,
               "rows_written": after.rows_written - before.rows_written}
@@ -288,6 +294,8 @@ def summarize_wall(raw: str) -> str:
 # Where on-CPU time goes: the phase a sample is in (first match from the outermost
 # django_agentruns frame inwards), and the library its innermost frame is in.
 PHASES = [
+    ("settle and claim (transitions.settle_and_claim)",
+     "settle_and_claim (django_agentruns/transitions/handover.py"),
     ("claim (transitions.claim)", "claim (django_agentruns/transitions/claiming.py"),
     ("attempt writes (store: transitions.apply_writes)", "apply_writes (django_agentruns/"),
     ("start an attempt (Worker._start: log, submit)", "Worker._start (django_agentruns/"),
@@ -354,6 +362,9 @@ def report(runs: int, concurrency: int, plain: dict[str, Any], log: StatementLog
         f"| wall time per run | {1000 * plain['wall'] / n:.2f} ms |",
         f"| CPU time of the worker process per run (all threads: Python, ORM, psycopg) "
         f"| {1000 * plain['cpu'] / n:.2f} ms |",
+        f"| of which in the kernel (sockets, thread wake-ups) | "
+        f"{1000 * plain['system'] / n:.2f} ms |",
+        f"| load average (1 min) at the end | {os.getloadavg()[0]:.1f} |",
         f"| time waiting inside SQL statements per run (all threads) | "
         f"{1000 * db_seconds / n:.2f} ms |",
         f"| time waiting inside COMMIT per run ({log.commits / n:.2f} commits) | "

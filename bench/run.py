@@ -34,6 +34,8 @@ from bench import fair, history, llm
 from bench.engines import ENGINES, OURS, OURS_POOL, PEERS, Engine
 from bench.harness import (
     RUN_DB,
+    CpuMeter,
+    PgTarget,
     SqliteTarget,
     Target,
     client,
@@ -55,8 +57,9 @@ POLL = 0.02  # seconds between two looks at the queue while workers drain it
 
 def drain(target: Target, engine: Engine, kind: str, runs: int, processes: int,
           concurrency: int, cap: float, logs: Path) -> dict[str, Any]:
-    """`runs` queued runs of `kind`; workers started; timed until the queue is empty
-    (or `cap` seconds). Commits, rows and statements are counted for the workers alone."""
+    """`runs` queued runs of `kind`; workers started; timed from the first run's start
+    until none is queued or running (or `cap` seconds). Commits, rows and statements are
+    counted for the workers alone; CPU split into worker, PostgreSQL, harness per run."""
     client(target.url, engine, "prefill", kind, str(runs))
     target.analyze()
     target.settle()
@@ -64,28 +67,41 @@ def drain(target: Target, engine: Engine, kind: str, runs: int, processes: int,
     statements = logs / f"statements-{engine.key}-{time.monotonic_ns()}.txt"
     env = django_env(target.url, BENCH_STATEMENTS_FILE=str(statements), **dict(engine.env))
     sql = engine.pending_sql()
+    queued_sql = f"SELECT count(*) FROM {engine.table} WHERE status = '{engine.pending[0]}'"
     target.open_poller()
     polls_before = target.polls
-    start = time.perf_counter()
+    meter = CpuMeter(RUN_DB) if isinstance(target, PgTarget) else None
+    launched = time.perf_counter()
     workers = start_workers(engine, processes, concurrency, True, env,
                             logs / f"{engine.key}-{kind}.log")
     handles = [psutil.Process(w.pid) for w in workers]
     peak = 0
+    start: float | None = None
+    remaining = runs
     try:
         while True:
-            remaining = target.count(sql)
             now = time.perf_counter()
             peak = peak_rss(handles, peak)
-            if remaining == 0 or now - start >= cap or all(w.poll() is not None
-                                                           for w in workers):
-                break
+            exited = all(w.poll() is not None for w in workers)
+            if start is None:
+                # Timed from the first run's start (the queued count drops, within a
+                # poll), as a user sees a batch: the workers' start-up is not the drain's.
+                if target.count(queued_sql) < runs:
+                    start = now
+                elif exited or now - launched > cap + 60:
+                    break
+            else:
+                remaining = target.count(sql)
+                if remaining == 0 or now - start >= cap or exited:
+                    break
             time.sleep(POLL)
     except BaseException:
         stop_workers(workers, wait_first=0.0)
         raise
-    elapsed = now - start
+    elapsed = now - (start if start is not None else launched)
     failed = [w.returncode for w in workers if w.poll() not in (None, 0)]
     stop_workers(workers, wait_first=30.0 if remaining == 0 else 0.0)
+    cpu = meter.stop() if meter is not None else None
     # Runs in flight when the cap struck finish during the graceful stop: count them too
     # when dividing the workers' commits and statements.
     finished = runs - target.count(sql)
@@ -106,6 +122,8 @@ def drain(target: Target, engine: Engine, kind: str, runs: int, processes: int,
     if before is not None and after is not None:
         result["commits"] = (after.commits - before.commits - polls) / finished
         result["rows"] = (after.rows_written - before.rows_written) / finished
+    if cpu is not None:  # ms per run finished
+        result.update({f"cpu_{k}": 1000 * v / max(finished, 1) for k, v in cpu.items()})
     if statements.exists():
         total = sum(int(line.split()[1]) for line in statements.read_text().splitlines())
         result["statements"] = total / finished
@@ -128,11 +146,14 @@ HIGHER, LOWER = "↑", "↓"
 
 ROWS: list[tuple[str, str, str, str]] = [
     # key, label, better, unit format
-    ("drain1", "no-op drain, 1 worker process, concurrency 1 (runs/s)", HIGHER, "rate"),
-    ("drain4", "no-op drain, 4 worker processes, concurrency 1 (runs/s)", HIGHER, "rate"),
-    ("drain1c", "no-op drain, 1 worker process, concurrency {drain_c} (runs/s)", HIGHER, "rate"),
-    ("drain4c", "no-op drain, 4 worker processes, concurrency {drain_c} (runs/s)", HIGHER,
-     "rate"),
+    ("drain1", "no-op drain of {drain_n} runs, 1 worker process, concurrency 1 (runs/s)",
+     HIGHER, "rate"),
+    ("drain4", "no-op drain of {drain_n} runs, 4 worker processes, concurrency 1 (runs/s)",
+     HIGHER, "rate"),
+    ("drain1c", "no-op drain of {drain_n} runs, 1 worker process, concurrency {drain_c} "
+     "(runs/s)", HIGHER, "rate"),
+    ("drain4c", "no-op drain of {drain_n} runs, 4 worker processes, concurrency {drain_c} "
+     "(runs/s)", HIGHER, "rate"),
     ("enq_one", "enqueue one by one, a transaction each (runs/s)", HIGHER, "rate"),
     ("enq_bulk", "enqueue in bulk, {batch} per transaction (runs/s)", HIGHER, "rate"),
     ("lat_p50", "enqueue→start latency p50, idle worker, {rate:g}/s (ms)", LOWER, "ms"),
@@ -172,6 +193,7 @@ class Results:
             lambda: defaultdict(list))
         self.io_rss: dict[tuple[str, str], dict[int, list[float]]] = defaultdict(
             lambda: defaultdict(list))
+        self.cpu: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.capped: set[str] = set()
         self.incomplete: set[str] = set()
         # The concurrency the first repetition's sweep found best, kept for the others.
@@ -207,6 +229,12 @@ class Results:
             if kind == "sleep_async":
                 self.values["rss_io"][key] = list(self.io_rss[(kind, key)][best])
 
+    def add_cpu(self, key: str, engine: Engine, result: dict[str, Any]) -> None:
+        """A trial's CPU per run (`CpuMeter`), under `cpu_<part>:<row key>`."""
+        for part in CPU_PARTS:
+            if f"cpu_{part}" in result:
+                self.cpu[f"cpu_{part}:{key}"][engine.key].append(result[f"cpu_{part}"])
+
     def median(self, key: str, engine: Engine) -> float | None:
         values = self.values.get(key, {}).get(engine.key)
         return statistics.median(values) if values else None
@@ -231,7 +259,8 @@ def table(results: Results, plan: Plan) -> str:
         if key not in results.values:
             continue
         label = label.format(batch=f"{plan.bulk_batch:,}", rate=plan.latency_rate,
-                             pool_c=max(plan.io_concurrency), drain_c=plan.drain_concurrency)
+                             pool_c=max(plan.io_concurrency), drain_c=plan.drain_concurrency,
+                             drain_n=f"{plan.drain_runs:,}")
         cells = []
         for engine in ENGINES:
             text = fmt(results.median(key, engine), unit)
@@ -254,6 +283,24 @@ def table(results: Results, plan: Plan) -> str:
             best_peer = max(peers) if better == HIGHER else min(peers)
             ratio = f"{ours / best_peer:.2f}x" if best_peer else "—"
         lines.append(f"| {label} {better} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+CPU_PARTS = ("worker", "postgres", "harness")
+
+
+def cpu_table(results: Results, labels: dict[str, str]) -> str:
+    """CPU ms per run finished, medians: worker / PostgreSQL / harness, per engine."""
+    lines = ["| workload | " + " | ".join(e.label for e in ENGINES) + " |",
+             "|---|" + "---:|" * len(ENGINES)]
+    for key, label in labels.items():
+        cells = []
+        for engine in ENGINES:
+            parts = [results.cpu.get(f"cpu_{p}:{key}", {}).get(engine.key) for p in CPU_PARTS]
+            cells.append(" / ".join(f"{statistics.median(v):.2f}" for v in parts if v)
+                         if all(parts) else "—")
+        if any(c != "—" for c in cells):
+            lines.append(f"| {label.replace(' (runs/s)', '')} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -341,6 +388,7 @@ def run_rep(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
                           plan.drain_runs, processes, concurrency, plan.drain_cap, logs)
             results.add(key, engine, r["runs_per_s"])
             results.flag(key, engine, r)
+            results.add_cpu(key, engine, r)
             if key != "drain4c":
                 results.add(f"commits{processes}{'c' if concurrency > 1 else ''}", engine,
                             r["commits"])
@@ -449,6 +497,18 @@ def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, 
         "best median, chosen in the first repetition. The SQLite rows are "
         "one repetition, ours only (procrastinate needs PostgreSQL; not a comparison).",
         "",
+        "## CPU per run (ms): worker / PostgreSQL / harness",
+        "",
+        "Medians over the trials of each row, per run finished. Worker: the worker "
+        "processes' own CPU (user + system, start-up and stop included: they are part of "
+        "a drain as a user runs it); PostgreSQL: the backends serving the trial's "
+        "database; harness: the process timing the trial (its polls). The machine's other "
+        "load is in none of them.",
+        "",
+        cpu_table(results, {key: label.format(drain_c=plan.drain_concurrency,
+                                              drain_n=f"{plan.drain_runs:,}")
+                            for key, label, _, _ in ROWS if key.startswith("drain")}),
+        "",
         llm_section,
         "",
         "## Machine",
@@ -466,7 +526,8 @@ def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, 
         "",
         f"- no-op drains: {plan.drain_runs:,} runs queued first (not timed; the database then "
         f"ANALYZEd, as autovacuum keeps a table in service), then timed from "
-        f"the first worker's start until no run is queued or running, or {plan.drain_cap:g} s; "
+        f"the first run's start (the queued count drops, within a 20 ms poll) until no run "
+        f"is queued or running, or {plan.drain_cap:g} s; "
         f"each worker process at concurrency 1, then at {plan.drain_concurrency} "
         f"(django-tasks-db's db_worker has no concurrency setting: one task at a time in both)",
         f"- enqueue one by one: {plan.enqueue_one_runs:,} runs, each in its own transaction "

@@ -40,8 +40,10 @@ runs, `key`, `prompt`: what it asks, e.g. `{"proposal": ...}` for an approval)."
 
 
 def send_after_commit(signal: Signal, **kwargs: Any) -> None:
-    """Send once the current transaction commits (at once outside a transaction)."""
-    transaction.on_commit(lambda: _send(signal, kwargs))
+    """Send once the current transaction commits (at once outside a transaction). A
+    signal nobody has connected to costs nothing (a worker sends two per run)."""
+    if signal.receivers:
+        transaction.on_commit(lambda: _send(signal, kwargs))
 
 
 def send_waiting_after_commit(*, run_id: int, agent: str, attempt: int, kind: str,

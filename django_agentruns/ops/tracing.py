@@ -48,8 +48,10 @@ def configured() -> bool:
         return _configured
     if getattr(trace, "_TRACER_PROVIDER", _MISSING) is None and not _FROM_ENV:
         return False
-    _configured = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    _configured = not isinstance(trace.get_tracer_provider(),
+                                 trace.ProxyTracerProvider | trace.NoOpTracerProvider)
     return _configured
+
 
 FAILED_OUTCOMES = frozenset({"requeued", "dead_lettered"})
 """Settlements of an attempt that failed; their spans get status ERROR."""
@@ -90,8 +92,10 @@ def attempt_span(run: AgentRun, worker_id: str | None = None) -> Iterator[Attemp
     """A CONSUMER span named `process <queue>` around one attempt of `run` (as claimed).
 
     An exception escaping the block is recorded on the span (status ERROR) and re-raised.
+    With no SDK configured there is no span at all: it would record nothing, yet cost
+    Python per run.
     """
-    if trace is None:
+    if trace is None or not configured():
         yield AttemptSpan()
         return
     attributes: dict[str, str | int] = {

@@ -40,6 +40,7 @@ from . import recording, steps, versions
 from .attempt_store import AttemptStore
 from .context import RunContext, entered
 from .control import AttemptControl, in_thread
+from .handover import Handover
 
 logger = logging.getLogger("django_agentruns.worker")
 
@@ -60,6 +61,9 @@ class Executor:
                  known: Collection[str] = ()) -> None:
         self.worker_id = worker_id
         self.store = store
+        # Where an attempt's last write goes, if not to `store`: the worker's hand-over
+        # (a success settled with the next claim, `runtime.handover`).
+        self.settles: Handover | None = None
         self.known = list(known)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
@@ -150,7 +154,8 @@ class Executor:
         lost finds the guard unmatched and writes nothing twice. Past half the lease the
         run is left to lapse and be reclaimed, as if this worker had died.
         """
-        write = self.store.call if self.store is not None else None
+        writer = self.settles or self.store
+        write = writer.call if writer is not None else None
         return _retrying(ref, lambda: recording.record(spec, ref, outcome, write=write))
 
     async def arecord(self, spec: AgentSpec, ref: AttemptRef, outcome: Outcome) -> Settlement:
@@ -165,7 +170,7 @@ class Executor:
             return Settlement.LOST
         if self.store is None:
             return await sync_to_async(self.record, thread_sensitive=False)(spec, ref, outcome)
-        store = self.store
+        store = self.settles or self.store
 
         def on_error(exc: Exception, wait: float, spent: bool) -> None:
             if spent:

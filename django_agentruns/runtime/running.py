@@ -20,6 +20,9 @@ class Live:
     spec: AgentSpec | None
     control: AttemptControl
     last_renewed: float
+    refilled: bool = False
+    """Its success was settled with a claim that took a run for its slot: its end need
+    not wake the claim loop."""
 
 
 class LiveAttempts:
@@ -38,6 +41,10 @@ class LiveAttempts:
         with self._lock:
             if self._by_run.get(live.run.pk) is live:
                 del self._by_run[live.run.pk]
+
+    def get(self, run_id: int) -> Live | None:
+        with self._lock:
+            return self._by_run.get(run_id)
 
     def snapshot(self) -> list[Live]:
         with self._lock:

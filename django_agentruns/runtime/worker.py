@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
 
-from django.db import close_old_connections
+from django.db import close_old_connections, connection
 from django.utils import timezone
 
 from .. import transitions
@@ -44,6 +44,7 @@ from ..transitions.limited import LimitedClaim
 from . import reaper, usage
 from .attempt_store import AttemptStore
 from .executor import Executor, extra
+from .handover import Handed, Handover
 from .lease_keeper import LeaseKeeper
 from .presence import Presence
 from .running import Live, LiveAttempts
@@ -126,6 +127,7 @@ class Worker:
         # Every write of every attempt, committed together on WRITER_CONNECTIONS
         # connections: started with the worker (`run`), closed when it stops.
         self.store: AttemptStore | None = None
+        self.handover: Handover | None = None
         self.executor = Executor(self.worker_id, known=self._agents)
         # Paused queues are left out of claims; this worker takes part in ticking schedules
         self._paused = PausedSet()
@@ -152,6 +154,9 @@ class Worker:
                     ",".join(self.queues), self.concurrency, " (burst)" if self.burst else "",
                     extra={"worker_id": self.worker_id})
         self.store = self.executor.store = AttemptStore()
+        # On PostgreSQL a success is settled by the claim loop, with its next claim.
+        self.handover = self.executor.settles = Handover(
+            self.store, self._wake, open=connection.vendor == "postgresql")
         self._limited.seed()  # the LIMITS setting's keys get their rows
         self.presence.start()
         self.keeper.start()
@@ -216,8 +221,9 @@ class Worker:
                 continue
             if claimed:
                 contention_wait, contention_since = CONTENTION_START, None
-                continue  # claim again at once if slots remain
-            if self.burst and self.busy == 0:
+                if self.busy < self.concurrency:
+                    continue  # claim again at once if slots remain
+            elif self.burst and self.busy == 0:
                 if not self._work_pending():
                     return
                 # Contention is not idleness: another worker holds what is due.
@@ -235,26 +241,49 @@ class Worker:
             self._wake.wait(idle if self.busy < self.concurrency else tick)
 
     def _claim(self) -> int:
-        free = self.concurrency - self.busy
+        assert self.handover is not None
+        taken = self.handover.take()  # successes: settled with this claim
+        try:
+            return self._settle_and_claim(taken)
+        finally:
+            self.handover.release()
+
+    def _settle_and_claim(self, taken: list[Handed]) -> int:
+        assert self.handover is not None
+        # The slots of the successes settled here are free once the statement has run.
+        free = self.concurrency - self.busy + len(taken)
         queues = self._paused.active(self.queues)
-        if free <= 0 or not queues:
+        if not taken and (free <= 0 or not queues):
             return 0
         # Lapsed leases are looked for at most once a second: one statement less per claim.
         now = time.monotonic()
         include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
-        batch = min(free, int(app_settings.CLAIM_BATCH))
-        # Flow control: runs of keys with a limits row first, never past their limit.
+        batch = min(free, int(app_settings.CLAIM_BATCH)) if queues else 0
         fair = self._fair.weights()
-        limited = self._limited.claim(self.worker_id, queues, batch, self._scopes, self._ttls,
-                                      float(app_settings.LEASE_TTL), self._known, fair)
-        runs = limited + transitions.claim(
-            self.worker_id, queues, batch - len(limited), self._scopes,
-            self._ttls, float(app_settings.LEASE_TTL), include_lapsed=include_lapsed,
-            agents=self._known, fair=fair)
+        try:
+            # Flow control: runs of keys with a limits row first, never past their limit.
+            limited = self._limited.claim(self.worker_id, queues, batch, self._scopes,
+                                          self._ttls, float(app_settings.LEASE_TTL),
+                                          self._known, fair)
+            settled, claimed = transitions.settle_and_claim(
+                self.worker_id, [(h.write.ref, h.write.output) for h in taken], queues,
+                batch - len(limited), self._scopes, self._ttls, float(app_settings.LEASE_TTL),
+                include_lapsed=include_lapsed, agents=self._known, fair=fair)
+        except BaseException:
+            self.handover.to_store(taken)  # not written: the store writes them
+            raise
+        runs = limited + claimed
+        self.handover.release()  # successes from now on wait for the next pass
         if include_lapsed and len(limited) < batch:  # else the claim did not look
             self._last_lapsed_scan = now
         for run in runs:
             self._start(run)
+        if taken and len(runs) >= len(taken):
+            for handed in taken:  # their slots are taken again: their ends wake nobody
+                live = self.live.get(handed.write.ref.run_id)
+                if live is not None:
+                    live.refilled = True
+        self.handover.settled(taken, settled)
         self.stats.claimed += len(runs)
         return len(runs)
 
@@ -342,7 +371,8 @@ class Worker:
     def _ended(self, live: Live) -> None:
         live.control.done.set()
         self.live.discard(live)
-        self._wake.set()
+        if not live.refilled:
+            self._wake.set()
 
     def _attempt_done(self, live: Live, future: Future[None]) -> None:
         """Log what escaped `_attempt` (nothing should): a pool future is never read."""
@@ -356,6 +386,8 @@ class Worker:
     def _shutdown(self) -> None:
         """No new claims; attempts get the grace period; then they are stopped and recorded
         as interrupted (requeued without spending their budget)."""
+        if self.handover is not None:
+            self.handover.close()  # successes from now on go to the store
         deadline = time.monotonic() + self.grace
         while self.busy and time.monotonic() < deadline:
             self._wake.wait(0.05)

@@ -11,12 +11,14 @@ lease cannot touch the run's new attempt.
 
 One module per moment of a run: `enqueue` (new runs and forks), `due` (what may be claimed),
 `claiming`, `attempts` (writes while it runs), `settling` (how it ends, and the reaper's
-reclaim), `operators` (cancel, retry, interactive runs); `batched` (an attempt's writes
+reclaim), `handover` (a worker's successes settled and its next runs claimed in one
+statement), `operators` (cancel, retry, interactive runs); `batched` (an attempt's writes
 as values, many applied in one transaction); `events` appends the story;
-`rawsql` builds the hot path's statements once per shape; `waiting` (the wait, deliveries,
-resumes, wait timeouts, child runs); `limited` (the claim of runs whose limit key has a
-row, and that table's writes) and `snoozing` (snoozes, recorded usage, budgets) are flow
-control; `steps` writes durable steps' starts and ends.
+`rawsql` builds the hot path's statements once per shape (`rawrows` runs them);
+`waiting` (the wait, deliveries, resumes, wait timeouts, child runs); `limited` (the
+claim of runs whose limit key has a row, and that table's writes) and `snoozing`
+(snoozes, recorded usage, budgets) are flow control; `steps` writes durable steps'
+starts and ends.
 
 Import direction (docs/architecture.md, enforced by tests/test_layers.py): UI/commands ->
 api and queries -> transitions -> models; worker -> executor -> transitions. This package
@@ -63,6 +65,7 @@ from .events import (
     lifecycle_event_id,
     now,
 )
+from .handover import settle_and_claim
 from .limited import (
     claim_limited,
     close_key,
@@ -98,7 +101,7 @@ __all__ = [
     "end_step", "enqueue_debounced", "enqueue_superseding", "exhaust_budget", "find_stale",
     "full_window", "insert_fork", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id",
     "limits_in_use", "migrate_version", "now", "open_key", "operator_retry", "policy", "reap_one",
-    "record_usage", "renew", "renew_many", "seed_settings_limits", "settle_cancelled",
-    "settle_failed", "settle_succeeded", "settle_succeeded_many", "snooze",
+    "record_usage", "renew", "renew_many", "seed_settings_limits", "settle_and_claim",
+    "settle_cancelled", "settle_failed", "settle_succeeded", "settle_succeeded_many", "snooze",
     "start_interactive", "start_step", "waiting", "window_fill", "window_use", "write_limit",
 ]

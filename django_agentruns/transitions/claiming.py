@@ -14,7 +14,7 @@ from ..db import is_postgres, retry_on_lock
 from ..models import AgentRun, RunEvent, Status
 from ..outcomes import DecisionAction, ScopePolicy
 from ..signals import send_after_commit
-from . import rawsql
+from . import rawrows, rawsql
 from .due import claim_row, compiled_due, recheck_order
 from .events import STARTED, append_events, lifecycle, now
 from .fair import Weights, advance, advance_ctes
@@ -126,9 +126,9 @@ def _claim_due_returning(
     sql, params = rawsql.claim_returning(due, at, worker_id, Status.RUNNING, Status.QUEUED,
                                          special, at + timedelta(seconds=default_ttl), STARTED,
                                          None if fair is None else advance_ctes(fair))
-    with rawsql.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
+    with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
         cursor.execute(sql, params)
-        claimed = rawsql.runs_from(cursor)
+        claimed = rawrows.runs_from(cursor, sql=sql)
     claimed.sort(key=lambda r: (-r.priority, r.available_at, r.fired_seq, r.pk))
     return claimed
 

@@ -13,7 +13,7 @@ from django.db import OperationalError, connection, transaction
 from ..conf import app_settings
 from ..exceptions import InvalidInputError
 from ..models import AgentLimit, AgentRun, RunCheckpoint, RunStep, Status
-from . import rawsql
+from . import rawrows, rawsql
 from .events import FORKED, append_events, lifecycle
 from .fair import join_groups
 from .windows import give_pattern_keys_rows
@@ -159,7 +159,7 @@ def _insert(rows: str, at: datetime) -> list[tuple[int, str, str]]:
     """One INSERT of the JSON array `rows`; (id, agent, dedupe_key) of the rows inserted,
     in array order."""
     sql, fixed = _insert_statement(connection.vendor)
-    with rawsql.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
+    with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
         cursor.execute(sql, [*fixed, connection.ops.adapt_datetimefield_value(at), rows])
         return sorted((pk, agent, key) for pk, agent, key in cursor.fetchall())
 

@@ -2,23 +2,22 @@
 
 Compiling a queryset costs more Python than the statement costs the database (about 40%
 of a worker's time went to the ORM's compiler). `transitions` runs what is built here,
-through `cursor()` (prepared on request) and `runs_from()` (rows to models); nothing here
-executes a statement or decides a status.
+through `rawrows.cursor()` (prepared on request) and `rawrows.runs_from()` (rows to
+models); nothing here executes a statement or decides a status.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
 from django.db import connection
-from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models import Field, QuerySet
-from django.db.models.sql import Query
 from django.utils import timezone
 
 from ..models import AgentRun, RunCheckpoint, RunEvent
@@ -41,10 +40,19 @@ def qn(name: str) -> str:
 
 
 def prep(model: type[AgentRun] | type[RunEvent], name: str, value: Any) -> Any:
-    """A value as the field would send it (JSON adapted, UUID and datetime for SQLite)."""
+    """A value as the field would send it (JSON adapted, UUID and datetime for SQLite).
+    PostgreSQL takes an aware datetime or a UUID as it is (the field would only check)."""
+    if isinstance(value, datetime | uuid.UUID) and getattr(value, "tzinfo", True) is not None \
+            and connection.vendor == "postgresql":
+        return value
+    return _field(model, name).get_db_prep_value(value, connection)
+
+
+@functools.cache
+def _field(model: type[AgentRun] | type[RunEvent], name: str) -> Field[Any, Any]:
     field = model._meta.get_field(name)
     assert isinstance(field, Field)
-    return field.get_db_prep_value(value, connection)
+    return field
 
 
 class Compiled:
@@ -243,6 +251,19 @@ def settle_succeeded(
     a parent id says a waiting parent may need resuming, with no read to find out.
     `with_events` (PostgreSQL) appends their end events in the same statement.
     """
+    head, update, params = _succeed_parts(items, worker_id, running, succeeded, completed, at)
+    table = qn(AgentRun._meta.db_table)
+    if not with_events:
+        return f"{head}{update}RETURNING {table}.id, {table}.parent_id", params
+    ctes, more = _succeed_ctes(head, update, event_type, at)
+    return f"{ctes} SELECT id, parent_id FROM done", params + more
+
+
+def _succeed_parts(
+    items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
+    completed: str, at: datetime,
+) -> tuple[str, str, list[Any]]:
+    """The VALUES head and the fenced UPDATE of a settle of successes, and their params."""
     table = qn(AgentRun._meta.db_table)
     params: list[Any] = []
     for run_id, attempt, output, event_id in items:
@@ -255,13 +276,17 @@ def settle_succeeded(
               f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
               f"AND {table}.status = %s AND {table}.claimed_by = %s ")
     head = f"WITH v (run_id, run_attempt, run_output, run_event) AS (VALUES {rows}) "
-    if not with_events:
-        return f"{head}{update}RETURNING {table}.id, {table}.parent_id", params
-    params += [event_type, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at)]
+    return head, update, params
+
+
+def _succeed_ctes(head: str, update: str, event_type: str,
+                  at: datetime) -> tuple[str, list[Any]]:
+    """`WITH v, done (the settled: id, attempt, parent_id), ended (their end events)`."""
+    table = qn(AgentRun._meta.db_table)
     return (f"{head}, done AS ({update}RETURNING {table}.id, {table}.attempt, "
             f"{table}.parent_id), "
-            f"ended AS ({_events_from('done', 'done_v.run_event', 'done_v')}) "
-            f"SELECT id, parent_id FROM done"), params
+            f"ended AS ({_events_from('done', 'done_v.run_event', 'done_v')})"), \
+        [event_type, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at)]
 
 
 def _events_from(rows: str, event_id: str, join: str = "") -> str:
@@ -282,6 +307,19 @@ def claim_returning(
     """PostgreSQL: lock the due rows (SKIP LOCKED), start them and append their start
     events, all in one statement. `then`: more CTEs (SQL, params) that read the `claimed`
     rows (fair shares advance their groups there: transitions.fair)."""
+    ctes, params = _claim_ctes(due, at, worker_id, running, queued, lease_ttls,
+                               default_lease, started)
+    if then:
+        return f"WITH {ctes}, {then[0]} SELECT * FROM claimed", params + then[1]
+    return f"WITH {ctes} SELECT * FROM claimed", params
+
+
+def _claim_ctes(
+    due: Compiled, at: datetime, worker_id: str, running: str, queued: str,
+    lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
+) -> tuple[str, list[Any]]:
+    """`picked` (the due rows, locked), `claimed` (them started, whole rows), `started`
+    (their start events)."""
     table = qn(AgentRun._meta.db_table)
     params = due.bind(at)
     lease = "%s"
@@ -294,78 +332,64 @@ def claim_returning(
     lease_params.append(default_lease)
     params += [running, worker_id, *lease_params, at, queued,
                started, prep(RunEvent, "payload", {"worker": worker_id}), at]
-    sql = (f"WITH picked AS ({due.sql}), "
+    sql = (f"picked AS ({due.sql}), "
            f"claimed AS (UPDATE {table} SET status = %s, claimed_by = %s, "
            f"attempt = {table}.attempt + 1, lease_expires = {lease}, started_at = %s, "
            f"dedupe_key = CASE WHEN {table}.release_dedupe_at_start THEN '' "
            f"ELSE {table}.dedupe_key END "
            f"FROM picked WHERE {table}.id = picked.id AND {table}.status = %s "
            f"RETURNING {table}.*, picked.started_at AS previous_started_at), "
-           f"started AS ({_events_from('claimed', 'gen_random_uuid()')}) "
-           f"{', ' + then[0] + ' ' if then else ''}SELECT * FROM claimed")
-    return sql, params + (then[1] if then else [])
+           f"started AS ({_events_from('claimed', 'gen_random_uuid()')})")
+    return sql, params
 
 
-def cursor(*, prepared: bool) -> Any:
-    """Django's cursor; or, on PostgreSQL with `prepared`, one that has the server plan
-    each statement once per connection (psycopg's prepared statements), keeping Django's
-    error wrapping and execute wrappers."""
-    if not prepared or connection.vendor != "postgresql":
-        return connection.cursor()
-    connection.ensure_connection()
-    if connection.connection.prepare_threshold is None:
-        # Django turns psycopg's preparing off (None); explicit prepare=True needs it on.
-        # A threshold never reached keeps every other statement unprepared, as before.
-        connection.connection.prepare_threshold = 2**31 - 1
-    wrapper = CursorDebugWrapper if connection.queries_logged else CursorWrapper
-    return wrapper(_preparing_cursor_class()(connection.connection), connection)
+def settle_and_claim(
+    items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
+    completed: str, ended: str, due: Compiled, at: datetime, queued: str,
+    lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
+) -> tuple[str, list[Any]]:
+    """PostgreSQL: `settle_succeeded` (with events) and `claim_returning` in one statement.
+
+    Its rows are the claimed runs, each with `settled_ids` and `settled_parents` (the
+    settled runs and their parents, in the same order); one row of NULLs but those two
+    when nothing was claimed."""
+    shape = (connection.vendor, len(items), tuple(lease_ttls), due.sql)
+    sql = _SHAPES.get(shape)
+    if sql is not None:  # the text of a shape seen before: only its parameters are new
+        return sql, _settle_and_claim_params(items, worker_id, running, succeeded, completed,
+                                             ended, due, at, queued, lease_ttls,
+                                             default_lease, started)
+    head, update, params = _succeed_parts(items, worker_id, running, succeeded, completed, at)
+    settle, more = _succeed_ctes(head, update, ended, at)
+    claim, claim_params = _claim_ctes(due, at, worker_id, running, queued, lease_ttls,
+                                      default_lease, started)
+    sql = (f"{settle}, {claim} SELECT claimed.*, s.settled_ids, s.settled_parents FROM "
+           f"(SELECT array_agg(id) AS settled_ids, array_agg(parent_id) AS settled_parents "
+           f"FROM done) s LEFT JOIN claimed ON true")
+    if len(_SHAPES) < 256:
+        _SHAPES[shape] = sql
+    return sql, params + more + claim_params
 
 
-@functools.cache
-def _preparing_cursor_class() -> type:
-    from django.db.backends.postgresql.base import ServerBindingCursor  # psycopg 3 only
-
-    class PreparingCursor(ServerBindingCursor):
-        def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
-            return super().execute(query, params, prepare=True)  # type: ignore[misc]
-
-    return PreparingCursor
+_SHAPES: dict[tuple[Any, ...], str] = {}
 
 
-def runs_from(cursor: Any) -> list[AgentRun]:
-    """Model instances from the rows of a statement that returned whole AgentRun rows,
-    converted as the ORM would (JSON decoded); any extra column becomes an attribute."""
-    columns = tuple(c.name for c in cursor.description)
-    names, kept, extra, converters = _row_shape(columns)
-    runs = []
-    for row in cursor.fetchall():
-        values = list(row)
-        for pos, (funcs, expression) in converters:
-            for func in funcs:
-                values[pos] = func(values[pos], expression, connection)
-        run = AgentRun.from_db(connection.alias, names, [values[i] for i in kept])
-        for i in extra:
-            setattr(run, columns[i], values[i])
-        runs.append(run)
-    return runs
-
-
-@functools.lru_cache(maxsize=8)
-def _row_shape(columns: tuple[str, ...]) -> tuple[
-        list[str], list[int], list[int], list[tuple[int, tuple[list[Any], Any]]]]:
-    """For rows of these columns: the model's attnames, which positions are fields, which
-    are extra, and the ORM's converters by position (found once, not per claim)."""
-    by_column = {f.column: f for f in AgentRun._meta.concrete_fields}
-    fields = [by_column.get(c) for c in columns]
-    compiler = connection.ops.compiler("SQLCompiler")(Query(AgentRun), connection,
-                                                      connection.alias)
-    converters = compiler.get_converters(
-        [f.get_col(AgentRun._meta.db_table) if f else None for f in fields])  # type: ignore[misc]
-    # In the model's field order, which `from_db` expects: a table's columns come in the
-    # order migrations added them, which need not be the model's.
-    position = {f.column: i for i, f in enumerate(fields) if f is not None}
-    kept = [position[f.column] for f in AgentRun._meta.concrete_fields if f.column in position]
-    return ([str(fields[i].attname) for i in kept],  # type: ignore[union-attr]
-            kept,
-            [i for i, f in enumerate(fields) if f is None],
-            sorted(converters.items()))
+def _settle_and_claim_params(
+    items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
+    completed: str, ended: str, due: Compiled, at: datetime, queued: str,
+    lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
+) -> list[Any]:
+    """`settle_and_claim`'s parameters in its text's order, without building the text (a
+    worker sends the same few shapes run after run)."""
+    params: list[Any] = []
+    for run_id, attempt, output, event_id in items:
+        params += [run_id, attempt, prep(AgentRun, "output", output),
+                   prep(RunEvent, "event_id", event_id)]
+    params += [succeeded, completed, prep(AgentRun, "finished_at", at), running, worker_id,
+               ended, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at),
+               *due.bind(at), running, worker_id]
+    for agent, until in lease_ttls.items():
+        params += [agent, until]
+    params += [default_lease, at, queued, started,
+               prep(RunEvent, "payload", {"worker": worker_id}), at]
+    return params

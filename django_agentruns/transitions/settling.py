@@ -17,7 +17,7 @@ from ..db import is_postgres, retry_on_lock
 from ..models import AgentRun, Reason, RunEvent, Status
 from ..outcomes import AttemptRef, DecisionAction, ErrorInfo, Settlement
 from ..signals import send_after_commit
-from . import rawsql, waiting
+from . import rawrows, rawsql, waiting
 from .due import CLAIM_FIELDS, lapsed
 from .events import (
     ABANDONED,
@@ -89,7 +89,7 @@ def _succeed_in_one_statement(
     sql, params = rawsql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
                                           Reason.COMPLETED, SUCCEEDED, at, with_events=True)
     try:
-        with rawsql.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
+        with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
             cursor.execute(sql, params)
             return dict(cursor.fetchall())  # id: parent_id
     except IntegrityError:

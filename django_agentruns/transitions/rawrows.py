@@ -1,0 +1,98 @@
+"""Running the hot path's SQL (`rawsql`): a cursor that prepares its statements, and
+returned rows turned into models as the ORM would, without its per-row Python."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from django.db import connection
+from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
+from django.db.models.sql import Query
+
+from ..models import AgentRun
+
+
+def cursor(*, prepared: bool) -> Any:
+    """Django's cursor; or, on PostgreSQL with `prepared`, one that has the server plan
+    each statement once per connection (psycopg's prepared statements), keeping Django's
+    error wrapping and execute wrappers."""
+    if not prepared or connection.vendor != "postgresql":
+        return connection.cursor()
+    connection.ensure_connection()
+    if connection.connection.prepare_threshold is None:
+        # Django turns psycopg's preparing off (None); explicit prepare=True needs it on.
+        # A threshold never reached keeps every other statement unprepared, as before.
+        connection.connection.prepare_threshold = 2**31 - 1
+    wrapper = CursorDebugWrapper if connection.queries_logged else CursorWrapper
+    return wrapper(_preparing_cursor_class()(connection.connection), connection)
+
+
+@functools.cache
+def _preparing_cursor_class() -> type:
+    from django.db.backends.postgresql.base import ServerBindingCursor  # psycopg 3 only
+
+    class PreparingCursor(ServerBindingCursor):
+        def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            return super().execute(query, params, prepare=True)  # type: ignore[misc]
+
+    return PreparingCursor
+
+
+def column_names(cursor: Any, sql: str | None = None) -> tuple[str, ...]:
+    """The names of a result's columns, kept per statement text `sql` (`description`
+    builds an object per column, some 40 per claimed row, run after run)."""
+    columns = _COLUMNS.get(sql) if sql is not None else None
+    if columns is None:
+        columns = tuple(c.name for c in cursor.description)
+        if sql is not None and len(_COLUMNS) < 256:
+            _COLUMNS[sql] = columns
+    return columns
+
+
+_COLUMNS: dict[str, tuple[str, ...]] = {}
+
+
+def runs_from(cursor: Any, rows: list[Any] | None = None,
+              sql: str | None = None) -> list[AgentRun]:
+    """Model instances from the rows of a statement that returned whole AgentRun rows
+    (`rows`: those fetched already; `sql`: its text, to keep its columns' names by),
+    converted as the ORM would (JSON decoded); any extra column becomes an attribute. A
+    row whose id is NULL (an outer join's) is no run."""
+    columns = column_names(cursor, sql)
+    names, kept, extra, converters = _row_shape(columns)
+    at_id = columns.index("id")
+    runs = []
+    for row in cursor.fetchall() if rows is None else rows:
+        if row[at_id] is None:
+            continue
+        values = list(row)
+        for pos, (funcs, expression) in converters:
+            for func in funcs:
+                values[pos] = func(values[pos], expression, connection)
+        run = AgentRun.from_db(connection.alias, names, [values[i] for i in kept])
+        for i in extra:
+            setattr(run, columns[i], values[i])
+        runs.append(run)
+    return runs
+
+
+@functools.lru_cache(maxsize=8)
+def _row_shape(columns: tuple[str, ...]) -> tuple[
+        list[str], list[int], list[int], list[tuple[int, tuple[list[Any], Any]]]]:
+    """For rows of these columns: the model's attnames, which positions are fields, which
+    are extra, and the ORM's converters by position (found once, not per claim)."""
+    by_column = {f.column: f for f in AgentRun._meta.concrete_fields}
+    fields = [by_column.get(c) for c in columns]
+    compiler = connection.ops.compiler("SQLCompiler")(Query(AgentRun), connection,
+                                                      connection.alias)
+    converters = compiler.get_converters(
+        [f.get_col(AgentRun._meta.db_table) if f else None for f in fields])  # type: ignore[misc]
+    # In the model's field order, which `from_db` expects: a table's columns come in the
+    # order migrations added them, which need not be the model's.
+    position = {f.column: i for i, f in enumerate(fields) if f is not None}
+    kept = [position[f.column] for f in AgentRun._meta.concrete_fields if f.column in position]
+    return ([str(fields[i].attname) for i in kept],  # type: ignore[union-attr]
+            kept,
+            [i for i, f in enumerate(fields) if f is None],
+            sorted(converters.items()))
