@@ -296,10 +296,10 @@ def test_a_worker_makes_the_partitions_itself(partitioned: int) -> None:
     fill_to_the_last_span()
     top = max(hi for _, hi in spans())
     worker = Worker(burst=True, reap_interval=0)
-    worker._maybe_ensure_partitions()
+    worker.chores.ensure_partitions()
     assert max(hi for _, hi in spans()) == top + SPAN
     fill_to_the_last_span()
-    worker._maybe_ensure_partitions()  # looked less than ENSURE_INTERVAL ago: not again
+    worker.chores.ensure_partitions()  # looked less than ENSURE_INTERVAL ago: not again
     assert max(hi for _, hi in spans()) == top + SPAN
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import os
 import signal
 import socket
@@ -34,15 +33,16 @@ from ..conf import app_settings
 from ..db import close_all_connections
 from ..exceptions import AgentRunsError
 from ..models import AgentRun
-from ..ops import partitions, visibility
+from ..ops import visibility
 from ..outcomes import AttemptRef, Settlement, StopReason
 from ..queues import PausedSet
 from ..registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
 from ..streaming.transport import drain_sender
 from ..transitions.fair import FairClaim
 from ..transitions.limited import LimitedClaim
-from . import reaper, usage
+from . import usage
 from .attempt_store import AttemptStore
+from .chores import Chores
 from .executor import Executor, extra
 from .handover import Handed, Handover
 from .lease_keeper import LeaseKeeper
@@ -56,7 +56,6 @@ logger = logging.getLogger("django_agentruns.worker")
 CONTENTION_START = 0.002
 CONTENTION_MAX = 0.1
 LAPSED_SCAN_INTERVAL = 1.0
-ENSURE_INTERVAL = 10.0  # seconds between a worker's looks at the history partitions
 
 
 class ContentionTimeout(AgentRunsError):
@@ -113,8 +112,7 @@ class Worker:
         self._listener_stop = threading.Event()
         self._listener: Listener | None = None
         self._signals = 0
-        self._last_reap = 0.0
-        self._last_ensure = -math.inf
+        self.chores = Chores(self.worker_id, self.reap_interval, self._reaped)
         self._last_lapsed_scan = 0.0
         self._limited = LimitedClaim(LAPSED_SCAN_INTERVAL)  # flow control
         self._fair = FairClaim(LAPSED_SCAN_INTERVAL)  # fair shares, once a group exists
@@ -204,8 +202,7 @@ class Worker:
             self._wake.clear()
             try:
                 close_old_connections()
-                self._maybe_reap()
-                self._maybe_ensure_partitions()
+                self.chores.tick()
                 self._ticker.tick()
                 claimed = self._claim()
                 errors = 0
@@ -302,29 +299,8 @@ class Worker:
                            extra={"worker_id": self.worker_id})
         return False
 
-    def _maybe_ensure_partitions(self) -> None:
-        """Partitioned history: make the partitions new runs will need, from every worker
-        (no leader; a try-lock lets one do the DDL at a time), once per ENSURE_INTERVAL: one
-        catalog read and a sequence read when nothing is due."""
-        now = time.monotonic()
-        if now - self._last_ensure < ENSURE_INTERVAL:
-            return
-        self._last_ensure = now
-        if partitions.span() is not None:
-            created = partitions.ensure().created
-            if created:
-                logger.info("created history partitions %s", ", ".join(created),
-                            extra={"worker_id": self.worker_id})
-
-    def _maybe_reap(self) -> None:
-        if self.reap_interval <= 0:
-            return
-        now = time.monotonic()
-        if now - self._last_reap < self.reap_interval:
-            return
-        self._last_reap = now
-        report = reaper.reap()
-        self.stats.reaped += report.total
+    def _reaped(self, count: int) -> None:
+        self.stats.reaped += count
 
     # ----------------------------------------------------------------- attempts
 
