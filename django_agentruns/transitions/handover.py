@@ -83,8 +83,9 @@ def _in_one_statement(
         raise ValueError("a batch settles distinct runs of one worker")
     rows = [(ref.run_id, ref.attempt, output, lifecycle_event_id())
             for ref, output in successes]
+    # The same arguments, keywords included, as `claim`'s: one cached compilation for both.
     due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=True, agents=agents,
-                       naive=rawsql.naive_times())
+                       naive=rawsql.naive_times(), fair=None)
     special = {agent: at + timedelta(seconds=ttl) for agent, ttl in lease_ttls.items()
                if ttl != default_ttl}
     sql, params = rawsql.settle_and_claim(
