@@ -81,16 +81,16 @@ def test_worker_survives_its_connections_being_terminated_mid_run(
 def test_a_failed_worker_pass_is_logged_and_retried(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    real_claim = transitions.claim
+    real_claim = transitions.settle_and_claim  # the claim loop's one call per pass
     calls: list[int] = []
 
-    def claim_failing_once(*args: Any, **kwargs: Any) -> list[AgentRun]:
+    def claim_failing_once(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         if len(calls) == 1:
             raise OperationalError("disk I/O error")
         return real_claim(*args, **kwargs)
 
-    monkeypatch.setattr(transitions, "claim", claim_failing_once)
+    monkeypatch.setattr(transitions, "settle_and_claim", claim_failing_once)
     queued = enqueue("tests.noop", {"n": 1})
     worker = Worker(burst=True, reap_interval=0)
     with caplog.at_level(logging.ERROR, logger="django_agentruns.worker"):
@@ -126,6 +126,16 @@ def test_an_outcome_that_fails_to_record_is_retried_within_the_lease(
         return real_apply(writes)
 
     monkeypatch.setattr(batched, "apply_writes", settle_failing_twice)
+    # On PostgreSQL a success goes to the claim loop's settle-and-claim statement first:
+    # that fails too, and hands it to the store, whose writes are the ones tried again.
+    real_settle_and_claim = transitions.settle_and_claim
+
+    def handing_to_the_store(worker_id: str, successes: Any, *args: Any, **kwargs: Any) -> Any:
+        if successes:
+            raise OperationalError("FATAL:  sorry, too many clients already")
+        return real_settle_and_claim(worker_id, successes, *args, **kwargs)
+
+    monkeypatch.setattr(transitions, "settle_and_claim", handing_to_the_store)
     queued = enqueue("tests.noop", {"n": 2})
     with caplog.at_level(logging.WARNING, logger="django_agentruns.worker"):
         stats = Worker(burst=True, reap_interval=0).run(install_signals=False)
