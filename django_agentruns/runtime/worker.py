@@ -278,7 +278,8 @@ class Worker:
         if taken and len(runs) >= len(taken):
             for handed in taken:  # their slots are taken again: their ends wake nobody
                 live = self.live.get(handed.write.ref.run_id)
-                if live is not None:
+                # That attempt's, not a later one of the same run this claim just started.
+                if live is not None and live.run.attempt == handed.write.ref.attempt:
                     live.refilled = True
         self.handover.settled(taken, settled)
         self.stats.claimed += len(runs)
