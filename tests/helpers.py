@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -129,6 +130,10 @@ class ManageProcess:
         try:
             return self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            # A worker dumps its threads' stacks on SIGUSR1: show where it is stuck.
+            self.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(AssertionError):
+                wait_until(lambda: "most recent call first" in self.output(), timeout=5)
             raise AssertionError(
                 f"{self.args} still running after {timeout}s\n{self.output()}"
             ) from None

@@ -12,6 +12,7 @@ So a worker's connections are bounded whatever its concurrency (`connections()`)
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import functools
 import logging
 import os
@@ -148,6 +149,8 @@ class Worker:
         if install_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
+            # `kill -USR1 <pid>`: every thread's stack to stderr, for a worker that seems stuck.
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         logger.info("worker %s serving queues %s with concurrency %s%s", self.worker_id,
                     ",".join(self.queues), self.concurrency, " (burst)" if self.burst else "",
                     extra={"worker_id": self.worker_id})
