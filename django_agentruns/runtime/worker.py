@@ -12,11 +12,9 @@ So a worker's connections are bounded whatever its concurrency (`connections()`)
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import functools
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -24,7 +22,6 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import FrameType
 
 from django.db import close_old_connections, connection
 from django.utils import timezone
@@ -49,6 +46,7 @@ from .handover import Handed, Handover
 from .lease_keeper import LeaseKeeper
 from .presence import Presence
 from .running import Live, LiveAttempts
+from .stop_signals import StopSignals
 from .ticker import Ticker
 from .wakeups import Listener
 
@@ -112,7 +110,6 @@ class Worker:
         self.keeper = LeaseKeeper(self.worker_id, self.live, on_tick=self.presence.tick)
         self._listener_stop = threading.Event()
         self._listener: Listener | None = None
-        self._signals = 0
         self.chores = Chores(self.worker_id, self.reap_interval, self._reaped)
         self._last_lapsed_scan = 0.0
         self._limited = LimitedClaim(LAPSED_SCAN_INTERVAL)  # flow control
@@ -147,10 +144,7 @@ class Worker:
     def run(self, install_signals: bool = True) -> WorkerStats:
         """Serve until stopped (or, in burst mode, until nothing is due)."""
         if install_signals and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
-            # `kill -USR1 <pid>`: every thread's stack to stderr, for a worker that seems stuck.
-            faulthandler.register(signal.SIGUSR1, all_threads=True)
+            StopSignals(self.stop, self.grace, self.worker_id).install()
         logger.info("worker %s serving queues %s with concurrency %s%s", self.worker_id,
                     ",".join(self.queues), self.concurrency, " (burst)" if self.burst else "",
                     extra={"worker_id": self.worker_id})
@@ -176,16 +170,6 @@ class Worker:
         """Ask the worker to stop: no new claims, running attempts get the grace period."""
         self.stopping.set()
         self._wake.set()
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._signals += 1
-        if self._signals > 1:
-            # A second signal: leave now. Leases lapse and the runs are reclaimed.
-            logger.warning("second signal: exiting at once", extra={"worker_id": self.worker_id})
-            os._exit(1)
-        logger.info("signal %s: stopping (grace %.1fs)", signal.Signals(signum).name,
-                    self.grace, extra={"worker_id": self.worker_id})
-        self.stop()
 
     @property
     def agent_names(self) -> list[str]:
