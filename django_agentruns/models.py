@@ -353,83 +353,13 @@ class PausedQueue(models.Model):
         return self.name
 
 
-class StreamChunk(models.Model):
-    """SQLite only: a live chunk (`ctx.stream`) on its way to the web processes' poller.
-
-    PostgreSQL sends chunks by NOTIFY and stores none. Here they wait in this small table
-    until the attempt coalesces them into one `stream` event, which prunes them.
-    """
-
-    id = models.BigAutoField(primary_key=True)
-    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="+")
-    attempt = models.PositiveIntegerField()
-    channel = models.CharField(max_length=100)
-    first = models.PositiveIntegerField(help_text=_("Index of its first chunk in the attempt."))
-    end = models.PositiveIntegerField(help_text=_("Index past its last chunk."))
-    text = models.TextField()
-
-    class Meta:
-        verbose_name = _("stream chunk")
-        verbose_name_plural = _("stream chunks")
-        indexes = (models.Index(fields=("run", "id"), name="agentruns_chunk_run"),)
-
-    def __str__(self) -> str:
-        return f"#{self.run_id} {self.channel}[{self.first}:{self.end}]"
-
-
-class RunStep(models.Model):
-    """One durable step of a run (`ctx.step`): its result once done, so no later attempt
-    of the run executes it again. Written by `transitions.steps` only, fenced."""
-
-    class State(models.TextChoices):
-        STARTED = "started", "Started"
-        """Its execution began; if the attempt died, the next one executes it again."""
-        DONE = "done", "Done"
-        """Its result is stored: every later attempt gets it without executing the step."""
-        FAILED = "failed", "Failed"
-        """Its last execution raised (or timed out); a later attempt executes it again."""
-
-    id = models.BigAutoField(primary_key=True)
-    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="steps")
-    name = models.CharField(max_length=200)
-    occurrence = models.PositiveIntegerField(help_text=_("1, 2, 3... per name, in call order."))
-    status = models.CharField(max_length=16, choices=State.choices, default=State.STARTED)
-    result = models.JSONField(null=True, blank=True)
-    error = models.TextField(blank=True, default="")
-    attempt = models.PositiveIntegerField(default=0, help_text=_("The attempt that last ran it."))
-    checkpoint = models.PositiveIntegerField(
-        default=0, help_text=_("The run's checkpoint count when the step first started."))
-    replayed_from = models.BigIntegerField(
-        null=True, blank=True, help_text=_("Copied from this run's step by a replaying fork."))
-    started_at = models.DateTimeField(default=timezone.now)
-    finished_at = models.DateTimeField(null=True, blank=True)
-    input_tokens = models.BigIntegerField(default=0)
-    output_tokens = models.BigIntegerField(default=0)
-    cost = models.FloatField(default=0.0)
-
-    class Meta:
-        verbose_name = _("run step")
-        verbose_name_plural = _("run steps")
-        ordering = ("run", "id")
-        constraints = (
-            models.UniqueConstraint(fields=("run", "name", "occurrence"),
-                                    name="agentruns_step_occurrence"),
-        )
-
-    def __str__(self) -> str:
-        return f"#{self.run_id} {self.name}/{self.occurrence} ({self.status})"
-
-    @property
-    def key(self) -> str:
-        """The step's idempotency key (`ctx.step_key`)."""
-        return step_key(self.run_id, self.name, self.occurrence)
-
-
-def step_key(run_id: int, name: str, occurrence: int) -> str:
-    return f"run-{run_id}/{name}/{occurrence}"
-
-
-# Flow control's tables and LangGraph's checkpoint tables live in modules of their own,
-# registered with the app here.
+# Flow control's tables, and the step, chunk and LangGraph tables written beside a run's
+# events, live in modules of their own, registered with the app here.
 from .flow_models import AgentLimit, FairGroup, KeyWindowEntry, RunUsage  # noqa: E402, F401 (re-exported)
-from .graph_models import GraphCheckpoint, GraphWrite  # noqa: E402, F401
+from .history_models import (  # noqa: E402, F401 (re-exported)
+    GraphCheckpoint,
+    GraphWrite,
+    RunStep,
+    StreamChunk,
+    step_key,
+)

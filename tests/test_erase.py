@@ -113,7 +113,7 @@ def test_the_admin_erase_action_needs_the_delete_permission() -> None:
 # --------------------------------------------------------------------------- LangGraph threads
 
 def graph_rows(thread_id: str) -> tuple[int, int]:
-    from django_agentruns.graph_models import GraphCheckpoint, GraphWrite
+    from django_agentruns.history_models import GraphCheckpoint, GraphWrite
 
     return (GraphCheckpoint.objects.filter(thread_id=thread_id).count(),
             GraphWrite.objects.filter(thread_id=thread_id).count())
@@ -122,7 +122,7 @@ def graph_rows(thread_id: str) -> tuple[int, int]:
 def test_erase_deletes_and_counts_a_graph_thread_only_its_run_wrote_and_keeps_a_shared_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("langgraph")
-    from django_agentruns.graph_models import GraphCheckpoint
+    from django_agentruns.history_models import GraphCheckpoint
     from django_agentruns.runtime.worker import Worker
     from django_agentruns.streaming import transport
 
@@ -155,7 +155,7 @@ def test_erase_deletes_and_counts_a_graph_thread_only_its_run_wrote_and_keeps_a_
 
 
 def test_erase_keeps_a_thread_written_outside_a_run_too() -> None:
-    from django_agentruns.graph_models import GraphCheckpoint, GraphWrite
+    from django_agentruns.history_models import GraphCheckpoint, GraphWrite
 
     run = finished_run()
 

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("langgraph")
 
 from django_agentruns import deliver, enqueue, transitions
-from django_agentruns.graph_models import GraphCheckpoint
+from django_agentruns.history_models import GraphCheckpoint
 from django_agentruns.models import Reason, RunEvent, Status, StreamChunk
 from django_agentruns.runtime.worker import Worker
 from django_agentruns.streaming import transport as chunk_transport

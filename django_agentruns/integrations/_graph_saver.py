@@ -1,4 +1,4 @@
-"""`AgentRunsSaver`: LangGraph's checkpoint saver on this project's tables (graph_models).
+"""`AgentRunsSaver`: LangGraph's checkpoint saver on this project's tables (history_models).
 
 Inside an agent run, each save is fenced by the run's lease (transitions.graph_checkpoints):
 a worker that lost the run saves nothing. Outside one it is a plain saver on the
@@ -28,7 +28,7 @@ from langgraph.checkpoint.base import (
     writes_sort_key,
 )
 
-from ..graph_models import GraphCheckpoint, GraphWrite
+from ..history_models import GraphCheckpoint, GraphWrite
 from ..runtime.context import current_context
 from ..transitions import graph_checkpoints as writes_of
 from ..transitions.graph_checkpoints import GraphCheckpointPut, GraphWritesPut

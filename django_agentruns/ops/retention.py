@@ -21,7 +21,7 @@ from django.db.models.deletion import Collector
 from django.utils import timezone
 
 from ..exceptions import InvalidInputError, RunNotFinishedError, RunNotFoundError
-from ..graph_models import GraphCheckpoint, GraphWrite
+from ..history_models import GraphCheckpoint, GraphWrite
 from ..models import (
     TERMINAL,
     AgentRun,

@@ -14,7 +14,7 @@ from typing import Any
 from django.db import transaction
 
 from ..db import retry_on_lock
-from ..graph_models import GraphCheckpoint, GraphWrite
+from ..history_models import GraphCheckpoint, GraphWrite
 from ..outcomes import AttemptRef, Renewal
 from .attempts import _renew_locked
 from .events import now
