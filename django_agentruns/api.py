@@ -14,14 +14,14 @@ from django.utils import timezone
 
 from . import signals, transitions
 from .exceptions import InvalidInputError, RunNotFoundError
-from .fairness import FairKey, resolve_fair_key
-from .limits import LimitKey, check_budget, check_limit_key, resolve_limit_key
 from .models import AgentRun
 from .registry import QUEUE_RULE, get_agent, is_queue_name
+from .rules.fairness import FairKey, resolve_fair_key
+from .rules.limits import LimitKey, check_budget, check_limit_key, resolve_limit_key
+from .rules.windows import KEEP
+from .rules.windows import check_field as check_limit_field
 from .transitions import CancelResult, NewRun
 from .validation import capped_json, is_short_text, storable_text
-from .windows import KEEP
-from .windows import check_field as check_limit_field
 
 logger = logging.getLogger("django_agentruns.limits")
 
@@ -75,8 +75,8 @@ def enqueue(
     `run_after` is a datetime, a timedelta or seconds from now. With `dedupe_key`, an
     unfinished (queued or running) run of the agent with that key is returned instead of
     a new one, its `deduplicated` True; race-free across processes. `limit_key` overrides
-    the agent's (see django_agentruns.limits), `fair_key` its fairness group (see
-    django_agentruns.fairness). With `dedupe_key`: `debounce=seconds` makes a
+    the agent's (see django_agentruns.rules.limits), `fair_key` its fairness group (see
+    django_agentruns.rules.fairness). With `dedupe_key`: `debounce=seconds` makes a
     queued run holding the key take this input and start `seconds` from now instead (its
     `debounced` True; a new run starts then too, and gives up the key as it starts);
     `supersede=True` cancels the unfinished run holding the key ("superseded by run N")

@@ -11,7 +11,6 @@ from django.core.checks import CheckMessage, Error, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import SETTING_NAME, AppSettings, Defaults
-from .fairness import weight_problem
 from .ops.probes import (  # noqa: F401 (registered here; ids and checks re-exported)
     E020_BAD_HISTORY_PARTITION,
     W009_PINNED_VERSIONS,
@@ -20,10 +19,11 @@ from .ops.probes import (  # noqa: F401 (registered here; ids and checks re-expo
     check_history_partition,
     check_pinned_versions,
 )
-from .pricing import problem as price_problem
 from .registry import QUEUE_RULE, is_queue_name
+from .rules.fairness import weight_problem
+from .rules.pricing import problem as price_problem
+from .rules.windows import settings_problem as limits_problem
 from .sqlite import SQLITE_OPTIONS
-from .windows import settings_problem as limits_problem
 
 E001_NOT_A_DICT = "agentruns.E001"
 E002_UNKNOWN_SETTING = "agentruns.E002"

@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 
 from .conf import app_settings
 from .exceptions import InvalidInputError, UnknownAgentError
-from .fairness import FairKey, check_agent_fair_key
-from .limits import Budget, LimitKey, check_agent_limit_key, check_budget
 from .outcomes import ScopePolicy
-from .ticks import Timing, check_timing
+from .rules.fairness import FairKey, check_agent_fair_key
+from .rules.limits import Budget, LimitKey, check_agent_limit_key, check_budget
+from .rules.ticks import Timing, check_timing
+from .rules.windows import Estimate, check_estimate
 from .validation import is_short_text
-from .windows import Estimate, check_estimate
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,7 +65,7 @@ class AgentSpec:
     classify: Callable[[BaseException], bool | None] | None = None
     schedule_timing: Timing | None = None  # from schedule= / every= (django_agentruns.schedules)
     catch_up: bool = False
-    limit_key: LimitKey = None  # a key, or f(input) -> key; see django_agentruns.limits
+    limit_key: LimitKey = None  # a key, or f(input) -> key; see django_agentruns.rules.limits
     budget: Budget | None = None
     version: int = 1  # runs record it; a worker claims runs of its version or older
     migrate: Callable[[Any, int], Any] | None = None  # (state, from_version) -> state
@@ -120,11 +120,11 @@ def agent(
     ticks run only the latest unless `catch_up` (see django_agentruns.schedules).
     `limit_key`: the key whose limit its runs count against (a string, or a callable of
     the input); `budget`: {"tokens": N, "cost": X}, past which an attempt stops and the
-    run is dead-lettered `budget_exhausted` (see django_agentruns.limits); `estimate`:
+    run is dead-lettered `budget_exhausted` (see django_agentruns.rules.limits); `estimate`:
     {"tokens": N, "cost": X} a run reserves in its key's token and cost windows when it
     starts, settled with what it records (default: the key's recent average per run).
     `fair_key`: its runs' fairness group (a string, or a callable of the input), see
-    django_agentruns.fairness.
+    django_agentruns.rules.fairness.
     `version`: runs record the version they started under; a worker whose version is
     lower does not claim them. `migrate(state, from_version) -> state`: how a run of an
     older version resumes on this code (its checkpoint state migrated when claimed);

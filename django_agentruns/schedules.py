@@ -32,7 +32,7 @@ from django.utils import timezone
 from .exceptions import InvalidInputError
 from .models import Schedule
 from .registry import NAME_PATTERN, AgentSpec, get_agent
-from .ticks import Timing, check_timing
+from .rules.ticks import Timing, check_timing
 from .validation import capped_json
 
 logger = logging.getLogger("django_agentruns.schedules")

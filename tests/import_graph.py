@@ -18,9 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "django_agentruns"
 # own layer and the ones below it.
 LAYERS: list[tuple[str, set[str]]] = [
     ("vocabulary and data", {"models", "queries", "states", "outcomes", "validation", "conf",
-                             "db", "exceptions", "registry", "policy", "limits", "windows",
-                             "fairness", "ticks", "signals", "sqlite", "history_models",
-                             "flow_models", "pricing"}),
+                             "db", "exceptions", "registry", "rules", "signals", "sqlite",
+                             "history_models", "flow_models"}),
     ("transitions", {"transitions"}),
     ("public calls", {"api", "waiting", "schedules", "queues"}),
     ("ops", {"ops"}),

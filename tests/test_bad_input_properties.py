@@ -319,7 +319,7 @@ setting_values = odd_numbers | st.none() | odd_text | st.lists(st.integers(), ma
     st.builds(Opaque) | st.just(Decimal("2.5")) | st.just("60")
 unknown_keys = st.text(min_size=1, max_size=12).filter(lambda k: k not in AppSettings.known())\
     | st.integers() | st.tuples(st.integers())
-classifiers = st.sampled_from([None, "django_agentruns.policy.http_status",
+classifiers = st.sampled_from([None, "django_agentruns.rules.policy.http_status",
                                "django_agentruns.conf.SETTING_NAME", "no_such_module.f",
                                "django_agentruns.no_such_function", "classify", "", "a..b"]) \
     | setting_values
@@ -458,7 +458,7 @@ def test_classifier_queue_and_token_are_reported_never_raised(classifier: Any, q
         assert all(token not in m.msg for m in messages
                    if len(token) >= 4 and m.id == agentruns_checks.E007_BAD_METRICS_TOKEN), \
             "a secret leaked into a check message"
-    if classifier is None or classifier == "django_agentruns.policy.http_status":
+    if classifier is None or classifier == "django_agentruns.rules.policy.http_status":
         assert agentruns_checks.E004_BAD_CLASSIFIER not in {m.id for m in messages}
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from django_agentruns import InvalidInputError, agent, enqueue, retry, transitions
-from django_agentruns.limits import Budget, check_budget
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.outcomes import AttemptRef, Renewal, UsageTotals
 from django_agentruns.registry import unregister
+from django_agentruns.rules.limits import Budget, check_budget
 from django_agentruns.runtime.attempt_store import AttemptStore
 from django_agentruns.runtime.worker import Worker
 

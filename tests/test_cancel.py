@@ -23,7 +23,7 @@ from django_agentruns import CancelResult, cancel, enqueue, retry, transitions
 from django_agentruns.conf import app_settings
 from django_agentruns.exceptions import InvalidInputError, RunNotFoundError
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
-from django_agentruns.policy import Failure
+from django_agentruns.rules.policy import Failure
 from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions import AttemptRef, ErrorInfo, ScopePolicy, Settlement
 from tests import helpers

@@ -11,10 +11,11 @@ import uuid
 
 import pytest
 
-from django_agentruns import enqueue, policy, transitions
+from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.outcomes import AttemptRef, Renewal
 from django_agentruns.registry import scope_policy
+from django_agentruns.rules import policy
 from django_agentruns.runtime.worker import Worker
 from tests.testapp.models import SideEffect
 

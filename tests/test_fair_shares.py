@@ -20,8 +20,8 @@ from django_agentruns import (
     set_limit,
     transitions,
 )
-from django_agentruns.fairness import fair_weights
 from django_agentruns.models import AgentRun, FairGroup, Status
+from django_agentruns.rules.fairness import fair_weights
 from django_agentruns.transitions.fair import FairClaim
 from tests import helpers
 

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from django_agentruns import enqueue, policy, transitions
+from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.registry import agent, unregister
+from django_agentruns.rules import policy
 from django_agentruns.runtime import reaper
 from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions import (

@@ -54,7 +54,7 @@ def test_no_import_circle() -> None:
 
 def test_the_checker_sees_relative_deferred_and_circular_imports() -> None:
     settling = PACKAGE / "transitions" / "settling.py"
-    assert {"models", "outcomes", "policy", "signals"} <= {
+    assert {"models", "outcomes", "rules.policy", "signals"} <= {
         target for target, _ in import_graph.imports(settling)}
     worker = PACKAGE / "runtime" / "worker.py"
     assert "transitions.__init__" in {target for target, _ in import_graph.imports(worker)}

@@ -12,8 +12,8 @@ import pytest
 
 from django_agentruns import RunContext, agent, enqueue
 from django_agentruns.models import AgentRun, RunUsage, Status
-from django_agentruns.pricing import Price, price_of
 from django_agentruns.registry import unregister
+from django_agentruns.rules.pricing import Price, price_of
 from django_agentruns.runtime.worker import Worker
 from tests.fakeprovider import ENV_VAR, FakeProvider, Reply
 

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 
-from django_agentruns import api, policy, transitions
+from django_agentruns import api, transitions
 from django_agentruns.management import logs
 from django_agentruns.models import AgentRun, WorkerRecord
 from django_agentruns.outcomes import AttemptRef
 from django_agentruns.registry import scope_policy
+from django_agentruns.rules import policy
 from tests import helpers
 
 

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from django_agentruns import RunRequest, enqueue, enqueue_many, policy, transitions
+from django_agentruns import RunRequest, enqueue, enqueue_many, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.registry import scope_policy
+from django_agentruns.rules import policy
 from django_agentruns.runtime.worker import Worker
 from django_agentruns.transitions import AttemptRef, claiming, due, due_queued
 from tests import helpers

@@ -12,9 +12,9 @@ from django.utils import timezone
 from hypothesis import given
 from hypothesis import strategies as st
 
-from django_agentruns import policy
 from django_agentruns.exceptions import InvalidInputError, NotRetryable, Retryable
-from django_agentruns.policy import Decision, Failure
+from django_agentruns.rules import policy
+from django_agentruns.rules.policy import Decision, Failure
 
 # --------------------------------------------------------------------------- fakes
 

@@ -13,7 +13,7 @@ from django.utils import timezone
 from django_agentruns import enqueue, transitions
 from django_agentruns.exceptions import MAX_DELAY_SECONDS, Retryable
 from django_agentruns.models import AgentRun, RunEvent, Status
-from django_agentruns.policy import Failure, bounded_delay, classify, decide
+from django_agentruns.rules.policy import Failure, bounded_delay, classify, decide
 from django_agentruns.runtime.worker import Worker
 
 pytestmark = pytest.mark.django_db(transaction=True)

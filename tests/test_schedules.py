@@ -19,8 +19,8 @@ from django_agentruns import add_schedule, agent, remove_schedule
 from django_agentruns.exceptions import InvalidInputError, UnknownAgentError
 from django_agentruns.models import AgentRun, Schedule, Status
 from django_agentruns.registry import all_agents, get_agent, unregister
+from django_agentruns.rules.ticks import Timing
 from django_agentruns.runtime.ticker import Ticker
-from django_agentruns.ticks import Timing
 from tests import helpers
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)

@@ -14,7 +14,7 @@ import pytest
 
 from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
-from django_agentruns.policy import classify
+from django_agentruns.rules.policy import classify
 from tests import helpers
 from tests.fakeprovider import FakeProvider, Fault, Reply, ToolCall
 

@@ -12,8 +12,9 @@ from functools import partial
 import pytest
 from django.db import close_old_connections, connection
 
-from django_agentruns import CancelResult, cancel, enqueue, policy, retry, transitions
+from django_agentruns import CancelResult, cancel, enqueue, retry, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.rules import policy
 from django_agentruns.runtime.worker import Worker
 from django_agentruns.states import TERMINAL
 from django_agentruns.transitions import AttemptRef, ErrorInfo, ScopePolicy, Settlement

@@ -17,7 +17,7 @@ from django.test import override_settings
 from django_agentruns import InvalidInputError, Snooze, cancel, enqueue, transitions
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
 from django_agentruns.outcomes import AttemptRef, ErrorInfo, Settlement
-from django_agentruns.policy import Failure
+from django_agentruns.rules.policy import Failure
 from django_agentruns.runtime.worker import Worker
 from tests import helpers
 

@@ -22,8 +22,8 @@ from django.db import connections
 from django_agentruns import enqueue, transitions
 from django_agentruns.exceptions import AttemptTimeout
 from django_agentruns.models import AgentRun, Reason, RunEvent, Status
-from django_agentruns.policy import classify
 from django_agentruns.registry import get_agent
+from django_agentruns.rules.policy import classify
 from django_agentruns.runtime import reaper
 from django_agentruns.runtime.worker import Worker
 from tests import helpers

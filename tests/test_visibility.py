@@ -13,7 +13,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_agentruns import enqueue, policy, transitions
+from django_agentruns import enqueue, transitions
 from django_agentruns.models import AgentRun, Status, WorkerRecord
 from django_agentruns.ops.visibility import (
     BLOCKED,
@@ -26,6 +26,7 @@ from django_agentruns.ops.visibility import (
 )
 from django_agentruns.outcomes import AttemptRef
 from django_agentruns.registry import scope_policy
+from django_agentruns.rules import policy
 
 pytestmark = pytest.mark.django_db
 

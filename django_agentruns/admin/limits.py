@@ -24,10 +24,10 @@ from django.views.decorators.http import require_POST
 from .. import transitions
 from ..api import open_key, set_limit
 from ..exceptions import InvalidInputError
-from ..limits import check_limit_key
 from ..models import AgentLimit, AgentRun, Status
 from ..ops.visibility import key_limits
-from ..windows import FIELDS, check_field, effective_limit, is_pattern
+from ..rules.limits import check_limit_key
+from ..rules.windows import FIELDS, check_field, effective_limit, is_pattern
 from . import display as show
 
 USAGE_DAYS = 14  # the overview's usage by day: the last two weeks (the created_at index)

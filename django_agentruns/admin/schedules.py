@@ -18,8 +18,8 @@ from django.utils.translation import gettext_lazy as _
 from ..exceptions import AgentRunsError
 from ..models import Schedule
 from ..registry import get_agent
+from ..rules.ticks import check_timing
 from ..schedules import check_schedule_input, next_tick, timing_of
-from ..ticks import check_timing
 from . import display as show
 
 if TYPE_CHECKING:

@@ -54,7 +54,7 @@ from pydantic_ai.tools import (  # noqa: E402
 )
 from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset  # noqa: E402
 
-from ..pricing import price_of  # noqa: E402
+from ..rules.pricing import price_of  # noqa: E402
 from ..runtime.context import RunContext as AgentRunContext  # noqa: E402
 from ._bridge import RunBridge, Usage, genai_span, set_usage, step_name  # noqa: E402
 

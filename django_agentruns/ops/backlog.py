@@ -57,8 +57,8 @@ def read_backlog(at: datetime | None = None) -> Backlog:
     from ..models import AgentLimit, AgentRun, PausedQueue
     from ..queries import reading
     from ..registry import all_agents, scope_policy
+    from ..rules.windows import FIELDS
     from ..transitions import window_fill
-    from ..windows import FIELDS
     from .visibility import count_due_elsewhere
 
     at = at or timezone.now()

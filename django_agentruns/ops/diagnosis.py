@@ -6,9 +6,9 @@ so that a dead letter is explained in the same words wherever it is looked at.
 
 from __future__ import annotations
 
-from ..limits import Budget, effective_budget
 from ..models import AgentRun, Reason, Status
 from ..registry import find_agent
+from ..rules.limits import Budget, effective_budget
 
 ABANDONED = "AbandonedAttempt"  # the error_type transitions record for an abandoned attempt
 SHORT_ERROR = 90

@@ -18,7 +18,7 @@ from .. import transitions
 from ..models import AgentLimit, AgentRun, PausedQueue, Status
 from ..queries import reading
 from ..registry import claimable_version, find_agent
-from ..windows import KeyLimits, resolve, row_limits
+from ..rules.windows import KeyLimits, resolve, row_limits
 from . import workers
 
 NOT_QUEUED = "not_queued"

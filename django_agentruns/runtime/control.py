@@ -26,8 +26,8 @@ from ..db import (
     storage_unreachable,
 )
 from ..exceptions import AttemptStopped
-from ..limits import Budget
 from ..outcomes import AttemptRef, Renewal, StopReason
+from ..rules.limits import Budget
 from ..transitions import Result, Write, apply_alone
 from .attempt_store import AttemptStore, StoreUnreachable
 

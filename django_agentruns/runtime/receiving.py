@@ -91,7 +91,7 @@ def spawn(ctx: RunContext, agent: str, input: Any = None, *, key: str,
     count against the parent's. Past MAX_CHILDREN_PER_RUN children of this run, or
     MAX_SPAWN_DEPTH levels below the root run, a new child is refused (LimitExceeded)."""
     from ..conf import app_settings
-    from ..limits import check_budget
+    from ..rules.limits import check_budget
     from ..transitions import waiting
 
     key = check_key(key, "spawn key")

@@ -13,12 +13,13 @@ from collections.abc import Callable
 
 from django.db import connection
 
-from .. import policy, signals, transitions
+from .. import signals, transitions
 from ..conf import app_settings
 from ..exceptions import AttemptTimeout
 from ..models import AgentRun
 from ..outcomes import AttemptRef, ErrorInfo, Outcome, OutcomeKind, Settlement, StopReason
 from ..registry import AgentSpec
+from ..rules import policy
 from ..transitions import Result, SettleWrite, SucceedWrite, Write
 from ..validation import storable_text
 

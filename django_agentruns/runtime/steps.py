@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import connection
 from django.utils import timezone
 
-from .. import policy, transitions
+from .. import transitions
 from ..conf import SETTING_NAME, app_settings
 from ..db import close_all_connections
 from ..exceptions import AttemptStopped, InvalidInputError, LimitExceeded, StepTimeout
@@ -45,6 +45,7 @@ from ..models import AgentRun, step_key
 from ..ops import metrics, tracing
 from ..outcomes import Renewal, StepStart
 from ..registry import NAME_PATTERN, find_agent
+from ..rules import policy
 from ..validation import capped_json
 from .recording import classify_for
 

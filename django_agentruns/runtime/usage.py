@@ -14,10 +14,10 @@ from typing import Any
 from .. import transitions
 from ..conf import app_settings
 from ..exceptions import InvalidInputError
-from ..limits import effective_budget
 from ..ops import metrics
 from ..outcomes import Renewal, UsageTotals
-from ..pricing import configured_cost
+from ..rules.limits import effective_budget
+from ..rules.pricing import configured_cost
 from ..validation import is_short_text
 from .control import AttemptControl
 

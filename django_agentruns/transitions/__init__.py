@@ -28,8 +28,8 @@ never the worker, the executor, the api, the admin or the UI.
 
 from __future__ import annotations
 
-from .. import policy
 from ..outcomes import AttemptRef, CancelResult, ErrorInfo, Renewal, ScopePolicy, Settlement
+from ..rules import policy
 from . import waiting
 from .attempts import checkpoint, emit, migrate_version, renew, renew_many
 from .batched import (

@@ -16,7 +16,7 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 
 from ..models import AgentLimit, AgentRun, Status
 from ..outcomes import ScopePolicy
-from ..windows import settings_limits
+from ..rules.windows import settings_limits
 from . import rawsql
 from .fair import Weights, compile_fair
 from .windows import full_window_keys

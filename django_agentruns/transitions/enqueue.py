@@ -32,11 +32,11 @@ class NewRun(NamedTuple):
     max_requeues: int
     available_at: datetime
     dedupe_key: str = ""  # "": none; else an unfinished run of the agent with it is returned
-    limit_key: str = ""  # resolved by api (django_agentruns.limits)
-    # Failover (django_agentruns.limits): the run takes the first of them that is open.
+    limit_key: str = ""  # resolved by api (django_agentruns.rules.limits)
+    # Failover (django_agentruns.rules.limits): the run takes the first of them that is open.
     limit_keys: tuple[str, ...] = ()
     agent_version: int = 1  # the agent's version the run starts under
-    fair_key: str = ""  # its fairness group (django_agentruns.fairness); "": none
+    fair_key: str = ""  # its fairness group (django_agentruns.rules.fairness); "": none
 
 
 # What each element of insert_runs' JSON array holds, in order (input as its JSON text).

@@ -15,7 +15,7 @@ from datetime import datetime
 from django.db.models import Count
 
 from ..models import AgentLimit, AgentRun, Status
-from ..windows import FIELDS, KeyLimits, is_pattern, resolve, row_limits, settings_table
+from ..rules.windows import FIELDS, KeyLimits, is_pattern, resolve, row_limits, settings_table
 from .windows import WindowUse, full_window, window_use
 
 MOVED_PER_CLAIM = 100  # runs looked at per claim: a backlog moves over a few claims

@@ -27,8 +27,8 @@ from django.db.models import QuerySet
 from django.db.models.expressions import RawSQL
 
 from ..db import retry_on_lock
-from ..fairness import fair_weights
 from ..models import AgentRun, FairGroup, Status
+from ..rules.fairness import fair_weights
 from . import rawsql
 
 Weights = tuple[tuple[str, float], ...]

@@ -25,7 +25,7 @@ from django.db.models import Count, Exists, OuterRef, Q
 from ..db import is_postgres, retry_on_lock
 from ..models import AgentLimit, AgentRun, KeyWindowEntry, Status
 from ..outcomes import ScopePolicy
-from ..windows import FIELDS, is_pattern, resolve, row_limits, settings_table
+from ..rules.windows import FIELDS, is_pattern, resolve, row_limits, settings_table
 from .claiming import _announce_started, _start
 from .due import claim_row, due_queued, recheck_order
 from .events import STARTED, append_events, lifecycle, now

@@ -11,11 +11,12 @@ from typing import Any
 from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Q
 
-from .. import policy, signals
+from .. import signals
 from ..conf import app_settings
 from ..db import is_postgres, retry_on_lock
 from ..models import AgentRun, Reason, RunEvent, Status
 from ..outcomes import AttemptRef, DecisionAction, ErrorInfo, Settlement
+from ..rules import policy
 from ..signals import send_after_commit
 from . import rawrows, rawsql, waiting
 from .due import CLAIM_FIELDS, lapsed

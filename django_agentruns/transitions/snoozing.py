@@ -9,7 +9,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.db.models import F, Field
 
-from .. import policy, signals
+from .. import signals
 from ..conf import app_settings
 from ..db import is_postgres, retry_on_lock
 from ..models import AgentRun, Reason, RunUsage, Status
@@ -21,6 +21,7 @@ from ..outcomes import (
     Settlement,
     UsageTotals,
 )
+from ..rules import policy
 from ..signals import send_after_commit
 from .attempts import _renew_locked
 from .due import CLAIM_FIELDS

@@ -1,5 +1,5 @@
 """Windows of limit keys, counted under the key's lock: starts per rolling minute, tokens per
-rolling minute, cost per rolling day (django_agentruns.windows says what a key allows).
+rolling minute, cost per rolling day (django_agentruns.rules.windows says what a key allows).
 
 An attempt started under a windowed key writes one `KeyWindowEntry`, stamped with its
 start, reserving an estimate; `record_usage` adds what it used. While the attempt is its
@@ -37,7 +37,7 @@ from django.utils import timezone
 
 from ..models import AgentLimit, AgentRun, KeyWindowEntry, Status
 from ..registry import find_agent
-from ..windows import (
+from ..rules.windows import (
     DAY,
     FIELDS,
     MINUTE,

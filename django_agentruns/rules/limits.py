@@ -4,7 +4,7 @@ Pure checks, no database (`api.set_limit` writes a limit, `transitions.limited` 
 under them). A run's limit key is resolved once, at enqueue
 (`resolve_limit_key`), and stored on the run; the claim (transitions.limited) reads the
 limits table under a lock per key. A key's limits (running at once, and its windows) are
-in django_agentruns.windows.
+in django_agentruns.rules.windows.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .exceptions import InvalidInputError
-from .validation import check_short_text
+from ..exceptions import InvalidInputError
+from ..validation import check_short_text
 
 KEY_MAX = 200  # AgentRun.limit_key, AgentLimit.key
 LARGEST_LIMIT = 2**31 - 1

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from .conf import SETTING_NAME, app_settings
-from .exceptions import InvalidInputError
+from ..conf import SETTING_NAME, app_settings
+from ..exceptions import InvalidInputError
 from .limits import LARGEST_LIMIT, check_limit_key, check_max_running
 
 FIELDS = ("max_running", "per_minute", "tokens_per_minute", "cost_per_day")

@@ -15,7 +15,7 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
-from .exceptions import (
+from ..exceptions import (
     MAX_DELAY_SECONDS,
     MAX_SNOOZE_SECONDS,
     InvalidInputError,
@@ -24,7 +24,7 @@ from .exceptions import (
     Snooze,
     UnknownAgentError,
 )
-from .outcomes import DecisionAction
+from ..outcomes import DecisionAction
 
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429})
 # A provider's "not now": with a Retry-After these snooze the run (no budget spent), and a

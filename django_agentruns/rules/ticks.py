@@ -13,7 +13,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cronsim import CronSim, CronSimError
 from django.utils import timezone
 
-from .exceptions import InvalidInputError
+from ..exceptions import InvalidInputError
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 MAX_EVERY = 366 * 86400

@@ -12,9 +12,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .conf import app_settings
-from .exceptions import InvalidInputError
-from .validation import check_short_text
+from ..conf import app_settings
+from ..exceptions import InvalidInputError
+from ..validation import check_short_text
 
 FAIR_KEY_MAX = 200  # AgentRun.fair_key, FairGroup.key
 LARGEST_WEIGHT = 1e6

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .conf import app_settings
+from ..conf import app_settings
 
 PER = 1_000_000  # prices are per million tokens
 FIELDS = ("input", "output")
