@@ -12,26 +12,19 @@ See bench/README.md for what each workload measures and how.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import math
 import os
-import platform
-import statistics
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import replace
-from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from bench import fair, history, llm
-from bench.engines import ENGINES, OURS, OURS_POOL, PEERS, Engine
+from bench.engines import ENGINES, OURS, OURS_POOL, Engine
 from bench.harness import (
     RUN_DB,
     CpuMeter,
@@ -47,6 +40,8 @@ from bench.harness import (
 )
 from bench.pg import PREFIX, Admin, django_env, migrate
 from bench.plan import FULL, QUICK, Plan, latency
+from bench.report import machine, report
+from bench.tables import Results, table
 
 RESULTS = Path(__file__).resolve().parent / "results.md"
 POLL = 0.02  # seconds between two looks at the queue while workers drain it
@@ -138,230 +133,6 @@ def enqueue_one(target: Target, engine: Engine, runs: int) -> float:
 def enqueue_bulk(target: Target, engine: Engine, runs: int, batch: int) -> float:
     result = client(target.url, engine, "enqueue-bulk", str(runs), str(batch))
     return float(result["count"] / result["seconds"])
-
-
-# --------------------------------------------------------------------------- results
-
-HIGHER, LOWER = "↑", "↓"
-
-ROWS: list[tuple[str, str, str, str]] = [
-    # key, label, better, unit format
-    ("drain1", "no-op drain of {drain_n} runs, 1 worker process, concurrency 1 (runs/s)",
-     HIGHER, "rate"),
-    ("drain4", "no-op drain of {drain_n} runs, 4 worker processes, concurrency 1 (runs/s)",
-     HIGHER, "rate"),
-    ("drain1c", "no-op drain of {drain_n} runs, 1 worker process, concurrency {drain_c} "
-     "(runs/s)", HIGHER, "rate"),
-    ("drain4c", "no-op drain of {drain_n} runs, 4 worker processes, concurrency {drain_c} "
-     "(runs/s)", HIGHER, "rate"),
-    ("enq_one", "enqueue one by one, a transaction each (runs/s)", HIGHER, "rate"),
-    ("enq_bulk", "enqueue in bulk, {batch} per transaction (runs/s)", HIGHER, "rate"),
-    ("lat_p50", "enqueue→start latency p50, idle worker, {rate:g}/s (ms)", LOWER, "ms"),
-    ("lat_p95", "enqueue→start latency p95 (ms)", LOWER, "ms"),
-    ("lat_p99", "enqueue→start latency p99 (ms)", LOWER, "ms"),
-    ("lat_pgb_p50", "enqueue→start latency p50 through PgBouncer (transaction mode), "
-     "LISTEN_DATABASE direct, ours only (ms)", LOWER, "ms"),
-    ("lat_pgb_p99", "enqueue→start latency p99 through PgBouncer, LISTEN_DATABASE direct "
-     "(ms)", LOWER, "ms"),
-    ("io_sleep_sync", "I/O-bound 100 ms sync agent, 1 process, best concurrency (runs/s)",
-     HIGHER, "rate"),
-    ("io_sleep_async", "I/O-bound 100 ms async agent, 1 process, best concurrency (runs/s)",
-     HIGHER, "rate"),
-    ("pool_sleep_sync", "I/O-bound sync, ours with Django's pool of 16 connections, c={pool_c} "
-     "(runs/s)", HIGHER, "rate"),
-    ("pool_sleep_async", "I/O-bound async, ours with Django's pool of 16 connections, "
-     "c={pool_c} (runs/s)", HIGHER, "rate"),
-    ("commits1", "worker commits per run, no-op drain, 1 process", LOWER, "per"),
-    ("commits4", "worker commits per run, no-op drain, 4 processes", LOWER, "per"),
-    ("commits1c", "worker commits per run, no-op drain, 1 process, concurrency {drain_c}",
-     LOWER, "per"),
-    ("statements1", "worker SQL statements per run, no-op drain, 1 process", LOWER, "per"),
-    ("rows1", "rows written per run, no-op drain, 1 process", LOWER, "per"),
-    ("rss_drain", "worker peak RSS, no-op drain, 1 process (MB)", LOWER, "mb"),
-    ("rss_io", "worker peak RSS, I/O async at best concurrency (MB)", LOWER, "mb"),
-    ("sqlite_drain1", "SQLite (ours only): no-op drain, 1 worker process (runs/s)", HIGHER,
-     "rate"),
-    ("sqlite_enq_one", "SQLite (ours only): enqueue one by one (runs/s)", HIGHER, "rate"),
-]
-
-
-class Results:
-    def __init__(self) -> None:
-        self.values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        # I/O sweeps: (kind, engine) -> concurrency -> runs/s per rep; and peak RSS
-        self.io: dict[tuple[str, str], dict[int, list[float]]] = defaultdict(
-            lambda: defaultdict(list))
-        self.io_rss: dict[tuple[str, str], dict[int, list[float]]] = defaultdict(
-            lambda: defaultdict(list))
-        self.cpu: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        self.capped: set[str] = set()
-        self.incomplete: set[str] = set()
-        # The concurrency the first repetition's sweep found best, kept for the others.
-        self.chosen: dict[tuple[str, str], int] = {}
-
-    def flag(self, key: str, engine: Engine, result: dict[str, Any]) -> None:
-        if result.get("capped"):
-            self.capped.add(f"{key}:{engine.key}")
-        if result.get("incomplete"):
-            self.incomplete.add(f"{key}:{engine.key}")
-
-    def add(self, key: str, engine: Engine, value: float) -> None:
-        self.values[key][engine.key].append(value)
-
-    def best_concurrency(self, kind: str, engine: Engine) -> int | None:
-        if (kind, engine.key) in self.chosen:
-            return self.chosen[(kind, engine.key)]
-        sweep = self.io.get((kind, engine.key))
-        if not sweep:
-            return None
-        return max(sweep, key=lambda c: statistics.median(sweep[c]))
-
-    def finish_io(self) -> None:
-        """Turn each engine's I/O sweep into its best-concurrency row."""
-        for (kind, key), sweep in self.io.items():
-            engine = next(e for e in ENGINES if e.key == key)
-            best = self.best_concurrency(kind, engine)
-            assert best is not None
-            self.values[f"io_{kind}"][key] = list(sweep[best])
-            for flags in (self.capped, self.incomplete):
-                if f"io_{kind}@{best}:{key}" in flags:
-                    flags.add(f"io_{kind}:{key}")
-            if kind == "sleep_async":
-                self.values["rss_io"][key] = list(self.io_rss[(kind, key)][best])
-
-    def add_cpu(self, key: str, engine: Engine, result: dict[str, Any]) -> None:
-        """A trial's CPU per run (`CpuMeter`), under `cpu_<part>:<row key>`."""
-        for part in CPU_PARTS:
-            if f"cpu_{part}" in result:
-                self.cpu[f"cpu_{part}:{key}"][engine.key].append(result[f"cpu_{part}"])
-
-    def median(self, key: str, engine: Engine) -> float | None:
-        values = self.values.get(key, {}).get(engine.key)
-        return statistics.median(values) if values else None
-
-
-def fmt(value: float | None, unit: str) -> str:
-    if value is None:
-        return "—"
-    if unit == "rate":
-        return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
-    if unit == "ms":
-        return f"{value:,.1f}"
-    if unit == "per":
-        return f"{value:.2f}"
-    return f"{value:.0f}"
-
-
-def table(results: Results, plan: Plan) -> str:
-    lines = ["| workload | ours | django-tasks-db | procrastinate | ratio ours / best peer |",
-             "|---|---:|---:|---:|---:|"]
-    for key, label, better, unit in ROWS:
-        if key not in results.values:
-            continue
-        label = label.format(batch=f"{plan.bulk_batch:,}", rate=plan.latency_rate,
-                             pool_c=max(plan.io_concurrency), drain_c=plan.drain_concurrency,
-                             drain_n=f"{plan.drain_runs:,}")
-        cells = []
-        for engine in ENGINES:
-            text = fmt(results.median(key, engine), unit)
-            if key.startswith("io_") and results.median(key, engine) is not None:
-                kind = key[3:]
-                best = results.best_concurrency(kind, engine)
-                text += f" (c={best})" if engine.concurrent else " (c=1)"
-            if f"{key}:{engine.key}" in results.capped:
-                text += "*"
-            if f"{key}:{engine.key}" in results.incomplete:
-                text += "†"
-            cells.append(text)
-        ours = results.median(key, OURS)
-        # The pool rows are ours alone: they compare with the peers' I/O rows.
-        peer_key = key.replace("pool_", "io_", 1)
-        peers = [v for v in (results.median(peer_key, e) for e in PEERS) if v is not None]
-        if ours is None or not peers:
-            ratio = "—"
-        else:
-            best_peer = max(peers) if better == HIGHER else min(peers)
-            ratio = f"{ours / best_peer:.2f}x" if best_peer else "—"
-        lines.append(f"| {label} {better} | " + " | ".join(cells) + f" | {ratio} |")
-    return "\n".join(lines)
-
-
-CPU_PARTS = ("worker", "postgres", "harness")
-
-
-def cpu_table(results: Results, labels: dict[str, str]) -> str:
-    """CPU ms per run finished, medians: worker / PostgreSQL / harness, per engine."""
-    lines = ["| workload | " + " | ".join(e.label for e in ENGINES) + " |",
-             "|---|" + "---:|" * len(ENGINES)]
-    for key, label in labels.items():
-        cells = []
-        for engine in ENGINES:
-            parts = [results.cpu.get(f"cpu_{p}:{key}", {}).get(engine.key) for p in CPU_PARTS]
-            cells.append(" / ".join(f"{statistics.median(v):.2f}" for v in parts if v)
-                         if all(parts) else "—")
-        if any(c != "—" for c in cells):
-            lines.append(f"| {label.replace(' (runs/s)', '')} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def sweep_table(results: Results) -> str:
-    concs = sorted({c for sweep in results.io.values() for c in sweep})
-    lines = ["| agent | engine | " + " | ".join(f"c={c}" for c in concs) + " |",
-             "|---|---|" + "---:|" * len(concs)]
-    for kind in ("sleep_sync", "sleep_async"):
-        for engine in ENGINES:
-            sweep = results.io.get((kind, engine.key), {})
-            cells = []
-            for c in concs:
-                text = fmt(statistics.median(sweep[c]), "rate") if c in sweep else "—"
-                if f"io_{kind}@{c}:{engine.key}" in results.capped:
-                    text += "*"
-                if f"io_{kind}@{c}:{engine.key}" in results.incomplete:
-                    text += "†"
-                cells.append(text)
-            lines.append(f"| {kind} | {engine.label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- machine
-
-
-def versions() -> dict[str, str]:
-    out = {"Python": platform.python_version()}
-    for name in ("Django", "django-agentruns", "django-tasks-db", "procrastinate", "psycopg"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
-def machine(admin: Admin) -> dict[str, str]:
-    cpu = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    info = {
-        "CPUs (nproc)": f"{os.cpu_count()} ({cpu})" if cpu else str(os.cpu_count()),
-        "RAM": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
-        "OS": platform.platform(),
-        "PostgreSQL": admin.value("SHOW server_version"),
-        "synchronous_commit / fsync": f"{admin.value('SHOW synchronous_commit')} / "
-                                      f"{admin.value('SHOW fsync')}",
-        "max_connections (server-wide)": admin.value("SHOW max_connections"),
-        "pg_stat_statements": pg_stat_statements(admin),
-    }
-    info.update(versions())
-    return info
-
-
-def pg_stat_statements(admin: Admin) -> str:
-    if "pg_stat_statements" in admin.value("SHOW shared_preload_libraries"):
-        return "preloaded (statements are still counted in the workers, the same way for all)"
-    return ("not in shared_preload_libraries, so the extension cannot collect: statements "
-            "are counted in the worker processes instead (psycopg execute calls)")
 
 
 # --------------------------------------------------------------------------- main
@@ -474,83 +245,6 @@ def run_rep(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
         results.add("sqlite_enq_one", OURS, rate)
         note("sqlite enq one", OURS, f"{rate:8.1f} runs/s")
     llm.run_llm(rep, plan, admin, results, logs, started)
-
-
-def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, str],
-           seconds: float, command: str, llm_section: str) -> str:
-    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        "# django-agentruns benchmark: ours vs django-tasks-db vs procrastinate",
-        "",
-        f"Run {when} with `{command}` in {seconds / 60:.1f} min: {plan.reps} repetition(s), "
-        "engines interleaved, "
-        "a fresh database per trial. Medians; ↑ higher is better, ↓ lower is better; the "
-        "ratio compares ours with the better of the two peers (above 1 is ours ahead on ↑ "
-        "rows, behind on ↓ rows).",
-        "",
-        table(results, plan),
-        "",
-        "`*` a trial hit the time cap before the queue emptied: its rate is runs finished / "
-        "time elapsed. `†` in a trial the worker exited with runs unfinished (a settle "
-        "that failed, e.g. on the server's connection limit, leaves its run running until "
-        "the lease lapses): runs finished / time to exit. `(c=N)`: the concurrency with the "
-        "best median, chosen in the first repetition. The SQLite rows are "
-        "one repetition, ours only (procrastinate needs PostgreSQL; not a comparison).",
-        "",
-        "## CPU per run (ms): worker / PostgreSQL / harness",
-        "",
-        "Medians over the trials of each row, per run finished. Worker: the worker "
-        "processes' own CPU (user + system, start-up and stop included: they are part of "
-        "a drain as a user runs it); PostgreSQL: the backends serving the trial's "
-        "database; harness: the process timing the trial (its polls). The machine's other "
-        "load is in none of them.",
-        "",
-        cpu_table(results, {key: label.format(drain_c=plan.drain_concurrency,
-                                              drain_n=f"{plan.drain_runs:,}")
-                            for key, label, _, _ in ROWS if key.startswith("drain")}),
-        "",
-        llm_section,
-        "",
-        "## Machine",
-        "",
-        "| | |",
-        "|---|---|",
-        *(f"| {k} | {v} |" for k, v in info.items()),
-        f"| load average (1 min) at start / end | {load[0]} / {load[1]} |",
-        "",
-        "## I/O-bound sweep (one worker process, runs/s, median per concurrency)",
-        "",
-        sweep_table(results),
-        "",
-        "## Settings of this run",
-        "",
-        f"- no-op drains: {plan.drain_runs:,} runs queued first (not timed; the database then "
-        f"ANALYZEd, as autovacuum keeps a table in service), then timed from "
-        f"the first run's start (the queued count drops, within a 20 ms poll) until no run "
-        f"is queued or running, or {plan.drain_cap:g} s; "
-        f"each worker process at concurrency 1, then at {plan.drain_concurrency} "
-        f"(django-tasks-db's db_worker has no concurrency setting: one task at a time in both)",
-        f"- enqueue one by one: {plan.enqueue_one_runs:,} runs, each in its own transaction "
-        f"(autocommit, as a plain view); bulk: {plan.bulk_runs:,} runs, {plan.bulk_batch:,} "
-        "per transaction (ours `enqueue_many`, procrastinate `batch_defer`, django-tasks-db a "
-        "loop of `enqueue()` in one transaction: it has no bulk API)",
-        f"- latency: one idle worker (concurrency 1), an open-loop producer at "
-        f"{plan.latency_rate:g} runs/s for {plan.latency_seconds:g} s after 1 s of warm-up; "
-        "the agent writes its start time, the producer its enqueue time",
-        f"- I/O-bound: {plan.io_runs:,} runs ({plan.io_serial_runs} for django-tasks-db, "
-        f"which runs one task at a time) of a 100 ms sleep, one worker process, concurrency "
-        f"{', '.join(map(str, plan.io_concurrency))} (swept in the first repetition, the best "
-        f"re-measured after), cap {plan.io_cap:g} s",
-        "",
-        "## Raw values per repetition",
-        "",
-        "```json",
-        json.dumps({k: dict(v) for k, v in results.values.items()
-                    if not k.startswith("llm_")}, indent=None,
-                   default=lambda x: round(x, 3))[:20000],
-        "```",
-    ]
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
