@@ -53,9 +53,13 @@ class Target(Protocol):
 
 
 class PgTarget:
-    def __init__(self, admin: Admin) -> None:
+    """A trial's database: by default a fresh copy of the template; `fresh=False` measures
+    an existing database as it is (the history bench's filled ones)."""
+
+    def __init__(self, admin: Admin, name: str = RUN_DB, fresh: bool = True) -> None:
         self.admin = admin
-        self.url = admin.fresh(RUN_DB)
+        self.name = name
+        self.url = admin.fresh(name) if fresh else db_url(name)
         self.polls = 0
         self._conn: psycopg.Connection[Any] | None = None
 
@@ -74,7 +78,7 @@ class PgTarget:
             self._conn = None
 
     def settle(self) -> None:
-        self.admin.wait_idle(RUN_DB)
+        self.admin.wait_idle(self.name)
 
     def analyze(self) -> None:
         """Planner statistics, as autovacuum keeps them for a table in service (a fresh
@@ -83,11 +87,11 @@ class PgTarget:
             conn.execute("ANALYZE")
 
     def stats(self) -> DbStats:
-        return self.admin.stats(RUN_DB)
+        return self.admin.stats(self.name)
 
     def drop(self) -> None:
         self.close_poller()
-        self.admin.drop(RUN_DB)
+        self.admin.drop(self.name)
 
 
 class SqliteTarget:

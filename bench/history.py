@@ -7,7 +7,9 @@ The fill is set-based SQL (INSERT ... SELECT generate_series), never the worker:
 runs of an LLM-shaped agent, EVENTS_PER_RUN events of about 500 bytes of JSON each and one
 checkpoint of about STATE_BYTES of state (kept on the run row too, as the engine keeps its
 latest). Latencies are measured by a Django process (bench.history_probe) one call at a
-time, after each fill step.
+time, after each fill step. At the largest fill the no-op drain and the LLM-shaped async
+rate are measured on the filled database against an empty one of the same layout,
+alternating between the two (`RATE_ROUNDS` times each), so the ratio is same-run.
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import psycopg
 
+from bench import llm
+from bench.drain import drain
+from bench.engines import OURS
+from bench.harness import PgTarget, log
 from bench.pg import REPO_ROOT, Admin, db_url, django_env, migrate
 
 EVENTS_PER_RUN = 10
@@ -33,6 +41,9 @@ BYTES_PER_EVENT = 1700
 """Disk per event filled, all tables, indexes and WAL in flight (measured: about 1.2 KB
 stored per event at these sizes; WAL and headroom on top)."""
 BATCH_RUNS = 20_000
+DRAIN_RUNS, DRAIN_CONCURRENCY = 5_000, 16
+LLM_RUNS, LLM_CONCURRENCY = 2_000, 500
+RATE_ROUNDS = 3
 PREFIX = "agentruns_bench_history"
 
 HISTORY = ("django_agentruns_runevent", "django_agentruns_runcheckpoint")
@@ -44,6 +55,7 @@ class LayoutResult:
     points: dict[int, dict[str, float]] = field(default_factory=dict)
     drop: dict[str, float] = field(default_factory=dict)
     sizes: dict[str, float] = field(default_factory=dict)
+    rates: dict[str, float] = field(default_factory=dict)
 
 
 def needed_bytes(events: int) -> int:
@@ -79,11 +91,12 @@ def fill(conn: psycopg.Connection[Any], runs: int, layout_env: dict[str, str]) -
                 " output_tokens, cost, checkpoint_state, checkpoint_count, agent_version,"
                 " cancel_reason, error_type, error_message, error_traceback, created_at,"
                 " started_at, finished_at, wait_key, spawn_key, dedupe_key,"
-                " release_dedupe_at_start)"
+                " release_dedupe_at_start, fair_key, steps_copied)"
                 " SELECT 'bench.llm', 'history', 0, '', 0, '{\"ticket\": 1}', '{\"label\": 1}',"
                 " 'succeeded', 'completed', 1, 0, 3, '', now(), '', 0, 900, 300, 0.01,"
                 f" {state('g')}, 1, 1, '', '', '', '', now() - interval '40 days',"
-                " now() - interval '40 days', now() - interval '40 days', '', '', '', false"
+                " now() - interval '40 days', now() - interval '40 days', '', '', '', false,"
+                " '', false"
                 " FROM generate_series(1, %s) g RETURNING id", [n]).fetchall()]
         if layout_env.get("BENCH_HISTORY_PARTITION"):
             subprocess.run([sys.executable, "-m", "django", "partitions", "ensure"],
@@ -169,17 +182,47 @@ def sizes(conn: psycopg.Connection[Any]) -> dict[str, float]:
     return out
 
 
+def rates(admin: Admin, filled: str, empty: str, span: int | None) -> dict[str, float]:
+    """The no-op drain (one process at concurrency DRAIN_CONCURRENCY) and the LLM-shaped
+    async rate (LLM_CONCURRENCY) on the filled database and on an empty one, alternating:
+    medians, and filled / empty (the issue's target: within 10 %)."""
+    engine = OURS
+    if span:
+        engine = replace(OURS, env=(*OURS.env, ("BENCH_HISTORY_PARTITION", str(span))))
+    seen: dict[str, list[float]] = {}
+    limit = llm.connection_limit(admin)
+    with tempfile.TemporaryDirectory(prefix="agentruns-history-") as tmp:
+        logs = Path(tmp)
+        for round_ in range(RATE_ROUNDS):
+            for which, name in (("empty", empty), ("filled", filled)):
+                target = PgTarget(admin, name, fresh=False)
+                noop = drain(target, engine, "noop", DRAIN_RUNS, 1, DRAIN_CONCURRENCY, 120.0,
+                             logs)["runs_per_s"]
+                agents = llm.trial(target, engine, "llm_async", LLM_CONCURRENCY, LLM_RUNS,
+                                   120.0, limit, logs)["runs_per_s"]
+                seen.setdefault(f"drain_{which}", []).append(noop)
+                seen.setdefault(f"llm_{which}", []).append(agents)
+                log(f"  round {round_ + 1}: {which}: no-op drain {noop:.0f} runs/s, "
+                    f"LLM-shaped {agents:.0f} runs/s (load {os.getloadavg()[0]:.1f})")
+    out = {k: statistics.median(v) for k, v in seen.items()}
+    for kind in ("drain", "llm"):
+        out[f"{kind}_filled_over_empty"] = out[f"{kind}_filled"] / out[f"{kind}_empty"]
+    return out
+
+
 def run_layout(layout: str, points: list[int], span: int, calls: int) -> LayoutResult:
     admin = Admin()
-    name = f"{PREFIX}_{layout}"
-    admin.drop(name)
-    admin.execute(f'CREATE DATABASE "{name}"')
+    name, empty = f"{PREFIX}_{layout}", f"{PREFIX}_{layout}_empty"
     extra = {"BENCH_HISTORY_PARTITION": str(span)} if layout == "partitioned" else {}
     env = django_env(db_url(name), **extra)
     result = LayoutResult(layout)
     try:
-        subprocess.run([sys.executable, "-m", "django", "migrate", "--verbosity", "0"],
-                       env=env, cwd=REPO_ROOT, check=True)
+        for db in (name, empty):
+            admin.drop(db)
+            admin.execute(f'CREATE DATABASE "{db}"')
+            subprocess.run([sys.executable, "-m", "django", "migrate", "--verbosity", "0"],
+                           env={**env, **django_env(db_url(db), **extra)}, cwd=REPO_ROOT,
+                           check=True)
         result.points[0] = probe(env, calls)
         filled = 0
         with psycopg.connect(db_url(name), autocommit=True) as conn:
@@ -193,10 +236,13 @@ def run_layout(layout: str, points: list[int], span: int, calls: int) -> LayoutR
                 result.points[events] = probe(env, calls)
                 print(f"  {layout} at {events:,}: {result.points[events]}", flush=True)
             result.sizes = sizes(conn)
+            result.rates = rates(admin, name, empty, span if layout == "partitioned" else None)
+            print(f"  {layout} rates at {points[-1]:,} events: {result.rates}", flush=True)
             result.drop = measure_drop(admin, conn, layout, env, span)
             print(f"  {layout} drop: {result.drop}", flush=True)
     finally:
         admin.drop(name)
+        admin.drop(empty)
         admin.close()
     return result
 

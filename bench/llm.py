@@ -35,7 +35,6 @@ import psycopg
 
 from bench.engines import OURS, PROCRASTINATE, Engine
 from bench.harness import (
-    RUN_DB,
     CpuMeter,
     PgTarget,
     client,
@@ -159,7 +158,7 @@ def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: i
     queued_sql = f"SELECT count(*) FROM {engine.table} WHERE status = '{engine.pending[0]}'"
     logfile = logs / f"{engine.key}-{kind}-{concurrency}x{processes}.log"
     target.open_poller()
-    meter = CpuMeter(RUN_DB)
+    meter = CpuMeter(target.name)
     launched = time.perf_counter()
     workers = start_workers(engine, 1, concurrency, True, env, logfile, processes)
     sampler = Sampler(workers[0].pid, app, limit)
