@@ -48,7 +48,8 @@ def main(argv: list[str]) -> int:
     from django.db import connection
 
     from tests import helpers
-    from tests.chaos.harness import Chaos, ChaosConfig
+    from tests.chaos.harness import Chaos
+    from tests.chaos.plan import ChaosConfig
 
     db = settings.DATABASES["default"]
     test = db.setdefault("TEST", {})

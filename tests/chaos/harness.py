@@ -28,25 +28,31 @@ The database must be a test database the caller owns (pytest's, or the one
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Callable
 
-from django.db import DatabaseError, InterfaceError, connection, connections
-from django.db.models import Count
+from django.db import connection, connections
 
 from django_agentruns import RunRequest, cancel, enqueue_many, set_limit
 from django_agentruns.models import TERMINAL, AgentRun, RunEvent, Status
 from django_agentruns.registry import get_agent
 from tests import helpers
-from tests.chaos.invariants import Checker, PlannedRun, check_all
+from tests.chaos.invariants import PlannedRun, check_all
+from tests.chaos.plan import CHAOS_LIMITS, ChaosConfig, ChaosReport, make_plan
+from tests.chaos.support import (
+    KeySampler,
+    _connection_params,
+    _outcomes,
+    _pids,
+    _thaw,
+    guarded,
+    wait_for_postgres,
+)
 from tests.pgbouncer import PgBouncer
 from tests.private_postgres import PrivateServer
 from tests.testapp.chaos_agents import (
@@ -57,184 +63,8 @@ from tests.testapp.chaos_agents import (
     CHAOS_WAITS,
 )
 
-T = TypeVar("T")
-
-# Limit keys of the chaos runs of kind "keyed", and their limits.
-CHAOS_LIMITS = {"chaos-key-a": 2, "chaos-key-b": 3}
-
 # Summary lines of every chaos run in this process, for pytest's terminal summary.
 SUMMARIES: list[str] = []
-
-
-@dataclass
-class ChaosConfig:
-    runs: int = 500
-    workers: int = 3
-    concurrency: int = 4
-    seed: int | None = None
-    chaos_seconds: float = 90.0  # the fault phase ends at this, or when every run settled
-    kill_every: float = 1.0  # mean seconds between SIGKILLs
-    freeze_every: float = 6.0  # mean seconds between freezes; 0: none
-    cancel_every: float = 4.0  # mean seconds between cancels; 0: none
-    pg_restart: str = "terminate"  # terminate | cluster (a private server) | pgbouncer | none
-    sigterm: bool = True
-    trickle: float = 0.25  # fraction of the runs enqueued during the chaos, not up front
-    drain_workers: int = 2
-    drain_timeout: float = 120.0
-    lease_ttl: float = 2.0
-    grace: float = 0.3  # a SIGTERMed chaos worker's grace: short, so attempts are abandoned
-
-    def worker_settings(self) -> dict[str, Any]:
-        return {"LEASE_TTL": self.lease_ttl, "POLL_INTERVAL": 0.1, "REAP_INTERVAL": 1.0,
-                "BACKOFF_BASE": 0.05, "BACKOFF_CAP": 0.4, "CLAIM_BATCH": 4}
-
-
-@dataclass
-class ChaosReport:
-    runs: int = 0
-    kills: int = 0
-    restarts: int = 0
-    sigterms: int = 0
-    freezes: int = 0
-    cancels: int = 0
-    reaps: int = 0
-    reap_failures: int = 0
-    workers_started: int = 0
-    seconds: float = 0.0
-    statuses: dict[str, int] = field(default_factory=dict)
-    abandoned: int = 0
-    key_peaks: dict[str, int] = field(default_factory=dict)  # most running of a key seen
-    fenced: int = 0  # attempts whose worker logged "lease lost ... nothing recorded"
-    waited: int = 0  # run.waiting events: attempts that ended waiting for their delivery
-    checker: Checker = field(default_factory=Checker)
-    problems: list[str] = field(default_factory=list)  # harness-level violations
-    harness_checks: int = 0
-
-    @property
-    def violations(self) -> list[str]:
-        return self.problems + self.checker.violations
-
-    @property
-    def checks(self) -> int:
-        return self.checker.checks + self.harness_checks
-
-    def summary(self) -> str:
-        return (f"chaos: runs={self.runs} kills={self.kills} restarts={self.restarts} "
-                f"sigterms={self.sigterms} checks={self.checks} "
-                f"violations={len(self.violations)}")
-
-    def details(self) -> str:
-        return (f"chaos details ({connection.vendor}): {self.seconds:.0f}s, "
-                f"{self.workers_started} workers started, freezes={self.freezes} "
-                f"cancels={self.cancels} reaps={self.reaps} (failed {self.reap_failures}), "
-                f"abandoned attempts={self.abandoned}, stale attempts fenced off="
-                f"{self.fenced}, waits={self.waited}, outcomes={self.statuses}, "
-                f"key peaks={self.key_peaks} "
-                f"(limits {CHAOS_LIMITS})")
-
-
-def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
-    """A mix of runs: ordered scopes, transient and fatal failures, slow past the lease."""
-    plan: list[PlannedRun] = []
-
-    def base() -> dict[str, Any]:
-        return {"steps": rng.randint(2, 4), "sleep": rng.choice([0.02, 0.05, 0.1])}
-
-    n_ordered = runs // 5
-    scope_size = 5
-    for i in range(n_ordered):
-        spec = base()
-        if rng.random() < 0.25:
-            spec |= {"fail": "transient", "fail_at": rng.randrange(spec["steps"]),
-                     "fail_attempts": 1}
-        plan.append(PlannedRun("ordered", CHAOS_ORDERED, spec, scope=f"scope-{i // scope_size}",
-                               fired_seq=i % scope_size))
-    kinds = (["flaky"] * 14 + ["fatal"] * 6 + ["doomed"] * 4 + ["slow"] * 5
-             + ["waits"] * 8 + ["plain"] * 21 + ["keyed"] * 12 + ["snoozy"] * 4
-             + ["durable"] * 6)
-    for _ in range(runs - n_ordered):
-        kind = rng.choice(kinds)
-        spec = base()
-        agent = CHAOS
-        priority = 0
-        if kind == "flaky":
-            spec |= {"fail": "transient", "fail_at": rng.randrange(spec["steps"]),
-                     "fail_attempts": rng.randint(1, 2)}
-        elif kind == "fatal":
-            spec |= {"fail": "fatal", "fail_at": rng.randrange(spec["steps"])}
-        elif kind == "doomed":
-            spec |= {"fail": "transient", "fail_at": 0, "fail_attempts": 1000}
-        elif kind == "waits":
-            agent = CHAOS_WAITS
-            spec |= {"wait_at": rng.randrange(spec["steps"])}
-        elif kind == "keyed":  # limited keys; some meet a 429 that closes their key
-            spec |= {"key": rng.choice(sorted(CHAOS_LIMITS))}
-            if rng.random() < 0.2:
-                spec |= {"snooze_at": rng.randrange(spec["steps"]), "snoozes": 1}
-        elif kind == "durable":  # durable steps, resumed from checkpoints; some flaky
-            spec |= {"durable": True}
-            if rng.random() < 0.3:
-                spec |= {"fail": "transient", "fail_at": rng.randrange(spec["steps"]),
-                         "fail_attempts": 1}
-        elif kind == "snoozy":
-            spec |= {"snooze_at": rng.randrange(spec["steps"]), "snoozes": rng.randint(1, 3)}
-        elif kind == "slow":
-            agent = CHAOS_SLOW
-            # Waits for the takeover; gives up (and is stopped or fenced off) after 10 s.
-            spec |= {"steps": 3, "sleep": 0.02, "slow_at": rng.choice([1, 3]), "slow": 10,
-                     "finish": 0.5}
-            priority = 10  # taken over at once by whichever worker has a free slot
-        if kind not in ("slow", "waits", "durable") and rng.random() < 0.3:
-            agent = CHAOS_ASYNC  # the same run as a coroutine, writing through the store
-        plan.append(PlannedRun(kind, agent, spec, priority=priority))
-    return plan
-
-
-class KeySampler:
-    """Samples, from the database while the chaos runs, how many runs of each limited key
-    are running: the invariant that a key's limit is never exceeded, at any moment."""
-
-    def __init__(self, limits: dict[str, int], every: float = 0.02) -> None:
-        self.limits = limits
-        self.every = every
-        self.samples = 0
-        self.peaks: dict[str, int] = dict.fromkeys(limits, 0)
-        self.violations: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="key-sampler", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.wait(self.every):
-                counts = guarded(lambda: dict(
-                    AgentRun.objects.filter(status=Status.RUNNING, limit_key__in=self.limits)
-                    .order_by().values_list("limit_key").annotate(n=Count("id"))), None)
-                if counts is None:
-                    continue
-                self.samples += 1
-                for key, n in counts.items():
-                    self.peaks[key] = max(self.peaks[key], n)
-                    if n > self.limits[key] and len(self.violations) < 20:
-                        self.violations.append(f"{n} runs of key {key!r} running at once, "
-                                               f"its limit is {self.limits[key]}")
-        finally:
-            connection.close()  # this thread's own connection
-
-
-def guarded(func: Callable[[], T], default: T) -> T:
-    """A query from the harness: on a database error (a restart) close and carry on."""
-    try:
-        return func()
-    except (DatabaseError, InterfaceError):
-        connections.close_all()
-        return default
 
 
 class Chaos:
@@ -600,57 +430,3 @@ class Chaos:
         if self.deliverer is not None:
             self.deliverer.close()
             self.deliverer = None
-
-
-def _pids(worker_ids: Iterable[str]) -> set[int]:
-    """The process ids in worker ids of the form host:pid:random."""
-    return {int(w.split(":")[-2]) for w in worker_ids if w.count(":") >= 2}
-
-
-def _thaw(worker: helpers.ManageProcess) -> None:
-    if worker.popen.poll() is None:
-        worker.send_signal(signal.SIGCONT)
-
-
-def _outcomes() -> dict[str, int]:
-    rows = AgentRun.objects.values_list("status", "reason")
-    counts: dict[str, int] = {}
-    for status, reason in rows:
-        key = f"{status}/{reason}" if status == Status.FAILED else status
-        counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items()))
-
-
-def _connection_params() -> dict[str, Any]:
-    params = dict(connection.get_connection_params())
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    return params
-
-
-def wait_for_postgres(params: dict[str, Any], timeout: float = 60) -> None:
-    import psycopg
-
-    def answers() -> bool:
-        try:
-            psycopg.connect(**{**params, "connect_timeout": 2}).close()
-        except psycopg.Error:
-            return False
-        return True
-
-    helpers.wait_until(answers, timeout=timeout, interval=0.2,
-                       message="PostgreSQL to answer again after the restart")
-
-
-def default_restart_mode() -> str:
-    """``CHAOS_PG_RESTART`` = terminate (default) | cluster | none ("pgbouncer" is chosen by
-    the test that puts a PgBouncer in front, not by this variable).
-
-    "terminate" ends only this database's sessions: the machine's server, shared with other
-    work, is never restarted. "cluster" restarts a real server: a private one the test
-    starts itself (tests/private_postgres.py), never the machine's.
-    """
-    mode = os.environ.get("CHAOS_PG_RESTART", "terminate")
-    if mode not in ("cluster", "terminate", "none"):
-        raise ValueError(f"CHAOS_PG_RESTART must be cluster, terminate or none, not {mode!r}")
-    return mode

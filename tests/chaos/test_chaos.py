@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 from django.db import connection
 
-from tests.chaos.harness import Chaos, ChaosConfig, ChaosReport, default_restart_mode
+from tests.chaos.harness import Chaos
+from tests.chaos.plan import ChaosConfig, ChaosReport
 from tests.chaos.private import on_private_server
+from tests.chaos.support import default_restart_mode
 from tests.pgbouncer import PgBouncer
 
 
