@@ -172,3 +172,38 @@ def history_layout(request: pytest.FixtureRequest, settings: Any) -> Iterator[st
         assert partitions.span() is None
         assert not partitions.partitioned_tables()
     yield "partitioned"
+
+
+@pytest.fixture
+def tasks() -> Iterator[Any]:
+    """The test tasks of Django's tasks framework (tests/testapp/tasks.py), with TASKS naming
+    our backend; skips where neither django.tasks nor the backport imports."""
+    import importlib
+
+    from django.test import override_settings
+
+    from django_agentruns.tasks import TASKS_AVAILABLE, UNAVAILABLE_REASON
+    from tests.tasks_support import TASKS
+
+    if not TASKS_AVAILABLE:
+        pytest.skip(UNAVAILABLE_REASON)
+    with override_settings(TASKS=TASKS):
+        yield importlib.import_module("tests.testapp.tasks")
+
+
+@pytest.fixture
+def received() -> Iterator[list[tuple[str, str, str, int, type]]]:
+    """(signal, result id, status, attempts, sender) for every task signal sent."""
+    from django_agentruns.tasks import compat
+
+    seen: list[tuple[str, str, str, int, type]] = []
+    receivers = {}
+    for name in ("task_enqueued", "task_started", "task_finished"):
+        def receiver(sender: type, task_result: Any, _name: str = name, **kwargs: Any) -> None:
+            seen.append((_name, task_result.id, str(task_result.status), task_result.attempts,
+                         sender))
+        receivers[name] = receiver
+        getattr(compat, name).connect(receiver, weak=False)
+    yield seen
+    for name, receiver in receivers.items():
+        getattr(compat, name).disconnect(receiver)

@@ -14,9 +14,7 @@ from django.test import override_settings
 
 from django_agentruns.models import AgentRun, Reason, Status
 from django_agentruns.tasks import compat
-from tests.test_tasks_backend import received, run_of, tasks, work
-
-__all__ = ["received", "tasks"]  # fixtures
+from tests.tasks_support import run_of, work
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
