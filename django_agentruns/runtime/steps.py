@@ -31,11 +31,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import connection
-from django.utils import timezone
 
 from .. import transitions
 from ..conf import SETTING_NAME, app_settings
@@ -68,7 +67,7 @@ class ActiveStep:
     output_tokens: int = 0
     cost: float = 0.0
     checkpoint: int = 0
-    started_at: datetime = field(default_factory=timezone.now)
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 _active: contextvars.ContextVar[ActiveStep | None] = contextvars.ContextVar(
@@ -103,9 +102,19 @@ def run_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any
         step = ActiveStep(name, started.occurrence, step_key(ctx.run_id, name, started.occurrence),
                           checkpoint=start.checkpoint)
         began = time.monotonic()
+        token = _active.set(step)
         try:
-            with _executing(ctx, step, control):
-                result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
+            try:
+                if tracing.configured():
+                    with _span(ctx, step):
+                        result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
+                else:
+                    result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
+            finally:
+                # A start still held is the end's to write (or, for an attempt stopping,
+                # nobody's: the next attempt executes the step again).
+                _active.reset(token)
+                control.take_step_start()
         except (AttemptStopped, asyncio.CancelledError):
             raise  # the attempt stops: the step stays started, the next attempt runs it
         except BaseException as exc:
@@ -138,9 +147,19 @@ async def arun_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tu
         step = ActiveStep(name, started.occurrence, step_key(ctx.run_id, name, started.occurrence),
                           checkpoint=start.checkpoint)
         began = time.monotonic()
+        token = _active.set(step)
         try:
-            with _executing(ctx, step, control):
-                result = _stored_form(name, await _acall(fn, args, kwargs, timeout, step))
+            try:
+                if tracing.configured():
+                    with _span(ctx, step):
+                        result = _stored_form(name, await _acall(fn, args, kwargs, timeout, step))
+                else:
+                    result = _stored_form(name, await _acall(fn, args, kwargs, timeout, step))
+            finally:
+                # A start still held is the end's to write (or, for an attempt stopping,
+                # nobody's: the next attempt executes the step again).
+                _active.reset(token)
+                control.take_step_start()
         except (AttemptStopped, asyncio.CancelledError):
             raise
         except BaseException as exc:
@@ -284,16 +303,10 @@ def _replayed(ctx: RunContext, started: StepStart) -> Any:
 
 
 @contextmanager
-def _executing(ctx: RunContext, step: ActiveStep, control: AttemptControl) -> Iterator[None]:
-    """The step's execution; after it, a start still held is the end's to write (or, for
-    an attempt stopping, nobody's: the next attempt executes the step again)."""
-    token = _active.set(step)
-    try:
-        with tracing.step_span(ctx.agent, step.name, step.occurrence, step.key):
-            yield
-    finally:
-        _active.reset(token)
-        control.take_step_start()
+def _span(ctx: RunContext, step: ActiveStep) -> Iterator[None]:
+    """The step's execution's span, when a tracer is configured (`_executing`)."""
+    with tracing.step_span(ctx.agent, step.name, step.occurrence, step.key):
+        yield
 
 
 def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
