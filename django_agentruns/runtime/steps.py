@@ -12,7 +12,9 @@ idempotency key (`ctx.step_key`, e.g. "run-42/draft/1").
 A fresh run's first attempt has nothing to ask: its start is held (`_held`) and written
 by its end, one row, unless a write inside the step or the lease keeper writes it first.
 A crash while it is held re-executes the step with the same key, as after a recorded
-start; only an end, always awaited, makes a step done (docs/steps.md).
+start; only a recorded end makes a step done (docs/steps.md). An async step's end there
+is held too (`AttemptControl.hold_end`) and carried by the attempt's next write, one
+queued write for both: a crash before it commits executes the step again, same key.
 
 An attempt resuming from a checkpoint does not call the steps before it again: the first
 call of each name counts the run's steps of that name started before the checkpoint
@@ -172,7 +174,12 @@ async def arun_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tu
             await _asleep(control, delay)
             started = _took(control, await control.awrite(_restart(start, step)), name)
             continue
-        control.apply(await control.awrite(_end_write(control, step, began, None, result)))
+        end = _end_write(control, step, began, None, result)
+        if control.fresh_steps and control.store is not None:
+            control.hold_end(end)  # carried by the attempt's next write (`hold_end`)
+            control.check()
+        else:
+            control.apply(await control.awrite(end))
         metrics.observe_step(ctx.agent, "done")
         return result
 
@@ -266,7 +273,7 @@ def flush_held(control: AttemptControl, now: float) -> None:
     seconds, so the run's page shows it (and a step's start costs a row of its own only
     when the step is long)."""
     held = control.pending_step
-    if held is not None and now - held[1] >= START_HELD:
+    if control.pending_end is not None or (held is not None and now - held[1] >= START_HELD):
         control.flush_step()
 
 

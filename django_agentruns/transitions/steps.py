@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import connection, transaction
 from django.db.models import Q
@@ -30,6 +30,9 @@ from ..outcomes import AttemptRef, Renewal, StepStart
 from . import rawsql
 from .attempts import _renew_locked
 from .events import append_one, lifecycle, now
+
+if TYPE_CHECKING:
+    from .batched import Write
 
 STEP = "run.step"
 """The timeline event of a finished step (done or failed)."""
@@ -72,6 +75,36 @@ class StepEndWrite:
     started_at: datetime | None = None
     """For a step whose start was never written (see `close_steps`): its record's
     checkpoint count and start time."""
+
+
+@dataclass(frozen=True)
+class CarriedEnd:
+    """A fresh run's step end held by its attempt (`runtime.steps`) and carried by the
+    attempt's next write `then`: one queued write for both, applied in that order (the
+    end's `run.step` event before `then`'s), each fenced as it would be alone."""
+
+    end: StepEndWrite
+    then: Write
+
+    @property
+    def ref(self) -> AttemptRef:
+        return self.then.ref
+
+
+def unpacked(writes: Sequence[Write]) -> tuple[list[Write], set[int], list[int]]:
+    """`writes` with each `CarriedEnd` as its end, then its write; the positions of the
+    carried ends; and the position of the write whose result answers each of `writes`."""
+    flat: list[Write] = []
+    carried: set[int] = set()
+    answers: list[int] = []
+    for write in writes:
+        if isinstance(write, CarriedEnd):
+            carried.add(len(flat))
+            flat.append(write.end)
+            write = write.then
+        answers.append(len(flat))
+        flat.append(write)
+    return flat, carried, answers
 
 
 def start_step_in(write: StepStartWrite, at: datetime) -> StepStart:
