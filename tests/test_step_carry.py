@@ -19,9 +19,10 @@ from django_agentruns.models import RunEvent, RunStep, Status
 from django_agentruns.outcomes import AttemptRef, Renewal
 from django_agentruns.registry import scope_policy, unregister
 from django_agentruns.transitions import STEP, CarriedEnd, EmitWrite, StepEndWrite, batched
-from tests import test_step_writes
+from tests import helpers, test_step_writes
 from tests.test_step_writes import kinds
-from tests.test_steps import burst, steps_of
+from tests.test_steps import burst, kill_and_finish, steps_of
+from tests.testapp.step_agents import executions
 
 written = test_step_writes.written  # the fixture: every write the store applies
 
@@ -158,3 +159,21 @@ def test_a_carried_end_is_fenced_as_alone(transactional_db: None) -> None:
 def steps_of_run(run_id: int) -> list[tuple[str, int, str, int]]:
     return list(RunStep.objects.filter(run_id=run_id).values_list(
         "name", "occurrence", "status", "attempt"))
+
+
+@pytest.mark.slow
+def test_a_sigkill_while_an_async_steps_end_is_held_repeats_it_with_the_same_key(
+        worker_env: dict[str, str]) -> None:
+    run = enqueue("tests.async_step_chain", {"n": 3, "pause_after": 1})
+    env = {**worker_env, "AGENTRUNS_TEST_END_HELD": "3600"}
+    worker = helpers.start_manage(["runworker"], env)
+    # Step 1's end is written alone as step 2 ends (no write between them); step 2's is
+    # held while the agent pauses, so the kill leaves no record of it.
+    helpers.wait_until(lambda: len(executions(run.pk)) == 2 and RunStep.objects.filter(
+        run=run, status="done").exists(), message="step 2 executed, step 1 recorded")
+    assert steps_of(run) == [("call", 1, "done", 1)]
+    run = kill_and_finish(worker, run, worker_env)
+    key = f"run-{run.pk}/call/"
+    assert executions(run.pk) == [key + "1", key + "2", key + "2", key + "3"]
+    assert steps_of(run) == [("call", 1, "done", 1), ("call", 2, "done", 2),
+                             ("call", 3, "done", 2)]

@@ -69,6 +69,7 @@ class AttemptControl:
         # next write (`CarriedEnd`: one queued write for both), or flushed by the lease
         # keeper, a storage call, or the attempt's end (`aflush_end`).
         self.pending_end: transitions.StepEndWrite | None = None
+        self.pending_end_at = 0.0  # when it was held (time.monotonic)
         self.usage_calls = 0  # record_usage calls so far: each write's key (run, attempt, n)
 
     def request_stop(self, reason: StopReason) -> None:
@@ -119,6 +120,7 @@ class AttemptControl:
         steps with no write between) is submitted now, ahead of it."""
         with self._lock:  # submitted under the lock, as `flush_step` does: in order
             previous, self.pending_end = self.pending_end, end
+            self.pending_end_at = time.monotonic()
             future = None if previous is None or self.store is None \
                 else self.store.submit(previous)
         if future is not None:

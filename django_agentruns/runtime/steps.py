@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 
 START_HELD = 1.0
 """Seconds a fresh run's step runs before the lease keeper writes its start (`_held`)."""
+END_HELD = 0.0
+"""Seconds an async step's held end waits for a write to carry it before the lease keeper
+writes it: none (its next pass); a test raises it to kill a worker while one is held."""
 
 
 @dataclass
@@ -273,7 +276,8 @@ def flush_held(control: AttemptControl, now: float) -> None:
     seconds, so the run's page shows it (and a step's start costs a row of its own only
     when the step is long)."""
     held = control.pending_step
-    if control.pending_end is not None or (held is not None and now - held[1] >= START_HELD):
+    if (control.pending_end is not None and now - control.pending_end_at >= END_HELD) or \
+            (held is not None and now - held[1] >= START_HELD):
         control.flush_step()
 
 
