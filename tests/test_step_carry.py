@@ -15,6 +15,7 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from django_agentruns import RunContext, agent, enqueue, transitions
+from django_agentruns.exceptions import LimitExceeded
 from django_agentruns.models import RunEvent, RunStep, Status
 from django_agentruns.outcomes import AttemptRef, Renewal
 from django_agentruns.registry import scope_policy, unregister
@@ -56,9 +57,20 @@ def carrying() -> Iterator[None]:
             await asyncio.sleep(0.05)
         return False
 
+    @agent("tests.step_then_capped")
+    async def step_then_capped(ctx: RunContext) -> str:
+        """A step, then an emit past the run's event cap: refused, with the end it carried."""
+        await ctx.astep("call", _reply, 0)
+        try:
+            await ctx.aemit("note", {})
+        except LimitExceeded:
+            return "capped"
+        return "emitted"
+
     yield
     unregister("tests.step_carry")
     unregister("tests.step_then_idle")
+    unregister("tests.step_then_capped")
 
 
 def _recorded(run_id: int) -> bool:
@@ -102,6 +114,19 @@ def test_an_end_no_write_carries_is_written_by_the_lease_keeper(
     assert steps_of(run) == [("call", 1, "done", 1)]
 
 
+def test_a_carrier_refused_puts_its_end_back(transactional_db: None, settings: Any,
+                                             carrying: None) -> None:
+    # run.started, then the step's event; the emit after it is one too many.
+    settings.AGENTRUNS = {**getattr(settings, "AGENTRUNS", {}), "MAX_EVENTS_PER_RUN": 2}
+    run = enqueue("tests.step_then_capped")
+    burst()
+    run.refresh_from_db()
+    assert (run.status, run.output) == (Status.SUCCEEDED, "capped"), run.error_message
+    assert steps_of(run) == [("call", 1, "done", 1)]
+    assert list(RunEvent.objects.filter(run=run).exclude(type=transitions.SUCCEEDED)
+                .order_by("seq").values_list("type", flat=True)) == [transitions.STARTED, STEP]
+
+
 def _claimed(n: int, worker: str = "w-a") -> list[AttemptRef]:
     for _ in range(n):
         enqueue("tests.noop")
@@ -135,7 +160,7 @@ def test_many_runs_step_ends_commit_in_as_many_statements_as_one(transactional_d
     one, _ = _statements([CarriedEnd(_end(refs[11], "c"), _emit(refs[11]))])
     many, results = _statements([CarriedEnd(_end(ref, "c"), _emit(ref)) for ref in refs[12:]])
     assert results == [Renewal.OK] * 9
-    assert many == one <= 4  # the same, and the carriers' events after the ends'
+    assert many == one <= 3  # the same: the carriers' events after the ends', one INSERT
     assert RunStep.objects.filter(status="done").count() == 21
     for ref in refs[11:]:
         assert list(RunEvent.objects.filter(run_id=ref.run_id, type__in=[STEP, "note"])

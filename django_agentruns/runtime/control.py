@@ -228,8 +228,12 @@ class AttemptControl:
             with self.storage():
                 return store.call(write)
 
-        return retry_for_half_lease(self.ref.lease_ttl, attempt, self._unreachable,
-                                    (StoreUnreachable,))
+        try:
+            return retry_for_half_lease(self.ref.lease_ttl, attempt, self._unreachable,
+                                        (StoreUnreachable,))
+        except BaseException:
+            self._put_back(write)
+            raise
 
     async def awrite(self, write: Write) -> Result:
         """`write`, awaited on the event loop: no thread, no executor hop."""
@@ -243,8 +247,26 @@ class AttemptControl:
             with self.storage():
                 return await store.acall(write)
 
-        return await aretry_for_half_lease(self.ref.lease_ttl, attempt, self._unreachable,
-                                           (StoreUnreachable,))
+        try:
+            return await aretry_for_half_lease(self.ref.lease_ttl, attempt, self._unreachable,
+                                               (StoreUnreachable,))
+        except BaseException:
+            self._put_back(write)
+            raise
+
+    def _put_back(self, write: Write) -> None:
+        """A carrier that failed (its event past the cap, say) took its step end down with
+        it: held again, for the next write, the keeper or the attempt's end. Written twice
+        if it had committed after all, it changes nothing (the record is ended already)."""
+        if not isinstance(write, transitions.CarriedEnd):
+            return
+        with self._lock:
+            if self.pending_end is None:
+                self.pending_end, self.pending_end_at = write.end, time.monotonic()
+                return
+            future = None if self.store is None else self.store.submit(write.end)
+        if future is not None:
+            future.add_done_callback(self._flushed)
 
     def _unreachable(self, exc: Exception, wait: float, spent: bool) -> None:
         """After a write the store could not make: stop, or let the caller wait `wait`."""

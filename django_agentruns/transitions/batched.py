@@ -215,15 +215,9 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
     # A checkpoint not saved may be a replay (its number stored already): it only renews.
     replays = [i for i in pointing if i not in saved and results[i] is Renewal.OK]
     _fenced(writes, replays, results, [(LEASE, TIMESTAMP)], lambda w: (w.ref.lease_until(at),))
+    # Steps' events first: a carried end's goes before its carrier's (its run's next seq).
     stepped, step_caps = _steps(writes, positions, results, at)
-    if stepped and carried and carried.intersection(positions):
-        # Ahead of the events of the writes that carried the ends (one event a run each).
-        sql, params = rawsql.insert_new_events(stepped, at, step_caps)
-        with connection.cursor() as cursor:
-            cursor.execute(sql, params)
-    else:
-        events += stepped
-        caps += step_caps
+    events[:0], caps[:0] = stepped, step_caps
     succeeding = [i for i in positions if isinstance(writes[i], SucceedWrite)]
     ended = _succeed(writes, succeeding, results, at)
     if events or ended:
@@ -231,8 +225,8 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
                                                caps + [None] * len(ended))
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
-            added = {row[0] for row in cursor.fetchall()}
-        _refuse_over_cap([w for run_id, w in emits.items() if run_id not in added])
+            added = {_uuid(row[1]) for row in cursor.fetchall()}
+        _refuse_over_cap([w for w in emits.values() if w.event_id not in added])
     for i in positions:
         write = writes[i]
         if isinstance(write, SettleWrite):
@@ -283,6 +277,11 @@ def _refuse_over_cap(missing: list[EmitWrite]) -> None:
                 f"run {write.ref.run_id} holds {write.max_events} events, the most "
                 f"{SETTING_NAME}['MAX_EVENTS_PER_RUN'] allows; the event {write.type!r} "
                 f"was not recorded")
+
+
+def _uuid(value: Any) -> uuid.UUID:
+    """An event id as RETURNING gives it: a UUID (PostgreSQL) or its hex (SQLite)."""
+    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
 
 
 def _despite_cancel(write: Write) -> bool:
