@@ -67,7 +67,16 @@ def carrying() -> Iterator[None]:
             return "capped"
         return "emitted"
 
+    @agent("tests.step_mutated")
+    async def step_mutated(ctx: RunContext) -> dict[str, int]:
+        """Changes what a step returned before the write that carries its end."""
+        reply = await ctx.astep("call", _reply, 0)
+        reply["i"] = 99
+        await ctx.aemit("note", {})
+        return reply
+
     yield
+    unregister("tests.step_mutated")
     unregister("tests.step_carry")
     unregister("tests.step_then_idle")
     unregister("tests.step_then_capped")
@@ -125,6 +134,15 @@ def test_a_carrier_refused_puts_its_end_back(transactional_db: None, settings: A
     assert steps_of(run) == [("call", 1, "done", 1)]
     assert list(RunEvent.objects.filter(run=run).exclude(type=transitions.SUCCEEDED)
                 .order_by("seq").values_list("type", flat=True)) == [transitions.STARTED, STEP]
+
+
+def test_a_held_end_stores_what_the_step_returned(transactional_db: None,
+                                                  carrying: None) -> None:
+    run = enqueue("tests.step_mutated")
+    burst()
+    run.refresh_from_db()
+    assert (run.status, run.output) == (Status.SUCCEEDED, {"i": 99}), run.error_message
+    assert RunStep.objects.get(run=run).result == {"i": 0}
 
 
 def _claimed(n: int, worker: str = "w-a") -> list[AttemptRef]:

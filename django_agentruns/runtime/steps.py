@@ -13,8 +13,7 @@ A fresh run's first attempt has nothing to ask: its start is held (`_held`) and 
 by its end, one row, unless a write inside the step or the lease keeper writes it first.
 A crash while it is held re-executes the step with the same key, as after a recorded
 start; only a recorded end makes a step done (docs/steps.md). An async step's end there
-is held too (`AttemptControl.hold_end`) and carried by the attempt's next write, one
-queued write for both: a crash before it commits executes the step again, same key.
+is held too, and carried by the attempt's next write (`AttemptControl.hold_end`).
 
 An attempt resuming from a checkpoint does not call the steps before it again: the first
 call of each name counts the run's steps of that name started before the checkpoint
@@ -112,9 +111,9 @@ def run_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any
             try:
                 if tracing.configured():
                     with _span(ctx, step):
-                        result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
+                        text, result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
                 else:
-                    result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
+                    text, result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
             finally:
                 # A start still held is the end's to write (or, for an attempt stopping,
                 # nobody's: the next attempt executes the step again).
@@ -132,7 +131,7 @@ def run_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any
             _sleep(control, delay)
             started = _took(control, control.write(_restart(start, step)), name)
             continue
-        control.apply(control.write(_end_write(control, step, began, None, result)))
+        control.apply(control.write(_end_write(control, step, began, None, text)))
         metrics.observe_step(ctx.agent, "done")
         return result
 
@@ -157,9 +156,11 @@ async def arun_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tu
             try:
                 if tracing.configured():
                     with _span(ctx, step):
-                        result = _stored_form(name, await _acall(fn, args, kwargs, timeout, step))
+                        text, result = _stored_form(
+                            name, await _acall(fn, args, kwargs, timeout, step))
                 else:
-                    result = _stored_form(name, await _acall(fn, args, kwargs, timeout, step))
+                    text, result = _stored_form(
+                        name, await _acall(fn, args, kwargs, timeout, step))
             finally:
                 # A start still held is the end's to write (or, for an attempt stopping,
                 # nobody's: the next attempt executes the step again).
@@ -177,7 +178,7 @@ async def arun_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tu
             await _asleep(control, delay)
             started = _took(control, await control.awrite(_restart(start, step)), name)
             continue
-        end = _end_write(control, step, began, None, result)
+        end = _end_write(control, step, began, None, text)
         if control.fresh_steps and control.store is not None:
             control.hold_end(end)  # carried by the attempt's next write (`hold_end`)
             control.check()
@@ -215,10 +216,12 @@ def _checked(ctx: RunContext, name: Any, fn: Any, retries: Any,
     return control
 
 
-def _stored_form(name: str, result: Any) -> Any:
-    """The result as it is stored and as a replay returns it (JSON: a tuple comes back a
-    list), so the first execution and every replay see the same value."""
-    return json.loads(capped_json(result, f"Result of step {name!r}", "MAX_OUTPUT_BYTES"))
+def _stored_form(name: str, result: Any) -> tuple[str, Any]:
+    """The result as JSON text, and as it is stored and as a replay returns it (JSON: a
+    tuple comes back a list), so the first execution and every replay see the same value
+    (a copy: what the agent does to it after is not stored)."""
+    text = capped_json(result, f"Result of step {name!r}", "MAX_OUTPUT_BYTES")
+    return text, json.loads(text)
 
 
 # ----------------------------------------------------------------------- the writes
@@ -289,7 +292,7 @@ def _took(control: AttemptControl, result: transitions.Result, name: str) -> Ste
 
 
 def _end_write(control: AttemptControl, step: ActiveStep, began: float,
-               error: BaseException | None, result: Any = None) -> transitions.StepEndWrite:
+               error: BaseException | None, text: str | None = None) -> transitions.StepEndWrite:
     described = ""
     if error is not None:
         try:
@@ -297,7 +300,7 @@ def _end_write(control: AttemptControl, step: ActiveStep, began: float,
         except Exception:
             described = type(error).__name__
     return transitions.StepEndWrite(
-        control.ref, step.name, step.occurrence, done=error is None, result=result,
+        control.ref, step.name, step.occurrence, done=error is None, result_json=text,
         error=described.replace("\x00", ""), input_tokens=step.input_tokens,
         output_tokens=step.output_tokens, cost=step.cost,
         duration_ms=int((time.monotonic() - began) * 1000),
