@@ -61,7 +61,8 @@ async def llm_async(ctx: RunContext) -> None:
 # The same calls as durable steps (`ctx.step`): each call's result stored once, so a retry
 # pays for none of them again; the event after each as above, no checkpoint needed.
 # Compared with the rows above, this is the cost of a step (in a run's first attempt, one
-# fenced write each: its end, which writes its held start too; docs/steps.md).
+# fenced write each: its end, which writes its held start too; an async step's end rides
+# on the emit after it, one queued write for both; docs/steps.md).
 
 
 def _model_call() -> dict[str, int]:

@@ -133,10 +133,17 @@ def observe_usage(agent: str, model: str, tokens: int, cost: float) -> None:
 
 
 def observe_step(agent: str, outcome: str) -> None:
-    """Count one step's end (agentruns_steps_total): done, replayed or failed."""
+    """Count one step's end (agentruns_steps_total): done, replayed or failed. The labelled
+    counters are kept: `labels()` costs more than the step's other bookkeeping."""
     if prometheus_client is None:
         return
-    STEPS.labels(agent, outcome).inc()
+    counter = _step_counters.get((agent, outcome))
+    if counter is None:
+        counter = _step_counters[agent, outcome] = STEPS.labels(agent, outcome)
+    counter.inc()
+
+
+_step_counters: dict[tuple[str, str], Any] = {}
 
 
 def set_wakeups_degraded(degraded: bool) -> None:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections, connection
 
+from .. import transitions
 from ..db import (
     aretry_for_half_lease,
     close_all_connections,
@@ -64,6 +65,11 @@ class AttemptControl:
         # both, or the attempt's next write or the lease keeper flush it (`flush_step`).
         self.fresh_steps = False
         self.pending_step: tuple[Write, float] | None = None
+        # Its steps' ends, likewise, are held (`hold_end`) and carried by the attempt's
+        # next write (`CarriedEnd`: one queued write for both), or flushed by the lease
+        # keeper, a storage call, or the attempt's end (`aflush_end`).
+        self.pending_end: transitions.StepEndWrite | None = None
+        self.pending_end_at = 0.0  # when it was held (time.monotonic)
         self.usage_calls = 0  # record_usage calls so far: each write's key (run, attempt, n)
 
     def request_stop(self, reason: StopReason) -> None:
@@ -109,6 +115,36 @@ class AttemptControl:
             held, self.pending_step = self.pending_step, None
         return held is not None
 
+    def hold_end(self, end: transitions.StepEndWrite) -> None:
+        """Hold a step's end for the attempt's next write to carry; one held already (two
+        steps with no write between) is submitted now, ahead of it."""
+        with self._lock:  # submitted under the lock, as `flush_step` does: in order
+            previous, self.pending_end = self.pending_end, end
+            self.pending_end_at = time.monotonic()
+            future = None if previous is None or self.store is None \
+                else self.store.submit(previous)
+        if future is not None:
+            future.add_done_callback(self._flushed)
+
+    def carried(self, write: Write) -> Write:
+        """`write`, carrying the step end held, if any (not by another step's end, whose
+        `run.step` event could not share its round: `flush_step` writes the held one
+        ahead of it)."""
+        if isinstance(write, transitions.StepEndWrite):
+            return write
+        with self._lock:
+            end, self.pending_end = self.pending_end, None
+        return write if end is None else transitions.CarriedEnd(end, write)
+
+    async def aflush_end(self) -> None:
+        """At the attempt's end, before its outcome is written: a step end still held is
+        written, carried by a renewal, and awaited. Never raises: what the end could not
+        record (a lost lease) the next attempt executes again."""
+        if self.pending_end is None or self.store is None:
+            return
+        with suppress(Exception, AttemptStopped):
+            await self.awrite(transitions.RenewWrite(self.ref))
+
     def flush_step(self, wait: bool = False, on_loop: bool = False) -> None:
         """Submit the held start of the step executing, if any, to the store, ahead of
         the attempt's writes that follow (the store keeps one run's writes in order).
@@ -118,18 +154,23 @@ class AttemptControl:
         `on_loop`: called on the event loop, where no transaction is open (nor asked)."""
         with self._lock:
             held, self.pending_step = self.pending_step, None
-            if held is None or self.store is None:
+            end, self.pending_end = self.pending_end, None
+            if (held is None and end is None) or self.store is None:
                 return
             joins = not on_loop and connection.in_atomic_block
-            future = None if joins else self.store.submit(held[0])
-        if future is None:
-            started = self.call(apply_alone, held[0])
-            self.apply(getattr(started, "renewal", Renewal.OK))
+            # A held end is an earlier step's: written first.
+            writes = [w for w in (end, held and held[0]) if w is not None]
+            futures = [] if joins else [self.store.submit(w) for w in writes]
+        if joins:
+            for write in writes:
+                started = self.call(apply_alone, write)
+                self.apply(getattr(started, "renewal", started))
             return
-        future.add_done_callback(self._flushed)
+        for future in futures:
+            future.add_done_callback(self._flushed)
         if wait:
             with suppress(Exception):
-                future.result()
+                futures[-1].result()
 
     def _flushed(self, future: Any) -> None:
         """A flushed start's answer (in a writer thread): a lost lease stops the attempt.
@@ -179,6 +220,7 @@ class AttemptControl:
         """
         if self.store is None or connection.in_atomic_block:
             return self.call(apply_alone, write)
+        write = self.carried(write)
         self.flush_step()
         store = self.store
 
@@ -186,13 +228,18 @@ class AttemptControl:
             with self.storage():
                 return store.call(write)
 
-        return retry_for_half_lease(self.ref.lease_ttl, attempt, self._unreachable,
-                                    (StoreUnreachable,))
+        try:
+            return retry_for_half_lease(self.ref.lease_ttl, attempt, self._unreachable,
+                                        (StoreUnreachable,))
+        except BaseException:
+            self._put_back(write)
+            raise
 
     async def awrite(self, write: Write) -> Result:
         """`write`, awaited on the event loop: no thread, no executor hop."""
         if self.store is None:
             return await in_thread(self, self.write, write)
+        write = self.carried(write)
         self.flush_step(on_loop=True)
         store = self.store
 
@@ -200,8 +247,26 @@ class AttemptControl:
             with self.storage():
                 return await store.acall(write)
 
-        return await aretry_for_half_lease(self.ref.lease_ttl, attempt, self._unreachable,
-                                           (StoreUnreachable,))
+        try:
+            return await aretry_for_half_lease(self.ref.lease_ttl, attempt, self._unreachable,
+                                               (StoreUnreachable,))
+        except BaseException:
+            self._put_back(write)
+            raise
+
+    def _put_back(self, write: Write) -> None:
+        """A carrier that failed (its event past the cap, say) took its step end down with
+        it: held again, for the next write, the keeper or the attempt's end. Written twice
+        if it had committed after all, it changes nothing (the record is ended already)."""
+        if not isinstance(write, transitions.CarriedEnd):
+            return
+        with self._lock:
+            if self.pending_end is None:
+                self.pending_end, self.pending_end_at = write.end, time.monotonic()
+                return
+            future = None if self.store is None else self.store.submit(write.end)
+        if future is not None:
+            future.add_done_callback(self._flushed)
 
     def _unreachable(self, exc: Exception, wait: float, spent: bool) -> None:
         """After a write the store could not make: stop, or let the caller wait `wait`."""

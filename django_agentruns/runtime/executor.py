@@ -109,6 +109,7 @@ class Executor:
             with tracing.attempt_span(run, self.worker_id) as span:
                 outcome = await self._aupgraded(run, spec, control) or \
                     await acall_agent(spec, make_context(run, control), control)
+                await control.aflush_end()  # a step's end no later write carried
                 await chunks.afinish(control, store=chunks.stores_at_finish(outcome.stop_reason))
                 settlement = await self.arecord(spec, control.ref, outcome)
                 span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)

@@ -12,7 +12,8 @@ idempotency key (`ctx.step_key`, e.g. "run-42/draft/1").
 A fresh run's first attempt has nothing to ask: its start is held (`_held`) and written
 by its end, one row, unless a write inside the step or the lease keeper writes it first.
 A crash while it is held re-executes the step with the same key, as after a recorded
-start; only an end, always awaited, makes a step done (docs/steps.md).
+start; only a recorded end makes a step done (docs/steps.md). An async step's end there
+is held too, and carried by the attempt's next write (`AttemptControl.hold_end`).
 
 An attempt resuming from a checkpoint does not call the steps before it again: the first
 call of each name counts the run's steps of that name started before the checkpoint
@@ -31,11 +32,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import connection
-from django.utils import timezone
 
 from .. import transitions
 from ..conf import SETTING_NAME, app_settings
@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 
 START_HELD = 1.0
 """Seconds a fresh run's step runs before the lease keeper writes its start (`_held`)."""
+END_HELD = 0.0
+"""Seconds an async step's held end waits for a write to carry it before the lease keeper
+writes it: none (its next pass); a test raises it to kill a worker while one is held."""
 
 
 @dataclass
@@ -68,7 +71,7 @@ class ActiveStep:
     output_tokens: int = 0
     cost: float = 0.0
     checkpoint: int = 0
-    started_at: datetime = field(default_factory=timezone.now)
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 _active: contextvars.ContextVar[ActiveStep | None] = contextvars.ContextVar(
@@ -103,9 +106,19 @@ def run_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any
         step = ActiveStep(name, started.occurrence, step_key(ctx.run_id, name, started.occurrence),
                           checkpoint=start.checkpoint)
         began = time.monotonic()
+        token = _active.set(step)
         try:
-            with _executing(ctx, step, control):
-                result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
+            try:
+                if tracing.configured():
+                    with _span(ctx, step):
+                        text, result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
+                else:
+                    text, result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
+            finally:
+                # A start still held is the end's to write (or, for an attempt stopping,
+                # nobody's: the next attempt executes the step again).
+                _active.reset(token)
+                control.take_step_start()
         except (AttemptStopped, asyncio.CancelledError):
             raise  # the attempt stops: the step stays started, the next attempt runs it
         except BaseException as exc:
@@ -118,7 +131,7 @@ def run_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any
             _sleep(control, delay)
             started = _took(control, control.write(_restart(start, step)), name)
             continue
-        control.apply(control.write(_end_write(control, step, began, None, result)))
+        control.apply(control.write(_end_write(control, step, began, None, text)))
         metrics.observe_step(ctx.agent, "done")
         return result
 
@@ -138,9 +151,21 @@ async def arun_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tu
         step = ActiveStep(name, started.occurrence, step_key(ctx.run_id, name, started.occurrence),
                           checkpoint=start.checkpoint)
         began = time.monotonic()
+        token = _active.set(step)
         try:
-            with _executing(ctx, step, control):
-                result = _stored_form(name, await _acall(fn, args, kwargs, timeout, step))
+            try:
+                if tracing.configured():
+                    with _span(ctx, step):
+                        text, result = _stored_form(
+                            name, await _acall(fn, args, kwargs, timeout, step))
+                else:
+                    text, result = _stored_form(
+                        name, await _acall(fn, args, kwargs, timeout, step))
+            finally:
+                # A start still held is the end's to write (or, for an attempt stopping,
+                # nobody's: the next attempt executes the step again).
+                _active.reset(token)
+                control.take_step_start()
         except (AttemptStopped, asyncio.CancelledError):
             raise
         except BaseException as exc:
@@ -153,7 +178,12 @@ async def arun_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tu
             await _asleep(control, delay)
             started = _took(control, await control.awrite(_restart(start, step)), name)
             continue
-        control.apply(await control.awrite(_end_write(control, step, began, None, result)))
+        end = _end_write(control, step, began, None, text)
+        if control.fresh_steps and control.store is not None:
+            control.hold_end(end)  # carried by the attempt's next write (`hold_end`)
+            control.check()
+        else:
+            control.apply(await control.awrite(end))
         metrics.observe_step(ctx.agent, "done")
         return result
 
@@ -186,10 +216,12 @@ def _checked(ctx: RunContext, name: Any, fn: Any, retries: Any,
     return control
 
 
-def _stored_form(name: str, result: Any) -> Any:
-    """The result as it is stored and as a replay returns it (JSON: a tuple comes back a
-    list), so the first execution and every replay see the same value."""
-    return json.loads(capped_json(result, f"Result of step {name!r}", "MAX_OUTPUT_BYTES"))
+def _stored_form(name: str, result: Any) -> tuple[str, Any]:
+    """The result as JSON text, and as it is stored and as a replay returns it (JSON: a
+    tuple comes back a list), so the first execution and every replay see the same value
+    (a copy: what the agent does to it after is not stored)."""
+    text = capped_json(result, f"Result of step {name!r}", "MAX_OUTPUT_BYTES")
+    return text, json.loads(text)
 
 
 # ----------------------------------------------------------------------- the writes
@@ -247,7 +279,8 @@ def flush_held(control: AttemptControl, now: float) -> None:
     seconds, so the run's page shows it (and a step's start costs a row of its own only
     when the step is long)."""
     held = control.pending_step
-    if held is not None and now - held[1] >= START_HELD:
+    if (control.pending_end is not None and now - control.pending_end_at >= END_HELD) or \
+            (held is not None and now - held[1] >= START_HELD):
         control.flush_step()
 
 
@@ -259,7 +292,7 @@ def _took(control: AttemptControl, result: transitions.Result, name: str) -> Ste
 
 
 def _end_write(control: AttemptControl, step: ActiveStep, began: float,
-               error: BaseException | None, result: Any = None) -> transitions.StepEndWrite:
+               error: BaseException | None, text: str | None = None) -> transitions.StepEndWrite:
     described = ""
     if error is not None:
         try:
@@ -267,7 +300,7 @@ def _end_write(control: AttemptControl, step: ActiveStep, began: float,
         except Exception:
             described = type(error).__name__
     return transitions.StepEndWrite(
-        control.ref, step.name, step.occurrence, done=error is None, result=result,
+        control.ref, step.name, step.occurrence, done=error is None, result_json=text,
         error=described.replace("\x00", ""), input_tokens=step.input_tokens,
         output_tokens=step.output_tokens, cost=step.cost,
         duration_ms=int((time.monotonic() - began) * 1000),
@@ -284,16 +317,10 @@ def _replayed(ctx: RunContext, started: StepStart) -> Any:
 
 
 @contextmanager
-def _executing(ctx: RunContext, step: ActiveStep, control: AttemptControl) -> Iterator[None]:
-    """The step's execution; after it, a start still held is the end's to write (or, for
-    an attempt stopping, nobody's: the next attempt executes the step again)."""
-    token = _active.set(step)
-    try:
-        with tracing.step_span(ctx.agent, step.name, step.occurrence, step.key):
-            yield
-    finally:
-        _active.reset(token)
-        control.take_step_start()
+def _span(ctx: RunContext, step: ActiveStep) -> Iterator[None]:
+    """The step's execution's span, when a tracer is configured (`_executing`)."""
+    with tracing.step_span(ctx.agent, step.name, step.occurrence, step.key):
+        yield
 
 
 def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -86,15 +86,16 @@ from .settling import (
     settle_succeeded_many,
 )
 from .snoozing import exhaust_budget, record_usage, snooze
-from .steps import STEP, StepEndWrite, StepStartWrite, end_step, start_step
+from .steps import STEP, CarriedEnd, StepEndWrite, StepStartWrite, end_step, start_step
 from .superseding import enqueue_debounced, enqueue_superseding
 from .windows import FullWindow, WindowUse, full_window, window_fill, window_use
 
 __all__ = [
     "ABANDONED", "CANCELLED", "CANCEL_REQUESTED", "CHECKPOINT", "DEAD_LETTERED", "FORKED",
     "INTERRUPTED", "RETRIED", "RETRYING", "SNOOZED", "STARTED", "STEP", "SUCCEEDED", "USAGE",
-    "AttemptRef", "CancelResult", "CheckpointWrite", "EmitWrite", "ErrorInfo", "FullWindow",
-    "NewRun", "RenewWrite", "Renewal", "Result", "ScopePolicy", "SettleWrite", "Settlement",
+    "AttemptRef", "CancelResult", "CarriedEnd", "CheckpointWrite", "EmitWrite", "ErrorInfo",
+    "FullWindow", "NewRun", "RenewWrite", "Renewal", "Result", "ScopePolicy", "SettleWrite",
+    "Settlement",
     "StepEndWrite", "StepStartWrite", "SucceedWrite", "UsageWrite", "WindowUse", "Write",
     "abandon", "apply_alone", "apply_writes", "awaited", "cancel", "checkpoint", "claim",
     "claim_limited", "close_key", "due_elsewhere", "due_queued", "emit", "emitted_event_id",

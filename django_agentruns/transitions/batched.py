@@ -35,7 +35,16 @@ from .attempts import checkpoint, emit, renew, trim_history
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded, settle_succeeded, settle_succeeded_many
 from .snoozing import record_usage, record_usage_in
-from .steps import StepEndWrite, StepStartWrite, close_steps, end_step, open_steps, start_step
+from .steps import (
+    CarriedEnd,
+    StepEndWrite,
+    StepStartWrite,
+    close_steps,
+    end_step,
+    open_steps,
+    start_step,
+    unpacked,
+)
 from .waiting import parents_settled
 
 
@@ -103,7 +112,7 @@ class UsageWrite:
 
 
 Write = (RenewWrite | EmitWrite | CheckpointWrite | SucceedWrite | SettleWrite | UsageWrite
-         | StepStartWrite | StepEndWrite)
+         | StepStartWrite | StepEndWrite | CarriedEnd)
 Result = Renewal | Settlement | UsageTotals | StepStart
 Event = tuple[int, str, dict[str, Any], int, uuid.UUID]
 
@@ -126,19 +135,21 @@ def apply_writes(writes: Sequence[Write], at: datetime | None = None) -> list[Re
         settled = settle_succeeded_many(items[0][0].worker_id, items, at)
         return [settled[ref] for ref, _ in items]
     at = at or now()
-    results: list[Result | None] = [None] * len(writes)
+    # A carried step end goes just before the write carrying it, in the same round.
+    flat, carried, answers = unpacked(writes)
+    results: list[Result | None] = [None] * len(flat)
     round_: list[int] = []
     runs: set[int] = set()
-    for i, write in enumerate(writes):
-        if write.ref.run_id in runs:
-            _apply_round(writes, round_, results, at)
+    for i, write in enumerate(flat):
+        if write.ref.run_id in runs and i - 1 not in carried:
+            _apply_round(flat, round_, results, at, carried)
             round_, runs = [], set()
         round_.append(i)
         runs.add(write.ref.run_id)
-    _apply_round(writes, round_, results, at)
-    done = [r for r in results if r is not None]
-    assert len(done) == len(writes), "every write has its result"
-    return done
+    _apply_round(flat, round_, results, at, carried)
+    done = [results[i] for i in answers]
+    assert all(r is not None for r in results), "every write has its result"
+    return [r for r in done if r is not None]
 
 
 def only_successes(writes: Sequence[Write]) -> bool:
@@ -150,8 +161,10 @@ def only_successes(writes: Sequence[Write]) -> bool:
 
 
 def _apply_round(writes: Sequence[Write], positions: list[int],
-                 results: list[Result | None], at: datetime) -> None:
-    """Writes to distinct runs: no order among them matters."""
+                 results: list[Result | None], at: datetime,
+                 carried: set[int] | None = None) -> None:
+    """Writes to distinct runs: no order among them matters; but a carried step end (its
+    position in `carried`) and the write after it, of one run, go in that order."""
     if not positions:
         return
     events: list[Event] = []
@@ -161,6 +174,12 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
     renewing = [i for i in positions if isinstance(writes[i], RenewWrite | EmitWrite
                                                     | StepStartWrite | StepEndWrite)
                 and not _despite_cancel(writes[i])]
+    # A carried end whose carrier renews takes its carrier's answer (one fence, one row).
+    riding: set[int] = set()
+    if carried:
+        renews = set(renewing)
+        riding = {i for i in renewing if i in carried and i + 1 in renews}
+        renewing = [i for i in renewing if i not in riding]
     storing = [i for i in positions if _despite_cancel(writes[i])]
     for i in _fenced(writes, renewing, results, [(LEASE, TIMESTAMP)],
                      lambda w: (w.ref.lease_until(at),)) + \
@@ -172,6 +191,8 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
                            write.event_id))
             caps.append(write.max_events)
             emits[write.ref.run_id] = write
+    for i in riding:
+        results[i] = results[i + 1]
     pointing = [i for i in positions if isinstance(writes[i], CheckpointWrite)]
     saved = _fenced(writes, pointing, results, CHECKPOINT_FIELDS,
                     lambda w: (w.ref.lease_until(at), *_state(w)), below="checkpoint_count")
@@ -194,7 +215,9 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
     # A checkpoint not saved may be a replay (its number stored already): it only renews.
     replays = [i for i in pointing if i not in saved and results[i] is Renewal.OK]
     _fenced(writes, replays, results, [(LEASE, TIMESTAMP)], lambda w: (w.ref.lease_until(at),))
-    _steps(writes, positions, results, at, events, caps)
+    # Steps' events first: a carried end's goes before its carrier's (its run's next seq).
+    stepped, step_caps = _steps(writes, positions, results, at)
+    events[:0], caps[:0] = stepped, step_caps
     succeeding = [i for i in positions if isinstance(writes[i], SucceedWrite)]
     ended = _succeed(writes, succeeding, results, at)
     if events or ended:
@@ -202,8 +225,8 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
                                                caps + [None] * len(ended))
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
-            added = {row[0] for row in cursor.fetchall()}
-        _refuse_over_cap([w for run_id, w in emits.items() if run_id not in added])
+            added = {_uuid(row[1]) for row in cursor.fetchall()}
+        _refuse_over_cap([w for w in emits.values() if w.event_id not in added])
     for i in positions:
         write = writes[i]
         if isinstance(write, SettleWrite):
@@ -213,12 +236,12 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
 
 
 def _steps(writes: Sequence[Write], positions: list[int], results: list[Result | None],
-           at: datetime, events: list[Event], caps: list[int | None]) -> None:
+           at: datetime) -> tuple[list[Event], list[int | None]]:
     """Durable steps' starts and ends, renewed with the round's emits: the starts whose
-    fence held opened in one INSERT (`open_steps`), the ends stored in one UPDATE
-    (`close_steps`), their `run.step` events joining the round's INSERT. An end is
-    recorded under a cancel request too (the fence holds); nothing of a write whose
-    attempt lost the run."""
+    fence held opened in one INSERT (`open_steps`), the ends stored in one statement
+    (`close_steps`); returns their `run.step` events and caps, for the round's INSERT. An
+    end is recorded under a cancel request too (the fence holds); nothing of a write
+    whose attempt lost the run."""
     starting = [i for i in positions if isinstance(writes[i], StepStartWrite)]
     opened = [i for i in starting if results[i] is Renewal.OK]
     for i in starting:
@@ -232,10 +255,11 @@ def _steps(writes: Sequence[Write], positions: list[int], results: list[Result |
             results[i] = answer
     ends = [w for w in (writes[i] for i in positions if results[i] is not Renewal.LOST)
             if isinstance(w, StepEndWrite)]
-    if ends:
-        for event in close_steps(ends, at):
-            events.append(event)
-            caps.append(next(w.max_events for w in ends if w.ref.run_id == event[0]))
+    if not ends:
+        return [], []
+    events = close_steps(ends, at)
+    cap = {w.ref.run_id: w.max_events for w in ends}
+    return events, [cap[event[0]] for event in events]
 
 
 def _refuse_over_cap(missing: list[EmitWrite]) -> None:
@@ -253,6 +277,11 @@ def _refuse_over_cap(missing: list[EmitWrite]) -> None:
                 f"run {write.ref.run_id} holds {write.max_events} events, the most "
                 f"{SETTING_NAME}['MAX_EVENTS_PER_RUN'] allows; the event {write.type!r} "
                 f"was not recorded")
+
+
+def _uuid(value: Any) -> uuid.UUID:
+    """An event id as RETURNING gives it: a UUID (PostgreSQL) or its hex (SQLite)."""
+    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
 
 
 def _despite_cancel(write: Write) -> bool:
@@ -362,4 +391,7 @@ def apply_alone(write: Write) -> Result:
         return start_step(write)
     if isinstance(write, StepEndWrite):
         return end_step(write)
+    if isinstance(write, CarriedEnd):
+        apply_alone(write.end)
+        return apply_alone(write.then)
     return write.settle()

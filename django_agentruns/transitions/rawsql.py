@@ -196,30 +196,33 @@ def fenced_update(
 
 
 _NEW_EVENT = (("run_id", "bigint"), ("event_id", "uuid"), ("type", "varchar"),
-              ("payload", "jsonb"), ("attempt", "integer"), ("cap", "integer"))
+              ("payload", "jsonb"), ("attempt", "integer"), ("cap", "integer"), ("k", "integer"))
 
 
 def insert_new_events(
     events: Sequence[tuple[int, str, dict[str, Any], int, Any]], at: datetime,
     caps: Sequence[int | None] | None = None,
 ) -> tuple[str, list[Any]]:
-    """One INSERT for at most one event per run, each one past its run's highest seq,
-    leaving out any whose id is stored already (a retry re-emitting) and any that would
-    take its run's stream past its cap (`caps`, one per event; None: no cap). Returns the
-    run ids it added an event to."""
+    """One INSERT for the events, each past its run's highest seq (a run's several in
+    their order: its `k`-th gets seq + k), leaving out any whose id is stored already (a
+    retry re-emitting) and any that would take its run's stream past its cap (`caps`, one
+    per event; None: no cap). Of a run's several, only the last may be a retry's (the
+    others are new: lifecycle ids), so no seq is skipped. Returns the (run id, event id)
+    of each one it added."""
     table = qn(RunEvent._meta.db_table)
     caps = caps or [None] * len(events)
-    rows = [(run_id, event_id, type_, payload, attempt, cap)
-            for (run_id, type_, payload, attempt, event_id), cap in zip(events, caps,
-                                                                        strict=True)]
-    assert len({r[0] for r in rows}) == len(rows), "one event per run"
+    counts: dict[int, int] = {}
+    rows = []
+    for (run_id, type_, payload, attempt, event_id), cap in zip(events, caps, strict=True):
+        k = counts[run_id] = counts.get(run_id, 0) + 1
+        rows.append((run_id, event_id, type_, payload, attempt, cap, k))
     last = f"COALESCE((SELECT MAX(e.seq) FROM {table} e WHERE e.run_id = v.run_id), 0)"
     sql = (f"WITH v AS {json_rows(_NEW_EVENT)} "
            f"INSERT INTO {table} (run_id, seq, event_id, type, payload, attempt, created_at) "
-           f"SELECT v.run_id, {last} + 1, v.event_id, v.type, v.payload, v.attempt, %s "
+           f"SELECT v.run_id, {last} + v.k, v.event_id, v.type, v.payload, v.attempt, %s "
            f"FROM v WHERE NOT EXISTS (SELECT 1 FROM {table} x WHERE x.run_id = v.run_id "
            f"AND x.event_id = v.event_id) "
-           f"AND (v.cap IS NULL OR {last} < v.cap) RETURNING run_id")
+           f"AND (v.cap IS NULL OR {last} + v.k <= v.cap) RETURNING run_id, event_id")
     return sql, [json_values(rows, [t for _, t in _NEW_EVENT]),
                  prep(RunEvent, "created_at", at)]
 

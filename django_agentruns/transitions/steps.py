@@ -12,12 +12,13 @@ record whole.
 from __future__ import annotations
 
 import functools
+import json
 import operator
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.db import connection, transaction
 from django.db.models import Q
@@ -30,6 +31,9 @@ from ..outcomes import AttemptRef, Renewal, StepStart
 from . import rawsql
 from .attempts import _renew_locked
 from .events import append_one, lifecycle, now
+
+if TYPE_CHECKING:
+    from .batched import Write
 
 STEP = "run.step"
 """The timeline event of a finished step (done or failed)."""
@@ -72,6 +76,40 @@ class StepEndWrite:
     started_at: datetime | None = None
     """For a step whose start was never written (see `close_steps`): its record's
     checkpoint count and start time."""
+    result_json: str | None = None
+    """`result` as JSON text, encoded already (`runtime.steps`): stored as it is, so an
+    end written after the step returned stores what it returned, whatever the agent did
+    to that value since."""
+
+
+@dataclass(frozen=True)
+class CarriedEnd:
+    """A fresh run's step end held by its attempt (`runtime.steps`) and carried by the
+    attempt's next write `then`: one queued write for both, applied in that order (the
+    end's `run.step` event before `then`'s), each fenced as it would be alone."""
+
+    end: StepEndWrite
+    then: Write
+
+    @property
+    def ref(self) -> AttemptRef:
+        return self.then.ref
+
+
+def unpacked(writes: Sequence[Write]) -> tuple[list[Write], set[int], list[int]]:
+    """`writes` with each `CarriedEnd` as its end, then its write; the positions of the
+    carried ends; and the position of the write whose result answers each of `writes`."""
+    flat: list[Write] = []
+    carried: set[int] = set()
+    answers: list[int] = []
+    for write in writes:
+        if isinstance(write, CarriedEnd):
+            carried.add(len(flat))
+            flat.append(write.end)
+            write = write.then
+        answers.append(len(flat))
+        flat.append(write)
+    return flat, carried, answers
 
 
 def start_step_in(write: StepStartWrite, at: datetime) -> StepStart:
@@ -119,7 +157,7 @@ def open_steps(writes: Sequence[StepStartWrite], at: datetime) -> list[StepStart
 _STEP_START = (("run_id", "bigint"), ("name", "varchar"), ("occurrence", "integer"),
                ("attempt", "integer"), ("checkpoint", "integer"), ("cap", "integer"))
 _STEP_END = (("run_id", "bigint"), ("name", "varchar"), ("occurrence", "integer"),
-             ("attempt", "integer"), ("status", "varchar"), ("result", "jsonb"),
+             ("attempt", "integer"), ("status", "varchar"), ("result", "text"),
              ("error", "text"), ("input_tokens", "bigint"), ("output_tokens", "bigint"),
              ("cost", "double precision"), ("checkpoint", "integer"),
              ("started_at", "timestamptz"))
@@ -151,14 +189,15 @@ def close_steps(writes: Sequence[StepEndWrite], at: datetime) -> list[Event]:
     that end is not recorded (no event)."""
     table = rawsql.qn(RunStep._meta.db_table)
     rows = [(w.ref.run_id, w.name, w.occurrence, w.ref.attempt, str(DONE if w.done else FAILED),
-             w.result if w.done else None, w.error, w.input_tokens, w.output_tokens, w.cost,
+             _result_text(w), w.error, w.input_tokens, w.output_tokens, w.cost,
              w.checkpoint, w.started_at or at)
             for w in writes]
+    as_json = "::jsonb" if connection.vendor == "postgresql" else ""
     sets = ", ".join(f"{c} = excluded.{c}" for c in _ENDED)
     sql = (f"WITH v AS {rawsql.json_rows(_STEP_END)} INSERT INTO {table} (run_id, name, "
            f"occurrence, attempt, checkpoint, started_at, {', '.join(_ENDED)}) "
            f"SELECT v.run_id, v.name, v.occurrence, v.attempt, v.checkpoint, v.started_at, "
-           f"v.status, v.result, v.error, v.input_tokens, v.output_tokens, v.cost, %s "
+           f"v.status, v.result{as_json}, v.error, v.input_tokens, v.output_tokens, v.cost, %s "
            f"FROM v WHERE true ON CONFLICT (run_id, name, occurrence) DO UPDATE SET {sets} "
            f"WHERE {table}.attempt = excluded.attempt AND {table}.status = %s "
            f"RETURNING run_id")
@@ -167,6 +206,15 @@ def close_steps(writes: Sequence[StepEndWrite], at: datetime) -> list[Event]:
                              rawsql.prep(RunEvent, "created_at", at), str(STARTED)])
         closed = {row[0] for row in cursor.fetchall()}
     return [_event(w) for w in writes if w.ref.run_id in closed]
+
+
+def _result_text(write: StepEndWrite) -> str | None:
+    """The result to store, as JSON text (SQL NULL for none, or for JSON null, as the
+    JSON column stores None)."""
+    if not write.done:
+        return None
+    text = json.dumps(write.result) if write.result_json is None else write.result_json
+    return None if text == "null" else text
 
 
 def _occurrence(write: StepStartWrite) -> int:

@@ -140,7 +140,7 @@ def make_plan(runs: int, rng: random.Random) -> list[PlannedRun]:
             spec |= {"steps": 3, "sleep": 0.02, "slow_at": rng.choice([1, 3]), "slow": 10,
                      "finish": 0.5}
             priority = 10  # taken over at once by whichever worker has a free slot
-        if kind not in ("slow", "waits", "durable") and rng.random() < 0.3:
+        if kind not in ("slow", "waits") and rng.random() < 0.3:
             agent = CHAOS_ASYNC  # the same run as a coroutine, writing through the store
         plan.append(PlannedRun(kind, agent, spec, priority=priority))
     return plan

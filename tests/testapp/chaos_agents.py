@@ -1,7 +1,8 @@
 """Agents of the chaos suite (tests/chaos): multi-step runs whose side effects are fenced.
 
 One body serves four agents, steered by the run's input (and an async twin, a fifth,
-whose attempts are coroutines on the worker's loop writing through its attempt store):
+whose attempts are coroutines on the worker's loop writing through its attempt store; its
+durable steps are `ctx.astep`):
 
 - ``steps``: how many steps; each emits a ``step`` event, sleeps ``sleep`` seconds (the
   "model call"), then records its side effect and checkpoints, in ONE transaction;
@@ -102,6 +103,18 @@ def durable_call(ctx: RunContext, step: int) -> dict[str, Any]:
     return {"step": step, "key": ctx.step_key}
 
 
+async def adurable_call(ctx: RunContext, step: int) -> dict[str, Any]:
+    """`durable_call` for the async twin: counted in a thread, then the "model call"."""
+    await sync_to_async(count_call, thread_sensitive=False)(ctx, step)
+    await asyncio.sleep(float(ctx.input.get("sleep", 0)))
+    return {"step": step, "key": ctx.step_key}
+
+
+def count_call(ctx: RunContext, step: int) -> None:
+    SideEffect.objects.create(run_id=ctx.run_id, step=step, attempt=ctx.attempt,
+                              worker=str(os.getpid()), note=CALL_NOTE)
+
+
 class ChaosRateLimit(Exception):
     """An OpenAI-style 429 with a Retry-After: snoozes the run and closes its key."""
 
@@ -152,7 +165,11 @@ async def chaos_async(ctx: RunContext) -> dict[str, Any]:
     state = ctx.state or {"step": 0}
     for step in range(int(state["step"]), steps):
         await ctx.aemit("step", {"n": step})
-        await asyncio.sleep(float(spec.get("sleep", 0)))
+        if spec.get("durable"):
+            # Its end held by the attempt until the next write carries it (runtime.steps).
+            await ctx.astep("call", adurable_call, ctx, step)
+        else:
+            await asyncio.sleep(float(spec.get("sleep", 0)))
         if step == spec.get("fail_at"):
             if spec.get("fail") == "fatal":
                 raise NotRetryable(f"fatal failure at step {step}")

@@ -16,6 +16,9 @@ from .models import SideEffect
 if os.environ.get("AGENTRUNS_TEST_START_HELD"):
     # A worker subprocess of a test that kills it inside a step whose start is still held.
     steps.START_HELD = float(os.environ["AGENTRUNS_TEST_START_HELD"])
+if os.environ.get("AGENTRUNS_TEST_END_HELD"):
+    # ... or after an async step whose end is still held.
+    steps.END_HELD = float(os.environ["AGENTRUNS_TEST_END_HELD"])
 
 
 def executed(ctx: RunContext, step: int, note: str = "") -> None:
@@ -117,7 +120,8 @@ def step_loop(ctx: RunContext) -> dict[str, Any]:
 
 @agent("tests.async_step_chain")
 async def async_step_chain(ctx: RunContext) -> dict[str, Any]:
-    """input: {"n": steps, "timeout": s, "sleep": s}: async steps (astep)."""
+    """input: {"n": steps, "timeout": s, "sleep": s, "pause_after": i}: async steps
+    (astep); on attempt 1, a long pause after step `pause_after` (no write after it)."""
     async def call(i: int) -> dict[str, Any]:
         await asyncio.to_thread(executed_off_loop, ctx, i, str(ctx.step_key))
         await asyncio.sleep(float(ctx.input.get("sleep", 0)))
@@ -126,6 +130,8 @@ async def async_step_chain(ctx: RunContext) -> dict[str, Any]:
     results = []
     for i in range(int(ctx.input.get("n", 3))):
         results.append(await ctx.astep("call", call, i, timeout=ctx.input.get("timeout")))
+        if ctx.attempt == 1 and ctx.input.get("pause_after") == i:
+            await asyncio.sleep(60)
     return {"results": results}
 
 
