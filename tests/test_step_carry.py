@@ -32,6 +32,16 @@ async def _reply(i: int) -> dict[str, int]:
     return {"i": i}
 
 
+async def _reply_seeing(i: int, run_id: int, name: str) -> dict[str, Any]:
+    """Whether step `name`'s end is recorded as this step executes."""
+    def recorded() -> bool:
+        try:
+            return RunStep.objects.filter(run_id=run_id, name=name, status="done").exists()
+        finally:
+            connection.close()
+    return {"i": i, "seen": await asyncio.to_thread(recorded)}
+
+
 @pytest.fixture
 def carrying() -> Iterator[None]:
     @agent("tests.step_carry")
@@ -42,7 +52,7 @@ def carrying() -> Iterator[None]:
             out.append(await ctx.astep("call", _reply, i))
             await ctx.aemit("note", {"i": i})
         out.append(await ctx.astep("a", _reply, 2))
-        out.append(await ctx.astep("b", _reply, 3))
+        out.append(await ctx.astep("b", _reply_seeing, 3, ctx.run_id, "a"))
         await ctx.aemit("note", {"i": 3})
         out.append(await ctx.astep("last", _reply, 4))
         return out
@@ -95,16 +105,18 @@ def test_a_fresh_async_steps_end_rides_on_the_next_write(
     burst()
     run.refresh_from_db()
     assert run.status == Status.SUCCEEDED, run.error_message
-    assert run.output == [{"i": i} for i in range(5)]
+    # "b" executed only once "a"'s end was recorded: no step runs while an earlier one's
+    # completion is still unrecorded.
+    assert run.output == [{"i": 0}, {"i": 1}, {"i": 2}, {"i": 3, "seen": True}, {"i": 4}]
     mine = [w for w in written if w.ref.run_id == run.pk]
-    # Each end carried by the emit after it; "a" written alone ahead of "b" (no write
-    # between them); the last one carried by a renewal at the attempt's end.
+    # Each end carried by the emit after it; "a"'s by a renewal awaited before "b" runs
+    # (no write between them); the last one by a renewal at the attempt's end.
     assert [(type(w).__name__, type(getattr(w, "then", w)).__name__) for w in mine] == [
         ("CarriedEnd", "EmitWrite"), ("CarriedEnd", "EmitWrite"),
-        ("StepEndWrite", "StepEndWrite"), ("CarriedEnd", "EmitWrite"),
+        ("CarriedEnd", "RenewWrite"), ("CarriedEnd", "EmitWrite"),
         ("CarriedEnd", "RenewWrite")]
     assert [w.end.name for w in mine if isinstance(w, CarriedEnd)] == [
-        "call", "call", "b", "last"]
+        "call", "call", "a", "b", "last"]
     assert steps_of(run) == [("call", 1, "done", 1), ("call", 2, "done", 1),
                              ("a", 1, "done", 1), ("b", 1, "done", 1), ("last", 1, "done", 1)]
     timeline = list(RunEvent.objects.filter(run=run, type__in=[STEP, "note"]).order_by("seq")

@@ -136,6 +136,20 @@ class AttemptControl:
             end, self.pending_end = self.pending_end, None
         return write if end is None else transitions.CarriedEnd(end, write)
 
+    async def await_held_end(self) -> None:
+        """Before another step executes: the earlier step's held end, carried by a renewal
+        and awaited, so no step's function runs while an earlier step's completion is
+        still unrecorded (a crash then repeats only the step it interrupted)."""
+        if self.pending_end is not None and self.store is not None:
+            self.apply(await self.awrite(transitions.RenewWrite(self.ref)))
+            self.check()
+
+    def write_held_end(self) -> None:
+        """`await_held_end` for a sync step (an async agent's `ctx.step`)."""
+        if self.pending_end is not None and self.store is not None:
+            self.apply(self.write(transitions.RenewWrite(self.ref)))
+            self.check()
+
     async def aflush_end(self) -> None:
         """At the attempt's end, before its outcome is written: a step end still held is
         written, carried by a renewal, and awaited. Never raises: what the end could not

@@ -97,6 +97,7 @@ def run_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any
              kwargs: dict[str, Any], retries: int, timeout: float | None) -> Any:
     """`ctx.step`: the stored result, or `fn`'s, executed and stored."""
     control = _checked(ctx, name, fn, retries, timeout)
+    control.write_held_end()
     start = _start_write(control, name)
     started = _held(control, start) or _took(control, control.write(start), name)
     if started.done:
@@ -141,6 +142,7 @@ async def arun_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tu
     """`ctx.astep`: `run_step` for an async `fn` (or any `fn` returning an awaitable), its
     writes awaited through the attempt store; a timeout cancels the execution."""
     control = _checked(ctx, name, fn, retries, timeout)
+    await control.await_held_end()
     start = _start_write(control, name)
     started = _held(control, start, on_loop=True) or \
         _took(control, await control.awrite(start), name)
