@@ -22,7 +22,7 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from django_agentruns import api
-from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.models import AgentRun, Reason, RunCheckpoint, RunEvent, Status
 
 pytestmark = pytest.mark.django_db
 
@@ -223,7 +223,8 @@ def test_list_loads_no_heavy_columns(admin_client: Client) -> None:
 
 def test_run_page_shows_everything_read_only(admin_client: Client) -> None:
     run = make_run(Status.FAILED, input={"ticket": 42, "text": "<script>"},
-                   output=None, checkpoint_state={"step": 2}, checkpoint_count=2)
+                   output=None, checkpoint_count=2)
+    RunCheckpoint.objects.create(run=run, number=2, state={"step": 2})
     add_events(run, 3)
     response = admin_client.get(run_url(run))
     html = response.content.decode()

@@ -44,8 +44,7 @@ UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 LONGEST_DURATION = timedelta(days=365 * 1000)
 
 # Columns that can hold megabytes: never selected by a purge, whatever receivers want.
-RUN_PAYLOADS = ("input", "output", "checkpoint_state", "error_message", "error_traceback",
-                "cancel_reason")
+RUN_PAYLOADS = ("input", "output", "error_message", "error_traceback", "cancel_reason")
 EVENT_PAYLOADS = ("payload",)
 
 OWNED_BY_RUN: tuple[tuple[type[models.Model], str, tuple[str, ...]], ...] = (
