@@ -77,12 +77,12 @@ def fill(conn: psycopg.Connection[Any], runs: int, layout_env: dict[str, str]) -
                 " input, output, status, reason, attempt, requeue_count, max_requeues,"
                 " claimed_by, available_at, limit_key, snooze_count, input_tokens,"
                 " output_tokens, cost, checkpoint_count, agent_version,"
-                " cancel_reason, error_type, error_message, error_traceback, created_at,"
+                " cancel_reason, error_type, error_message, created_at,"
                 " started_at, finished_at, wait_key, spawn_key, dedupe_key,"
                 " release_dedupe_at_start)"
                 " SELECT 'bench.llm', 'history', 0, '', 0, '{\"ticket\": 1}', '{\"label\": 1}',"
                 " 'succeeded', 'completed', 1, 0, 3, '', now(), '', 0, 900, 300, 0.01,"
-                " 1, 1, '', '', '', '', now() - interval '40 days',"
+                " 1, 1, '', '', '', now() - interval '40 days',"
                 " now() - interval '40 days', now() - interval '40 days', '', '', '', false"
                 " FROM generate_series(1, %s) g RETURNING id", [n]).fetchall()]
         if layout_env.get("BENCH_HISTORY_PARTITION"):

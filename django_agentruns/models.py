@@ -12,12 +12,12 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
-from .queries import STATE, RunQuerySet, load_states
+from .queries import STATE, TRACEBACK, RunQuerySet, load_states, traceback_of
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Reason, Status
 
 __all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "UNFINISHED", "AgentLimit", "AgentRun",
            "FairGroup", "KeyWindowEntry", "PausedQueue", "Reason", "RunCheckpoint", "RunEvent",
-           "RunStep", "RunWait", "Schedule", "Status", "WorkerRecord"]
+           "RunPayload", "RunStep", "RunWait", "Schedule", "Status", "WorkerRecord"]
 
 
 class AgentRun(models.Model):
@@ -63,8 +63,7 @@ class AgentRun(models.Model):
     cancel_reason = models.TextField(blank=True, default="")
 
     error_type = models.CharField(max_length=255, blank=True, default="")
-    error_message = models.TextField(blank=True, default="")
-    error_traceback = models.TextField(blank=True, default="")
+    error_message = models.TextField(blank=True, default="")  # the traceback: a RunPayload
 
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -189,8 +188,18 @@ class AgentRun(models.Model):
         """This instance's view only (a migrated state just written): nothing is saved."""
         self.__dict__[STATE] = state
 
+    @property
+    def error_traceback(self) -> str:
+        """The last error's traceback ("" if none): `queries.traceback_of`."""
+        return traceback_of(self)
+
+    @error_traceback.setter
+    def error_traceback(self, text: str) -> None:
+        self.__dict__[TRACEBACK] = text  # this instance's view only: nothing is saved
+
     def refresh_from_db(self, *args: Any, **kwargs: Any) -> None:
         self.__dict__.pop(STATE, None)
+        self.__dict__.pop(TRACEBACK, None)
         super().refresh_from_db(*args, **kwargs)
 
 
@@ -383,6 +392,7 @@ from .flow_models import AgentLimit, FairGroup, KeyWindowEntry, RunUsage  # noqa
 from .history_models import (  # noqa: E402, F401 (re-exported)
     GraphCheckpoint,
     GraphWrite,
+    RunPayload,
     RunStep,
     StreamChunk,
     step_key,

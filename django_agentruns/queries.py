@@ -228,3 +228,19 @@ def load_states(runs: Iterable[AgentRun], using: str | None = None) -> None:
                  .values_list("run_id", "state"))
     for pk, run in wanted.items():
         run.__dict__[STATE] = found.get(pk)
+
+
+TRACEBACK = "_error_traceback"  # where a run instance keeps its read-through traceback
+
+
+def traceback_of(run: AgentRun) -> str:
+    """The run's last error's traceback ("" if none): its latest `RunPayload` of kind
+    traceback, read once and kept on the instance. A run without an error type (it never
+    failed) costs no query."""
+    if TRACEBACK not in run.__dict__:
+        payloads = django_apps.get_model("django_agentruns", "RunPayload")
+        run.__dict__[TRACEBACK] = "" if run.pk is None or not run.error_type else (
+            payloads._base_manager.using(run._state.db or "default").filter(
+                run_id=run.pk, kind=payloads.TRACEBACK).order_by("-id")
+            .values_list("value", flat=True).first() or "")
+    return str(run.__dict__[TRACEBACK])

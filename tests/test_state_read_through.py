@@ -136,7 +136,8 @@ def test_a_migration_to_no_state_before_any_checkpoint_writes_no_row(db: None) -
 # --------------------------------------------------------------------------- migration 0019
 
 
-def insert_run(cursor: Any, state: str | None, count: int, version: int = 1) -> int:
+def insert_run(cursor: Any, state: str | None, count: int, version: int = 1,
+               traceback: str = "") -> int:
     """A run row as migration 0018 left the table (state still a column)."""
     at = timezone.now()
     cursor.execute(
@@ -146,14 +147,16 @@ def insert_run(cursor: Any, state: str | None, count: int, version: int = 1) -> 
         " agent_version, cancel_reason, error_type, error_message, error_traceback, created_at,"
         " wait_key, spawn_key, dedupe_key, steps_copied, release_dedupe_at_start) VALUES"
         " ('tests.noop', 'default', 0, '', 0, '{}', 'queued', '', 0, 0, 3, '', %s, '', '', 0,"
-        " 0, 0, 0.0, %s, %s, %s, '', '', '', '', %s, '', '', '', %s, %s)",
-        [at, state, count, version, at, False, False])
+        " 0, 0, 0.0, %s, %s, %s, '', %s, '', %s, %s, '', '', '', %s, %s)",
+        [at, state, count, version, "ValueError" if traceback else "", traceback, at, False,
+         False])
     cursor.execute(f"SELECT max(id) FROM {RUNS}")
     return int(cursor.fetchone()[0])
 
 
 @pytest.mark.django_db(transaction=True)
-def test_migration_0019_moves_states_out_of_the_run_row_and_back() -> None:
+def test_migrations_0019_0020_move_states_and_tracebacks_out_of_the_run_row_and_back(
+) -> None:
     call_command("migrate", "django_agentruns", "0018", verbosity=0)
     try:
         with connection.cursor() as cursor:
@@ -161,6 +164,7 @@ def test_migration_0019_moves_states_out_of_the_run_row_and_back() -> None:
             resumed = insert_run(cursor, '{"step": 2}', 2)
             migrated = insert_run(cursor, '{"v2": true}', 3, 2)  # its history row is older
             at_zero = insert_run(cursor, '{"v2": 0}', 0, 2)  # migrated before a checkpoint
+            failed = insert_run(cursor, None, 0, traceback="Traceback: 'quoted' \"and\"\n é")
             table = RunCheckpoint._meta.db_table
             cursor.execute(f"INSERT INTO {table} (run_id, number, state, created_at) VALUES "
                            f"(%s, 1, '{{\"step\": 1}}', %s), (%s, 2, '{{\"step\": 2}}', %s), "
@@ -171,7 +175,10 @@ def test_migration_0019_moves_states_out_of_the_run_row_and_back() -> None:
         call_command("migrate", "django_agentruns", verbosity=0)
     states = {run.pk: run.checkpoint_state for run in AgentRun.objects.all()}
     assert states == {fresh: None, resumed: {"step": 2}, migrated: {"v2": True},
-                      at_zero: {"v2": 0}}
+                      at_zero: {"v2": 0}, failed: None}
+    assert {run.pk: run.error_traceback for run in AgentRun.objects.all()} == {
+        fresh: "", resumed: "", migrated: "", at_zero: "",
+        failed: "Traceback: 'quoted' \"and\"\n é"}
     assert sorted(RunCheckpoint.objects.values_list("run_id", "number", "state")) == sorted([
         (resumed, 1, {"step": 1}), (resumed, 2, {"step": 2}), (migrated, 3, {"v2": True}),
         (at_zero, 0, {"v2": 0})])
@@ -179,10 +186,13 @@ def test_migration_0019_moves_states_out_of_the_run_row_and_back() -> None:
     call_command("migrate", "django_agentruns", "0018", verbosity=0)
     try:
         with connection.cursor() as cursor:
-            cursor.execute(f"SELECT id, checkpoint_state FROM {RUNS} ORDER BY id")
+            cursor.execute(f"SELECT id, checkpoint_state, error_traceback FROM {RUNS} "
+                           f"ORDER BY id")
+            rows = cursor.fetchall()
             back = [(pk, value if value is None or isinstance(value, dict)
-                     else json.loads(value)) for pk, value in cursor.fetchall()]
+                     else json.loads(value)) for pk, value, _ in rows]
     finally:
         call_command("migrate", "django_agentruns", verbosity=0)
     assert back == [(fresh, None), (resumed, {"step": 2}), (migrated, {"v2": True}),
-                    (at_zero, {"v2": 0})]
+                    (at_zero, {"v2": 0}), (failed, None)]
+    assert [text for _, _, text in rows] == ["", "", "", "", "Traceback: 'quoted' \"and\"\n é"]
