@@ -1,5 +1,6 @@
 """Tables written beside a run's events: its durable steps (`RunStep`), its live chunks on
-SQLite (`StreamChunk`), and LangGraph's checkpoint saver's tables
+SQLite (`StreamChunk`), the values kept out of its row (`RunPayload`), and LangGraph's
+checkpoint saver's tables
 (`integrations.langgraph.AgentRunsSaver`). Registered with the app by `models`, which
 re-exports them; they name the run table by its label, so this module imports nothing
 of the package.
@@ -41,6 +42,30 @@ class StreamChunk(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.run_id} {self.channel}[{self.first}:{self.end}]"
+
+
+class RunPayload(models.Model):
+    """A run's bulky values kept out of its row (issue #29's narrow hot row), append-only:
+    the latest row of a kind is the value. Today the last error's traceback (`TRACEBACK`,
+    read through by `AgentRun.error_traceback`), written by `transitions.settling` in the
+    transaction that records the error. Partitioned with the history."""
+
+    TRACEBACK = "traceback"
+
+    id = models.BigAutoField(primary_key=True)
+    run = models.ForeignKey("django_agentruns.AgentRun", on_delete=models.CASCADE,
+                            related_name="+")
+    kind = models.CharField(max_length=20)
+    value = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        verbose_name = _("run payload")
+        verbose_name_plural = _("run payloads")
+        indexes = (models.Index(fields=("run", "kind", "id"), name="agentruns_payload_kind"),)
+
+    def __str__(self) -> str:
+        return f"#{self.run_id} {self.kind}"
 
 
 class RunStep(models.Model):

@@ -5,17 +5,19 @@ Status is only ever written by `django_agentruns.transitions`; see docs/state_ma
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
-from .queries import RunQuerySet
+from .queries import STATE, TRACEBACK, RunQuerySet, load_states, traceback_of
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Reason, Status
 
 __all__ = ["DEAD_LETTER_REASONS", "TERMINAL", "UNFINISHED", "AgentLimit", "AgentRun",
            "FairGroup", "KeyWindowEntry", "PausedQueue", "Reason", "RunCheckpoint", "RunEvent",
-           "RunStep", "RunWait", "Schedule", "Status", "WorkerRecord"]
+           "RunPayload", "RunStep", "RunWait", "Schedule", "Status", "WorkerRecord"]
 
 
 class AgentRun(models.Model):
@@ -51,7 +53,8 @@ class AgentRun(models.Model):
     budget = models.JSONField(null=True, blank=True,
                               help_text=_("Overrides the agent's budget (an operator's retry)."))
 
-    checkpoint_state = models.JSONField(null=True, blank=True)
+    # The resume state is not a column: it is the checkpoint history's row number
+    # `checkpoint_count` (`checkpoint_state` below), so a checkpoint rewrites no JSON here.
     checkpoint_count = models.PositiveIntegerField(default=0)
     agent_version = models.PositiveIntegerField(
         default=1, help_text=_("The agent's version the run started under (@agent(version=))."))
@@ -60,8 +63,7 @@ class AgentRun(models.Model):
     cancel_reason = models.TextField(blank=True, default="")
 
     error_type = models.CharField(max_length=255, blank=True, default="")
-    error_message = models.TextField(blank=True, default="")
-    error_traceback = models.TextField(blank=True, default="")
+    error_message = models.TextField(blank=True, default="")  # the traceback: a RunPayload
 
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -168,6 +170,37 @@ class AgentRun(models.Model):
     @property
     def is_dead_letter(self) -> bool:
         return self.status == Status.FAILED and self.reason in DEAD_LETTER_REASONS
+
+    @property
+    def checkpoint_state(self) -> Any:
+        """The state of the run's last checkpoint (None before its first), read through from
+        `RunCheckpoint` (number `checkpoint_count`) once and kept on this instance
+        (`queries.load_states` reads many runs' at once).
+
+        A run still at checkpoint 0 has no state to read, so it costs no query, except at a
+        version above 1: a run migrated (`@agent(migrate=)`) before its first checkpoint keeps
+        its migrated state as number 0."""
+        load_states([self])
+        return self.__dict__[STATE]
+
+    @checkpoint_state.setter
+    def checkpoint_state(self, state: Any) -> None:
+        """This instance's view only (a migrated state just written): nothing is saved."""
+        self.__dict__[STATE] = state
+
+    @property
+    def error_traceback(self) -> str:
+        """The last error's traceback ("" if none): `queries.traceback_of`."""
+        return traceback_of(self)
+
+    @error_traceback.setter
+    def error_traceback(self, text: str) -> None:
+        self.__dict__[TRACEBACK] = text  # this instance's view only: nothing is saved
+
+    def refresh_from_db(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__.pop(STATE, None)
+        self.__dict__.pop(TRACEBACK, None)
+        super().refresh_from_db(*args, **kwargs)
 
 
 class RunEvent(models.Model):
@@ -359,6 +392,7 @@ from .flow_models import AgentLimit, FairGroup, KeyWindowEntry, RunUsage  # noqa
 from .history_models import (  # noqa: E402, F401 (re-exported)
     GraphCheckpoint,
     GraphWrite,
+    RunPayload,
     RunStep,
     StreamChunk,
     step_key,

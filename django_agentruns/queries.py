@@ -22,7 +22,7 @@ from .registry import version_rule
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Status
 
 if TYPE_CHECKING:
-    from .models import AgentRun  # noqa: F401 (named in RunQuerySet's base, as a string)
+    from .models import AgentRun  # named in RunQuerySet's base and the state helpers
 
 
 M = TypeVar("M", bound=models.Model)
@@ -193,3 +193,54 @@ def of_versions(rule: tuple[tuple[str, int, bool], ...]) -> Q:
         q |= Q(agent=name, agent_version__lte=version,
                agent_version__gte=1 if migrates else version)
     return q
+
+
+STATE = "_checkpoint_state"  # where a run instance keeps its read-through resume state
+
+
+def state_loaded(run: AgentRun) -> bool:
+    """Whether reading `run.checkpoint_state` costs no query: read already, or nothing to
+    read (no checkpoint yet, and a version of 1, which no migration wrote a state for)."""
+    return STATE in run.__dict__ or run.pk is None or (
+        not run.checkpoint_count and run.agent_version <= 1)
+
+
+def load_states(runs: Iterable[AgentRun], using: str | None = None) -> None:
+    """Read the resume state of each of `runs` not read yet, in one query: the checkpoint
+    history's row number `checkpoint_count` of each (`AgentRun.checkpoint_state`). The
+    worker's claim loop calls it for the runs a claim took, so attempts read nothing."""
+    wanted: dict[int, AgentRun] = {}
+    for run in runs:
+        if STATE in run.__dict__:
+            continue
+        if state_loaded(run):
+            run.__dict__[STATE] = None
+        else:
+            wanted[run.pk] = run
+    if not wanted:
+        return
+    pairs = Q()
+    for run in wanted.values():
+        pairs |= Q(run_id=run.pk, number=run.checkpoint_count)
+    first = next(iter(wanted.values()))
+    found = dict(django_apps.get_model("django_agentruns", "RunCheckpoint")._base_manager
+                 .using(using or first._state.db or "default").filter(pairs)
+                 .values_list("run_id", "state"))
+    for pk, run in wanted.items():
+        run.__dict__[STATE] = found.get(pk)
+
+
+TRACEBACK = "_error_traceback"  # where a run instance keeps its read-through traceback
+
+
+def traceback_of(run: AgentRun) -> str:
+    """The run's last error's traceback ("" if none): its latest `RunPayload` of kind
+    traceback, read once and kept on the instance. A run without an error type (it never
+    failed) costs no query."""
+    if TRACEBACK not in run.__dict__:
+        payloads = django_apps.get_model("django_agentruns", "RunPayload")
+        run.__dict__[TRACEBACK] = "" if run.pk is None or not run.error_type else (
+            payloads._base_manager.using(run._state.db or "default").filter(
+                run_id=run.pk, kind=payloads.TRACEBACK).order_by("-id")
+            .values_list("value", flat=True).first() or "")
+    return str(run.__dict__[TRACEBACK])

@@ -22,7 +22,14 @@ from django.urls import NoReverseMatch, reverse
 from django.utils import timezone
 
 from django_agentruns import api
-from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.models import (
+    AgentRun,
+    Reason,
+    RunCheckpoint,
+    RunEvent,
+    RunPayload,
+    Status,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -50,7 +57,11 @@ def make_run(status: str = Status.QUEUED, agent: str = "tests.noop", **fields: A
         defaults.update(error_type="PermissionError", error_message="bad credentials",
                         error_traceback="Traceback (most recent call last):\n  boom")
     defaults.update(fields)
-    return AgentRun.objects.create(agent=agent, status=status, **defaults)
+    traceback = defaults.pop("error_traceback", "")
+    run = AgentRun.objects.create(agent=agent, status=status, **defaults)
+    if traceback:  # kept out of the run row, as settling writes it
+        RunPayload.objects.create(run=run, kind=RunPayload.TRACEBACK, value=traceback)
+    return run
 
 
 def add_events(run: AgentRun, count: int, type_: str = "step") -> None:
@@ -223,7 +234,8 @@ def test_list_loads_no_heavy_columns(admin_client: Client) -> None:
 
 def test_run_page_shows_everything_read_only(admin_client: Client) -> None:
     run = make_run(Status.FAILED, input={"ticket": 42, "text": "<script>"},
-                   output=None, checkpoint_state={"step": 2}, checkpoint_count=2)
+                   output=None, checkpoint_count=2)
+    RunCheckpoint.objects.create(run=run, number=2, state={"step": 2})
     add_events(run, 3)
     response = admin_client.get(run_url(run))
     html = response.content.decode()

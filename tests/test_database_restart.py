@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from django_agentruns.models import AgentRun, RunEvent
+from django_agentruns.models import AgentRun, RunEvent, RunPayload
 from tests import helpers
 from tests.private_postgres import PrivateServer, server_bindir
 
@@ -86,8 +86,9 @@ def test_a_server_restart_mid_run_charges_no_healthy_run(
         assert worker.stop() == 0, worker.output()
     log = "\n".join(logs)
     assert {row[0] for row in rows} == {"succeeded"}, log
-    charged = query(private_server, f"SELECT error_traceback FROM {RUNS_TABLE} "
-                                    f"WHERE requeue_count > 0 LIMIT 1")
+    charged = query(private_server, f"SELECT p.value #>> '{{}}' FROM {RUNS_TABLE} r JOIN "
+                                    f"{RunPayload._meta.db_table} p ON p.run_id = r.id AND "
+                                    f"p.kind = 'traceback' WHERE r.requeue_count > 0 LIMIT 1")
     assert {row[1] for row in rows} == {0}, "".join(charged[0]) if charged else log
     # The restart did land mid-run: the attempt store's writers (or a context call) saw it.
     assert "writer lost its connection" in log or "storage call failed" in log, log

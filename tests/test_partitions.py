@@ -28,6 +28,7 @@ from django_agentruns.models import (
     Reason,
     RunCheckpoint,
     RunEvent,
+    RunPayload,
     RunStep,
     RunWait,
     Status,
@@ -217,9 +218,36 @@ def test_the_migration_partitions_empty_tables_when_the_setting_is_on(settings: 
     editor = Editor()
     editor.connection = connection  # type: ignore[attr-defined]
     migration.partition_history(None, editor)
-    # Events hold a row: left plain for `partitions convert`; the empty tables are done.
-    assert partitions.partitioned_tables() == set(partitions.history_tables()) - {
+    # Events hold a row: left plain for `partitions convert`; the empty tables are done
+    # (those 0018 knows: 0020 partitions the payload table, see the next test).
+    assert partitions.partitioned_tables() == set(migration.HISTORY_TABLES) - {
         "django_agentruns_runevent"}
+
+
+@pytest.mark.postgres_only
+def test_migration_0020_partitions_the_payloads_with_the_history(settings: Any) -> None:
+    """0020 on an install whose history 0018 partitioned: the payload table is partitioned
+    too, with a partition for the span of an old run whose traceback moves in (DDL in the
+    test's transaction, rolled back with it)."""
+    old = new_run(status=Status.FAILED)
+    settings.AGENTRUNS = {"HISTORY_PARTITION": SPAN}
+    editor = type("Editor", (), {"connection": connection})()
+    importlib.import_module("django_agentruns.migrations.0018_partitioned_history") \
+        .partition_history(None, editor)
+    runs, payloads = AgentRun._meta.db_table, RunPayload._meta.db_table
+    with connection.cursor() as cursor:  # the column 0020 moves out, as 0019 left it
+        cursor.execute(f"ALTER TABLE {runs} ADD COLUMN error_traceback text NOT NULL DEFAULT ''")
+        cursor.execute(f"UPDATE {runs} SET error_traceback = 'boom', error_type = 'E' "
+                       f"WHERE id = %s", [old.pk])
+        cursor.execute(f"SELECT setval(pg_get_serial_sequence('{runs}', 'id'), %s)",
+                       [old.pk + 5 * SPAN])  # the old run's span is not made ahead
+    migration = importlib.import_module("django_agentruns.migrations.0020_payload_traceback")
+    migration.partition_payloads(None, editor)
+    migration.move_out(None, editor)
+    assert payloads in partitions.partitioned_tables()
+    assert partitions.partition_name(payloads, old.pk // SPAN * SPAN) in {
+        p.name for p in partitions.partitions([payloads])}
+    assert AgentRun.objects.get(pk=old.pk).error_traceback == "boom"
 
 
 @pytest.mark.sqlite_only

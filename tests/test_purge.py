@@ -19,7 +19,14 @@ from django.utils import timezone
 
 from django_agentruns import retry
 from django_agentruns.exceptions import InvalidInputError
-from django_agentruns.models import AgentRun, Reason, RunEvent, Status
+from django_agentruns.models import (
+    AgentRun,
+    Reason,
+    RunCheckpoint,
+    RunEvent,
+    RunPayload,
+    Status,
+)
 from django_agentruns.ops import partitions
 from django_agentruns.ops.retention import parse_duration, purge
 from tests import helpers
@@ -128,16 +135,18 @@ def test_the_command_refuses_bad_arguments(args: list[str]) -> None:
 # --------------------------------------------------------------------------- payloads stay unread
 
 BIG = "x" * 2_000_000  # per column: a purge that loaded rows would hold megabytes per run
-PAYLOAD_COLUMNS = ('"input"', '"output"', '"checkpoint_state"', '"error_traceback"',
-                   '"payload"')
+PAYLOAD_COLUMNS = ('"input"', '"output"', '"state"', '"value"', '"payload"')
 
 
 def make_big(runs: int, events: int) -> list[int]:
     ids = [make(Status.SUCCEEDED, Reason.COMPLETED, events=events).pk for _ in range(runs)]
     # Written past the size caps on purpose: what purge must cope with is what is stored.
     AgentRun.objects.filter(pk__in=ids).update(
-        input={"blob": BIG}, output={"blob": BIG}, checkpoint_state={"blob": BIG},
-        error_traceback=BIG)
+        input={"blob": BIG}, output={"blob": BIG}, checkpoint_count=1)
+    RunCheckpoint.objects.bulk_create(
+        RunCheckpoint(run_id=pk, number=1, state={"blob": BIG}) for pk in ids)
+    RunPayload.objects.bulk_create(
+        RunPayload(run_id=pk, kind=RunPayload.TRACEBACK, value=BIG) for pk in ids)
     RunEvent.objects.filter(run_id__in=ids).update(payload={"blob": BIG})
     return ids
 

@@ -15,7 +15,7 @@ from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from django_agentruns import enqueue, transitions
-from django_agentruns.models import AgentRun, RunEvent, Status
+from django_agentruns.models import AgentRun, RunCheckpoint, RunEvent, Status
 from django_agentruns.runtime.attempt_store import AttemptStore
 from django_agentruns.transitions import (
     AttemptRef,
@@ -356,10 +356,11 @@ def test_checkpoint_states_of_any_json_shape_read_back_as_written() -> None:
                                                                            strict=True)])
     assert results == [Renewal.OK] * len(states)
     for ref, state in zip(refs, states, strict=True):
-        row = AgentRun.objects.values("checkpoint_state", "checkpoint_count").get(
-            pk=ref.run_id)
-        assert row == {"checkpoint_state": state, "checkpoint_count": 2}
-    assert AgentRun.objects.filter(checkpoint_state__isnull=True).count() == 1
+        run = AgentRun.objects.get(pk=ref.run_id)
+        assert (run.checkpoint_state, run.checkpoint_count) == (state, 2)
+        row = RunCheckpoint.objects.values("number", "state").get(run_id=ref.run_id)
+        assert row == {"number": 2, "state": state}
+    assert RunCheckpoint.objects.filter(state__isnull=True).count() == 1
 
 
 async def until(predicate: Callable[[], object], message: str, timeout: float = 20) -> None:

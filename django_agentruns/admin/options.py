@@ -50,8 +50,7 @@ ERROR_SHOWN = 48  # and shows (the rest on hover)
 TASK_PATH_SHOWN = 120
 # Never loaded for the list: a page of 100 runs would otherwise carry 100 inputs,
 # outputs and tracebacks.
-HEAVY_FIELDS = ("input", "output", "checkpoint_state", "error_message", "error_traceback",
-                "cancel_reason")
+HEAVY_FIELDS = ("input", "output", "error_message", "cancel_reason")
 
 
 if TYPE_CHECKING:

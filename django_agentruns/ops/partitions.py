@@ -31,9 +31,9 @@ from django.db.models import Q
 
 from ..conf import app_settings
 from ..flow_models import RunUsage
-from ..models import AgentRun, RunCheckpoint, RunEvent, RunStep, RunWait, StreamChunk
+from ..models import AgentRun, RunCheckpoint, RunEvent, RunPayload, RunStep, RunWait, StreamChunk
 
-HISTORY_MODELS = (RunEvent, RunCheckpoint, RunWait, RunStep, RunUsage, StreamChunk)
+HISTORY_MODELS = (RunEvent, RunCheckpoint, RunWait, RunStep, RunUsage, StreamChunk, RunPayload)
 """The tables partitioned by run id. LangGraph's checkpoints belong to a thread that
 outlives its runs (their run link may be empty), so they stay plain."""
 

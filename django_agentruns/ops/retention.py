@@ -28,6 +28,7 @@ from ..models import (
     KeyWindowEntry,
     RunCheckpoint,
     RunEvent,
+    RunPayload,
     RunStep,
     RunUsage,
     RunWait,
@@ -44,14 +45,14 @@ UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 LONGEST_DURATION = timedelta(days=365 * 1000)
 
 # Columns that can hold megabytes: never selected by a purge, whatever receivers want.
-RUN_PAYLOADS = ("input", "output", "checkpoint_state", "error_message", "error_traceback",
-                "cancel_reason")
+RUN_PAYLOADS = ("input", "output", "error_message", "cancel_reason")
 EVENT_PAYLOADS = ("payload",)
 
 OWNED_BY_RUN: tuple[tuple[type[models.Model], str, tuple[str, ...]], ...] = (
     # (model, its foreign key to the run, its payload columns): rows deleted with the run.
     (RunEvent, "run", EVENT_PAYLOADS),
     (RunCheckpoint, "run", ("state",)),
+    (RunPayload, "run", ("value",)),  # the values kept out of the run row (a traceback)
     (RunWait, "run", ("prompt", "payload")),  # waits and the deliveries stored on them
     (StreamChunk, "run", ("text",)),  # SQLite's live output on its way to the readers
     (RunStep, "run", ("result", "error")),  # durable steps (a fork keeps its own copies)
@@ -136,8 +137,9 @@ def purge(
         return report
     prune_finished_chunks()
     # Partitioned history stays where it is: its partition goes once all its runs are gone.
-    keep = {m for m in partitions.HISTORY_MODELS
-            if m._meta.db_table in partitions.partitioned_tables()}
+    # A run's payloads (values kept out of its row) go with it all the same.
+    keep = {m for m in partitions.HISTORY_MODELS if m is not RunPayload
+            and m._meta.db_table in partitions.partitioned_tables()}
     while True:
         with transaction.atomic():
             # Locked (PostgreSQL; SQLite's IMMEDIATE transaction holds the write lock): an

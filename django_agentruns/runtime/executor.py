@@ -33,6 +33,7 @@ from ..exceptions import (
 from ..models import AgentRun
 from ..ops import metrics, tracing
 from ..outcomes import AttemptRef, Outcome, OutcomeKind, Settlement, StopReason
+from ..queries import load_states, state_loaded
 from ..registry import AgentSpec
 from ..streaming import chunks
 from ..validation import capped_json
@@ -108,6 +109,7 @@ class Executor:
         try:
             with tracing.attempt_span(run, self.worker_id) as span:
                 outcome = await self._aupgraded(run, spec, control) or \
+                    await self._astate(run, control) or \
                     await acall_agent(spec, make_context(run, control), control)
                 await control.aflush_end()  # a step's end no later write carried
                 await chunks.afinish(control, store=chunks.stores_at_finish(outcome.stop_reason))
@@ -134,6 +136,11 @@ class Executor:
                 versions.upgrade(run, spec, control)
             except BaseException as exc:
                 return _raised(control, exc)
+        try:
+            if not state_loaded(run):  # the claim loop did not read it: a storage call
+                control.call(load_states, [run])
+        except BaseException as exc:
+            return _raised(control, exc)
         return call_agent(spec, make_context(run, control), control)
 
     async def _aupgraded(self, run: AgentRun, spec: AgentSpec,
@@ -144,6 +151,16 @@ class Executor:
             return None
         try:
             await in_thread(control, versions.upgrade, run, spec, control)
+        except BaseException as exc:
+            return _raised(control, exc)
+        return None
+
+    async def _astate(self, run: AgentRun, control: AttemptControl) -> Outcome | None:
+        """The run's resume state read (off the loop) if the claim loop did not; the
+        outcome if that failed."""
+        try:
+            if not state_loaded(run):
+                await in_thread(control, load_states, [run])
         except BaseException as exc:
             return _raised(control, exc)
         return None

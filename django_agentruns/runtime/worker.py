@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 from django.db import close_old_connections, connection
@@ -33,6 +34,7 @@ from ..exceptions import AgentRunsError
 from ..models import AgentRun
 from ..ops import visibility
 from ..outcomes import AttemptRef, Settlement, StopReason
+from ..queries import load_states
 from ..queues import PausedSet
 from ..registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
 from ..streaming.transport import drain_sender
@@ -258,6 +260,8 @@ class Worker:
             raise
         runs = limited + claimed
         self.handover.release()  # successes from now on wait for the next pass
+        with suppress(Exception):  # resumed runs' states, one read (else each its own)
+            load_states(runs)
         if include_lapsed and len(limited) < batch:  # else the claim did not look
             self._last_lapsed_scan = now
         for run in runs:

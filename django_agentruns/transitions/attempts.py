@@ -118,17 +118,20 @@ def checkpoint(
 ) -> Renewal:
     """Save resume state as checkpoint number `count`, renewing the lease.
 
-    A replay of a checkpoint already stored (a retry after a lost commit) only renews. Its
-    marker event is left out once the stream holds `max_events`: the state is what
-    matters, and a loop of checkpoints must not grow the stream without bound."""
+    The state is one new `RunCheckpoint` row; the run row takes only the count and the
+    lease (no JSON in the row that claims and renewals update). A replay of a checkpoint
+    already stored (a retry after a lost commit) only renews. Its marker event is left out
+    once the stream holds `max_events`: the state is what matters, and a loop of
+    checkpoints must not grow the stream without bound."""
     at = at or now()
     with transaction.atomic():
         updated = AgentRun.objects.filter(ref.guard(), cancel_requested_at__isnull=True,
                                           checkpoint_count__lt=count).update(
-            checkpoint_state=state, checkpoint_count=count, lease_expires=ref.lease_until(at))
+            checkpoint_count=count, lease_expires=ref.lease_until(at))
         if not updated:
             return _renew_locked(ref, at)
-        # The history `fork` starts from: same transaction, so it holds the latest ones.
+        # The state the run resumes from, and the history `fork` starts from: same
+        # transaction, so it holds the latest ones.
         RunCheckpoint.objects.create(run_id=ref.run_id, number=count, state=state,
                                      created_at=at)
         trim_history([(ref.run_id, count)])
@@ -142,13 +145,21 @@ def migrate_version(ref: AttemptRef, state: Any, version: int, from_version: int
                     at: datetime | None = None) -> Renewal:
     """A run of an older agent version, claimed by newer code: its checkpoint state as the
     agent's `migrate` made it, and its new version, fenced (the attempt's first write,
-    before the agent runs), with a `run.migrated` event."""
+    before the agent runs), with a `run.migrated` event. The state replaces the one of the
+    run's current checkpoint number in the history (number 0 before the first checkpoint),
+    so a resume or a fork from it starts from the migrated state at the new version."""
     at = at or now()
     with transaction.atomic():
         updated = AgentRun.objects.filter(ref.guard(), agent_version=from_version).update(
-            checkpoint_state=state, agent_version=version, lease_expires=ref.lease_until(at))
+            agent_version=version, lease_expires=ref.lease_until(at))
         if not updated:
             return _renew_locked(ref, at)
+        number = AgentRun.objects.filter(pk=ref.run_id).values_list(
+            "checkpoint_count", flat=True).get()
+        if not RunCheckpoint.objects.filter(run_id=ref.run_id, number=number).update(
+                state=state, created_at=at) and (number or state is not None):
+            RunCheckpoint.objects.create(run_id=ref.run_id, number=number, state=state,
+                                         created_at=at)
         append_one(lifecycle(ref.run_id, MIGRATED, ref.attempt, version=version,
                              from_version=from_version), at)
     return Renewal.OK
@@ -160,7 +171,9 @@ def trim_history(saved: Sequence[tuple[int, int]]) -> None:
     the (run, number) unique index per run, usually one live row, never a scan of the
     table (the range also holds the entries of rows trimmed before, until vacuum: 0.13 ms
     and 46 buffers at a run's 2,000th checkpoint on PostgreSQL)."""
-    keep = app_settings.CHECKPOINT_HISTORY
+    # At least the newest: it is the state the run resumes from.
+    keep = None if app_settings.CHECKPOINT_HISTORY is None \
+        else max(int(app_settings.CHECKPOINT_HISTORY), 1)
     cut = [(run_id, number - keep) for run_id, number in saved
            if keep is not None and number > keep]
     if not cut:

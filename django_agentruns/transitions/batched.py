@@ -195,7 +195,7 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
         results[i] = results[i + 1]
     pointing = [i for i in positions if isinstance(writes[i], CheckpointWrite)]
     saved = _fenced(writes, pointing, results, CHECKPOINT_FIELDS,
-                    lambda w: (w.ref.lease_until(at), *_state(w)), below="checkpoint_count")
+                    lambda w: (w.ref.lease_until(at), _state(w)[1]), below="checkpoint_count")
     for i in saved:
         write = writes[i]
         assert isinstance(write, CheckpointWrite)
@@ -294,8 +294,8 @@ def _state(write: Write) -> tuple[Any, int]:
 
 
 LEASE, TIMESTAMP = "lease_expires", "timestamptz"
-CHECKPOINT_FIELDS = [(LEASE, TIMESTAMP), ("checkpoint_state", "jsonb"),
-                     ("checkpoint_count", "integer")]
+# The state itself goes only to the checkpoint history (`rawsql.insert_checkpoints`).
+CHECKPOINT_FIELDS = [(LEASE, TIMESTAMP), ("checkpoint_count", "integer")]
 
 
 def _fenced(writes: Sequence[Write], positions: list[int], results: list[Result | None],

@@ -243,9 +243,8 @@ def insert_fork(
         if origin is None:
             return None
         n = origin.checkpoint_count if number is None else number
-        state = None
         if n:
-            saved = origin.checkpoints.filter(number=n).values_list("state", flat=True)
+            saved = origin.checkpoints.filter(number=n).exists()
             if n > origin.checkpoint_count or not saved:
                 raise InvalidInputError(
                     f"Run {origin_id} has no checkpoint {n}: it saved "
@@ -253,14 +252,13 @@ def insert_fork(
                                                     " and keeps only its latest ones "
                                                     "(CHECKPOINT_HISTORY; a fork keeps the "
                                                     "one it started from)"))
-            state = saved[0]
         run = AgentRun.objects.create(
             agent=agent or origin.agent, queue=queue or origin.queue, priority=origin.priority,
             limit_key=origin.limit_key if limit_key is None else limit_key,
             agent_version=version or origin.agent_version,
             scope=origin.scope, fired_seq=origin.fired_seq,
             input=origin.input if input is None else input, max_requeues=origin.max_requeues,
-            status=Status.QUEUED, available_at=at, created_at=at, checkpoint_state=state,
+            status=Status.QUEUED, available_at=at, created_at=at,
             checkpoint_count=n, forked_from=origin, steps_copied=replay or bool(n))
         if n:
             table = connection.ops.quote_name(RunCheckpoint._meta.db_table)

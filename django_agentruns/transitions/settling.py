@@ -14,7 +14,7 @@ from django.db.models import F, Q
 from .. import signals
 from ..conf import app_settings
 from ..db import is_postgres, retry_on_lock
-from ..models import AgentRun, Reason, RunEvent, Status
+from ..models import AgentRun, Reason, RunEvent, RunPayload, Status
 from ..outcomes import AttemptRef, DecisionAction, ErrorInfo, Settlement
 from ..rules import policy
 from ..signals import send_after_commit
@@ -215,14 +215,23 @@ def abandon_locked(
     return None if result is Settlement.LOST else decision
 
 
+def keep_traceback(run_id: int, traceback: str, at: datetime) -> None:
+    """The error's traceback as the run's latest traceback payload, in the transaction that
+    records the error (the run row keeps only type and message). An error without one (an
+    abandoned attempt) clears an earlier one, as the column it replaces did; a run that
+    never had one is left without a row."""
+    if traceback or RunPayload.objects.filter(run_id=run_id, kind=RunPayload.TRACEBACK).exists():
+        RunPayload.objects.create(run_id=run_id, kind=RunPayload.TRACEBACK, value=traceback,
+                                  created_at=at)
+
+
 def _apply(
     row: dict[str, Any], guard: Q, decision: policy.Decision, error: ErrorInfo | None,
     at: datetime, *, events: list[tuple[int, str, dict[str, Any], int, uuid.UUID]],
 ) -> Settlement:
     run_id, attempt = row["id"], row["attempt"]
     errors = {} if error is None else {
-        "error_type": error.type[:255], "error_message": error.message,
-        "error_traceback": error.traceback}
+        "error_type": error.type[:255], "error_message": error.message}
     described = {} if error is None else {"error_type": error.type,
                                             "message": error.message[:2000]}
     if decision.action is DecisionAction.RETRY:
@@ -246,6 +255,8 @@ def _apply(
         settlement = Settlement.DEAD_LETTERED
     if not AgentRun.objects.filter(guard).update(**fields):
         return Settlement.LOST
+    if error is not None:
+        keep_traceback(run_id, error.traceback, at)
     append_events(events, at)
     if settlement is not Settlement.REQUEUED:
         waiting.children_settled([run_id], at)
