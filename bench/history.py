@@ -5,8 +5,8 @@ dropping one partition of history against deleting the same runs' rows.
 Each layout is filled and measured in a database of its own, dropped before the next.
 The fill is set-based SQL (INSERT ... SELECT generate_series), never the worker: finished
 runs of an LLM-shaped agent, EVENTS_PER_RUN events of about 500 bytes of JSON each and one
-checkpoint of about STATE_BYTES of state (kept on the run row too, as the engine keeps its
-latest). Latencies are measured by a Django process (bench.history_probe) one call at a
+checkpoint of about STATE_BYTES of state (the run row keeps only its number, as the engine
+does). Latencies are measured by a Django process (bench.history_probe) one call at a
 time, after each fill step. At the largest fill the no-op drain and the LLM-shaped async
 rate are measured on the filled database against an empty one of the same layout,
 alternating between the two (`RATE_ROUNDS` times each), so the ratio is same-run.
