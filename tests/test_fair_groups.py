@@ -229,6 +229,7 @@ def test_an_enqueue_that_waits_on_a_sweep_inserts_the_deleted_group_again() -> N
         delete.set()
         sweeper.join(30)
         joiner.join(30)
-    assert done.is_set() and len(enqueued) == 1
+    assert done.is_set()
+    assert len(enqueued) == 1
     assert groups() == {"A", ""}
     assert [r.pk for r in claim(2)] == [enqueued[0].pk]
