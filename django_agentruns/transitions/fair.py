@@ -17,6 +17,7 @@ claim only as many rows as it takes.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -107,6 +108,7 @@ def compile_fair(due: QuerySet[AgentRun], vendor: str, queues: Sequence[str], li
                       [len(head_params) + i for i in inner.now_at])
 
 
+@functools.cache
 def advance_ctes(weights: Weights) -> tuple[str, list[Any]]:
     """`advance` as CTEs of the claim's own statement (PostgreSQL, rawsql.claim_returning),
     reading its `claimed` rows: no statement, no commit of its own."""
