@@ -233,3 +233,54 @@ def test_an_enqueue_that_waits_on_a_sweep_inserts_the_deleted_group_again() -> N
     assert len(enqueued) == 1
     assert groups() == {"A", ""}
     assert [r.pk for r in claim(2)] == [enqueued[0].pk]
+
+
+@pg_only
+def test_a_claim_lifting_a_group_the_sweep_holds_waits_for_it_and_goes_on() -> None:
+    """A claim advances the groups it started runs of and lifts idle ones to the lowest
+    time; an idle group the sweep locked is lifted after the sweep (it is gone then): the
+    claim neither fails nor loses its own groups' advance. The sweep never waits itself
+    (SKIP LOCKED, then rows it holds), so the two cannot deadlock."""
+    from tests import helpers
+
+    flood("A", 20)
+    flood("B", 1)
+    finish("B")
+    claim(4)  # A runs ahead: the idle B (and "") are below it, the next claim lifts them
+    before = FairGroup.objects.get(key="A").vtime
+    assert FairGroup.objects.get(key="B").vtime < before
+    locked, delete = threading.Event(), threading.Event()
+    table = connection.ops.quote_name(FairGroup._meta.db_table)
+
+    def sweep() -> None:  # drop_idle_groups, held open between its lock and its delete
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(f"SELECT id FROM {table} WHERE key = 'B' FOR UPDATE")
+                locked.set()
+                delete.wait(30)
+                cursor.execute(f"DELETE FROM {table} WHERE key = 'B'")
+        finally:
+            connections.close_all()
+
+    started: list[AgentRun] = []
+
+    def claimer() -> None:
+        try:
+            started.extend(claim(4))
+        finally:
+            connections.close_all()
+
+    sweeper = threading.Thread(target=sweep)
+    sweeper.start()
+    assert locked.wait(30)
+    claiming = threading.Thread(target=claimer)
+    claiming.start()
+    try:
+        helpers.wait_until(_waiting_on_locks, timeout=30, message="the claim to wait")
+    finally:
+        delete.set()
+        sweeper.join(30)
+        claiming.join(30)
+    assert [r.fair_key for r in started] == ["A"] * 4
+    assert groups() == {"A", ""}
+    assert FairGroup.objects.get(key="A").vtime == before + 4
