@@ -299,10 +299,11 @@ def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
     run's own when given. The new run's `forked_from` is the origin, and its timeline
     opens with a `run.forked` event; the origin is left as it was. The fork keeps the
     origin's limit key (so it counts against the same limit, and a closed key holds it
-    too); given a new `input`, an agent whose `limit_key` is a callable has it computed
-    from that input. The fork copies only the state it starts from, none of the origin's
-    other checkpoints, so purging the origin never breaks it; an origin keeps its latest
-    `CHECKPOINT_HISTORY` states, so only those can be forked from.
+    too) and its fair key (its tenant's fairness group); given a new `input`, an agent
+    whose `limit_key` or `fair_key` is a callable has it computed from that input. The
+    fork copies only the state it starts from, none of the origin's other checkpoints, so
+    purging the origin never breaks it; an origin keeps its latest `CHECKPOINT_HISTORY`
+    states, so only those can be forked from.
 
     `replay=True`: every step the origin completed returns the origin's recorded result
     in the fork, without calling its function (copied: purging the origin never breaks
@@ -327,17 +328,19 @@ def fork(run_id: int, *, checkpoint: int | None = None, input: Any = None,
     # UnknownAgentError: nothing here could run the fork (the origin's agent need not be
     # registered when another one runs it).
     spec = get_agent(origin_agent if agent is None else agent)
-    limit_key = None  # None: the origin's
+    limit_key = fair_key = None  # None: the origin's
     if input is not None:
         capped_json(input, f"Input of agent {spec.name!r}", "MAX_INPUT_BYTES")
         if callable(spec.limit_key):
             keys = resolve_limit_key(spec.name, spec.limit_key, None, input)
             limit_key = keys[0] if keys else ""  # the first of a failover list
+        if callable(spec.fair_key):
+            fair_key = resolve_fair_key(spec.name, spec.fair_key, None, input)
     run = transitions.insert_fork(
         pk, checkpoint, input, storable_text(str(by)[:255]), timezone.now(), replay=replay,
         agent=None if agent is None else spec.name,
         queue=None if agent is None else spec.effective_queue(), version=spec.version,
-        limit_key=limit_key)
+        limit_key=limit_key, fair_key=fair_key)
     if run is None:
         raise RunNotFoundError(f"No run with id {run_id!r}")
     _announce([run])

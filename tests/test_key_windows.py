@@ -290,3 +290,40 @@ def test_a_gauge_shows_how_full_each_window_is() -> None:
         samples = {tuple(s.labels.values()): s.value
                    for s in families["agentruns_limit_window_fill"].samples}
         assert samples == {("llm", "per_minute"): 0.25, ("llm", "tokens_per_minute"): 0.25}
+
+
+# --------------------------------------------------------------------------- statements
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_windowed_key_adds_at_most_one_statement_to_its_claims() -> None:
+    """Issue 28: keys without windows keep today's claim; a key with windows adds at most
+    one statement (the INSERT of its runs' entries: its windows are read in the statement
+    that counts the keys' running runs, after the keys' locks)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    set_limit("plain", 100)
+    set_limit("windowed", 100, per_minute=1000, tokens_per_minute=10**7, cost_per_day=1e6)
+    keyed("plain", 10, agent="tests.estimated")
+    keyed("windowed", 10, agent="tests.estimated")
+    at = transitions.now()
+
+    def statements(key: str) -> list[str]:
+        AgentLimit.objects.exclude(key=key).update(closed_until=at + timedelta(hours=1))
+        AgentLimit.objects.filter(key=key).update(closed_until=None)
+        claim(at, limit=2)  # every statement's shape compiled once
+        with CaptureQueriesContext(connection) as captured:
+            started = claim(at, limit=4)
+        assert [r.limit_key for r in started] == [key] * 4
+        return [q["sql"] for q in captured.captured_queries]
+
+    plain, windowed = statements("plain"), statements("windowed")
+    assert len(windowed) == len(plain) + 1, (plain, windowed)
+    entries = KeyWindowEntry._meta.db_table
+    assert not any(entries in sql for sql in plain)
+    read = [i for i, sql in enumerate(windowed) if entries in sql and sql.startswith("SELECT")]
+    locked = [i for i, sql in enumerate(windowed) if "agentlimit" in sql and "BEGIN" not in sql]
+    assert len(read) == 1
+    assert read[0] > locked[1]
+    assert KeyWindowEntry.objects.filter(key="windowed").count() == 6  # 2 + 4 reserved

@@ -65,6 +65,7 @@ from .events import (
     lifecycle_event_id,
     now,
 )
+from .fair import drop_idle_groups
 from .handover import settle_and_claim
 from .limited import (
     claim_limited,
@@ -98,8 +99,9 @@ __all__ = [
     "Settlement",
     "StepEndWrite", "StepStartWrite", "SucceedWrite", "UsageWrite", "WindowUse", "Write",
     "abandon", "apply_alone", "apply_writes", "awaited", "cancel", "checkpoint", "claim",
-    "claim_limited", "close_key", "due_elsewhere", "due_queued", "emit", "emitted_event_id",
-    "end_step", "enqueue_debounced", "enqueue_superseding", "exhaust_budget", "find_stale",
+    "claim_limited", "close_key", "drop_idle_groups", "due_elsewhere", "due_queued", "emit",
+    "emitted_event_id", "end_step", "enqueue_debounced", "enqueue_superseding", "exhaust_budget",
+    "find_stale",
     "full_window", "insert_fork", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id",
     "limits_in_use", "migrate_version", "now", "open_key", "operator_retry", "policy", "reap_one",
     "record_usage", "renew", "renew_many", "seed_settings_limits", "settle_and_claim",

@@ -70,7 +70,17 @@ def insert_runs(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
     """
     new = pick_open_keys(new, at)
     give_pattern_keys_rows({r.limit_key for r in new}, at)
-    join_groups({(r.queue, r.fair_key) for r in new if r.fair_key})
+    fair = {(r.queue, r.fair_key) for r in new if r.fair_key}
+    if fair and not connection.in_atomic_block:
+        # The groups' rows stay locked until the runs are in (transitions.fair.join_groups).
+        with transaction.atomic():
+            join_groups(fair)
+            return _insert_placed(new, at)
+    join_groups(fair)
+    return _insert_placed(new, at)
+
+
+def _insert_placed(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
     runs: list[AgentRun | None] = [None] * len(new)
     pending = list(range(len(new)))
     for _ in range(DEDUPE_ROUNDS):
@@ -217,11 +227,12 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
 def insert_fork(
     origin_id: int, number: int | None, input: Any, by: str, at: datetime, *,
     replay: bool = False, agent: str | None = None, queue: str | None = None,
-    version: int | None = None, limit_key: str | None = None,
+    version: int | None = None, limit_key: str | None = None, fair_key: str | None = None,
 ) -> AgentRun | None:
     """Queue a new run of `origin_id`'s agent starting from its checkpoint `number` (None:
-    its last; with none saved, from the start), with `input` (None: the origin's) and
-    `limit_key` (None: the origin's).
+    its last; with none saved, from the start), with `input` (None: the origin's),
+    `limit_key` and `fair_key` (None: the origin's: a fork is its tenant's work, in its
+    fairness group, which it joins like a new run).
 
     One transaction: the new run, a copy of the ONE state it starts from (checkpoint N, as
     its own checkpoint N: its numbers go on from N, as its `checkpoint_count` does, and a
@@ -255,11 +266,14 @@ def insert_fork(
         run = AgentRun.objects.create(
             agent=agent or origin.agent, queue=queue or origin.queue, priority=origin.priority,
             limit_key=origin.limit_key if limit_key is None else limit_key,
+            fair_key=origin.fair_key if fair_key is None else fair_key,
             agent_version=version or origin.agent_version,
             scope=origin.scope, fired_seq=origin.fired_seq,
             input=origin.input if input is None else input, max_requeues=origin.max_requeues,
             status=Status.QUEUED, available_at=at, created_at=at,
             checkpoint_count=n, forked_from=origin, steps_copied=replay or bool(n))
+        if run.fair_key:
+            join_groups([(run.queue, run.fair_key)])
         if n:
             table = connection.ops.quote_name(RunCheckpoint._meta.db_table)
             with connection.cursor() as cursor:  # copied in the database: no state loaded

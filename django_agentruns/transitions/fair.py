@@ -17,12 +17,13 @@ claim only as many rows as it takes.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from django.db import connection
+from django.db import OperationalError, connection, transaction
 from django.db.models import QuerySet
 from django.db.models.expressions import RawSQL
 
@@ -107,6 +108,7 @@ def compile_fair(due: QuerySet[AgentRun], vendor: str, queues: Sequence[str], li
                       [len(head_params) + i for i in inner.now_at])
 
 
+@functools.cache
 def advance_ctes(weights: Weights) -> tuple[str, list[Any]]:
     """`advance` as CTEs of the claim's own statement (PostgreSQL, rawsql.claim_returning),
     reading its `claimed` rows: no statement, no commit of its own."""
@@ -154,19 +156,73 @@ def _advance(counts: dict[str, Counter[str]], weight: dict[str, float]) -> None:
             cursor.execute(sql, [*params, queue, *keys])
 
 
+JOIN_ROUNDS = 5  # a group deleted under a join's feet: insert it again, this many times
+
+
 def join_groups(pairs: Iterable[tuple[str, str]]) -> None:
-    """Rows for the (queue, fair_key) groups of new runs, and the queue's "" group, each
-    new one at its queue's lowest virtual time (existing ones stay). One INSERT."""
+    """Rows for the (queue, fair_key) groups of new (or requeued) runs, and the queue's ""
+    group, each new one at its queue's lowest virtual time (existing ones stay). In the
+    caller's transaction, before or beside the write that makes its runs live.
+
+    On PostgreSQL the statement also takes each existing row's KEY SHARE lock, held to the
+    end of the caller's transaction: `drop_idle_groups` (FOR UPDATE SKIP LOCKED) cannot
+    delete a group whose run is about to be committed, and the claim's UPDATE of a group's
+    time (FOR NO KEY UPDATE) does not wait for it. A row deleted by a sweep that committed
+    in between is neither inserted nor locked by that statement: it runs again and inserts
+    it (a run whose group has no row would never be taken by the PostgreSQL fair claim)."""
     rows = sorted({p for queue, key in pairs for p in ((queue, key), (queue, ""))})
     if not rows:
         return
     groups, key = rawsql.qn(FairGroup._meta.db_table), rawsql.qn("key")
     source = rawsql.json_rows((("queue", "varchar"), ("k", "varchar")))
-    sql = (f"INSERT INTO {groups} (queue, {key}, vtime) SELECT v.queue, v.k, "
-           f"COALESCE((SELECT MIN(m.vtime) FROM {groups} m WHERE m.queue = v.queue), 0) "
-           f"FROM {source} v WHERE true ON CONFLICT DO NOTHING")
+    insert = (f"INSERT INTO {groups} (queue, {key}, vtime) SELECT v.queue, v.k, "
+              f"COALESCE((SELECT MIN(m.vtime) FROM {groups} m WHERE m.queue = v.queue), 0) "
+              f"FROM {source} v WHERE true ON CONFLICT DO NOTHING")
+    data = rawsql.json_values(rows, ("varchar", "varchar"))
     with connection.cursor() as cursor:
-        cursor.execute(sql, [rawsql.json_values(rows, ("varchar", "varchar"))])
+        if connection.vendor != "postgresql":  # the write lock serializes the sweep
+            cursor.execute(insert, [data])
+            return
+        sql = (f"WITH v AS MATERIALIZED {source}, ins AS ({insert.replace(source, 'v')} "
+               f"RETURNING queue, {key}), held AS (SELECT g.queue, g.{key} FROM {groups} g "
+               f"JOIN v ON g.queue = v.queue AND g.{key} = v.k FOR KEY SHARE OF g) "
+               f"SELECT (SELECT COUNT(*) FROM ins) + (SELECT COUNT(*) FROM held)")
+        for _ in range(JOIN_ROUNDS):
+            cursor.execute(sql, [data])
+            if cursor.fetchone()[0] >= len(rows):
+                return
+    raise OperationalError("fairness groups kept being deleted while joining; try again")
+
+
+def drop_idle_groups(limit: int = 500) -> int:
+    """Delete up to `limit` fairness groups that have no queued, waiting or running run
+    (a tenant gone quiet); how many were deleted. Called by the reaper's pass.
+
+    Race-free with `join_groups` and the claim: the candidates are locked FOR UPDATE SKIP
+    LOCKED (a group a transaction is joining is skipped; none waits), then deleted by a
+    statement that re-checks under those locks with a fresh snapshot (READ COMMITTED), so
+    a run made live by a transaction that committed meanwhile keeps its group. A group
+    deleted and joined again comes back at its queue's lowest time, as an idle group is
+    lifted to it: it gets its share from then on, never a backlog owed, and a flooding
+    group (which has queued runs) is never deleted."""
+    groups, key = rawsql.qn(FairGroup._meta.db_table), rawsql.qn("key")
+    runs = rawsql.qn(AgentRun._meta.db_table)
+    idle = (f"NOT EXISTS (SELECT 1 FROM {runs} r WHERE r.queue = g.queue AND r.fair_key = "
+            f"g.{key} AND r.status IN (%s, %s, %s))")
+    live = [Status.QUEUED, Status.WAITING, Status.RUNNING]
+    with transaction.atomic(), connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(f"SELECT g.id FROM {groups} g WHERE {idle} ORDER BY g.id LIMIT %s "
+                           f"FOR UPDATE OF g SKIP LOCKED", [*live, limit])
+            ids = [row[0] for row in cursor.fetchall()]
+            if not ids:
+                return 0
+            cursor.execute(f"DELETE FROM {groups} g WHERE g.id = ANY(%s) AND {idle}",
+                           [ids, *live])
+        else:  # one statement under the database's write lock
+            cursor.execute(f"DELETE FROM {groups} WHERE id IN (SELECT g.id FROM {groups} g "
+                           f"WHERE {idle} ORDER BY g.id LIMIT %s)", [*live, limit])
+        return int(cursor.rowcount)
 
 
 class FairClaim:

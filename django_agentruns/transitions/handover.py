@@ -31,7 +31,7 @@ from . import rawrows, rawsql, waiting
 from .claiming import _announce_started, claim
 from .due import compiled_due
 from .events import STARTED, SUCCEEDED, lifecycle_event_id, now
-from .fair import Weights
+from .fair import Weights, advance_ctes
 from .settling import _announce_succeeded, settle_succeeded_many
 
 Successes = Sequence[tuple[AttemptRef, Any]]
@@ -52,16 +52,16 @@ def settle_and_claim(
     fair: Weights | None = None,
 ) -> tuple[dict[AttemptRef, Settlement], list[AgentRun]]:
     """Record `successes` (attempts of `worker_id` that returned), then take up to `limit`
-    due runs (as `claim`, same arguments): one statement where it can be. With fair shares
-    on (`fair`), the two steps: the fair claim advances its groups in its own statement."""
+    due runs (as `claim`, same arguments): one statement where it can be (with fair shares
+    on, `fair`, the same statement advances the groups of the runs it started)."""
     at = at or now()
     queues = tuple(queues)
     one = (successes and limit > 0 and (agents is None or agents) and is_postgres()
-           and fair is None and not include_lapsed and not scopes.ordered
+           and not include_lapsed and not scopes.ordered
            and not connection.in_atomic_block)
     if one:
         done = _in_one_statement(worker_id, successes, queues, limit, scopes, lease_ttls,
-                                 default_ttl, at, agents)
+                                 default_ttl, at, agents, fair)
         if done is not None:
             return done
     settled = settle_succeeded_many(worker_id, successes, at) if successes else {}
@@ -73,7 +73,7 @@ def settle_and_claim(
 def _in_one_statement(
     worker_id: str, successes: Successes, queues: tuple[str, ...], limit: int,
     scopes: ScopePolicy, lease_ttls: dict[str, float], default_ttl: float, at: datetime,
-    agents: frozenset[str] | None,
+    agents: frozenset[str] | None, fair: Weights | None,
 ) -> tuple[dict[AttemptRef, Settlement], list[AgentRun]] | None:
     """None when an event of a settled run was appended after the statement's snapshot
     (an operator's cancel request, racing): its seq collided and nothing was written; the
@@ -85,12 +85,13 @@ def _in_one_statement(
             for ref, output in successes]
     # The same arguments, keywords included, as `claim`'s: one cached compilation for both.
     due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=True, agents=agents,
-                       naive=rawsql.naive_times(), fair=None)
+                       naive=rawsql.naive_times(), fair=fair)
     special = {agent: at + timedelta(seconds=ttl) for agent, ttl in lease_ttls.items()
                if ttl != default_ttl}
     sql, params = rawsql.settle_and_claim(
         rows, worker_id, Status.RUNNING, Status.SUCCEEDED, Reason.COMPLETED, SUCCEEDED, due,
-        at, Status.QUEUED, special, at + timedelta(seconds=default_ttl), STARTED)
+        at, Status.QUEUED, special, at + timedelta(seconds=default_ttl), STARTED,
+        None if fair is None else advance_ctes(fair))
     try:
         with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
             cursor.execute(sql, params)

@@ -20,10 +20,10 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Count, Exists, OuterRef, Q
+from django.db.models import Exists, OuterRef, Q
 
 from ..db import is_postgres, retry_on_lock
-from ..models import AgentLimit, AgentRun, KeyWindowEntry, Status
+from ..models import AgentLimit, AgentRun, KeyWindowEntry
 from ..outcomes import ScopePolicy
 from ..rules.windows import FIELDS, is_pattern, resolve, row_limits, settings_table
 from .claiming import _announce_started, _start
@@ -36,8 +36,8 @@ from .windows import (
     WindowUse,
     entries_for,
     estimate_of,
+    running_and_window_use,
     start_room,
-    window_use,
     write_entries,
 )
 
@@ -90,10 +90,9 @@ def claim_limited(
         locked = [(r["key"], resolve(r["key"], row_limits(r), patterns, table),
                    r["closed_until"]) for r in rows.values("key", "closed_until", *FIELDS)]
         # After the locks: a fresh snapshot, which sees what other claimers committed.
-        running = dict(AgentRun.objects.filter(status=Status.RUNNING, limit_key__in=keys)
-                       .values_list("limit_key").annotate(n=Count("id")).order_by())
-        windowed = [key for key, limits, _ in locked if limits.windowed]
-        uses = window_use(windowed, at)
+        # One statement: the keys' running runs and their windows (transitions.windows).
+        running, uses = running_and_window_use(
+            keys, [key for key, limits, _ in locked if limits.windowed], at)
         entries: list[KeyWindowEntry] = []
         stuck: list[str] = []  # keys whose runs cannot start now: failover may move them
         for key, limits, closed_until in locked:

@@ -15,6 +15,7 @@ from ..outcomes import CancelResult
 from ..signals import send_after_commit
 from . import waiting
 from .events import CANCEL_REQUESTED, CANCELLED, RETRIED, STARTED, append_events, lifecycle, now
+from .fair import join_groups
 
 
 @retry_on_lock()
@@ -86,7 +87,7 @@ def operator_retry(
     at = at or now()
     with transaction.atomic():
         row = AgentRun.objects.filter(pk=run_id).values(
-            "status", "attempt", "reason", "agent", "dedupe_key").first()
+            "status", "attempt", "reason", "agent", "dedupe_key", "queue", "fair_key").first()
         if row is None:
             return None
         try:
@@ -105,6 +106,8 @@ def operator_retry(
                 f"held by unfinished run {holder}") from None
         if not updated:
             return False
+        if row["fair_key"]:  # its group may have been dropped while it was finished
+            join_groups([(row["queue"], row["fair_key"])])
         # A wait that timed out unanswered is opened afresh: the retried attempt, reaching
         # the same `receive`, waits again (with its timeout from now) instead of failing
         # with WaitTimedOut at once, as it would for ever.

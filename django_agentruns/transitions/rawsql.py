@@ -350,28 +350,30 @@ def settle_and_claim(
     items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
     completed: str, ended: str, due: Compiled, at: datetime, queued: str,
     lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
+    then: tuple[str, list[Any]] | None = None,
 ) -> tuple[str, list[Any]]:
-    """PostgreSQL: `settle_succeeded` (with events) and `claim_returning` in one statement.
+    """PostgreSQL: `settle_succeeded` (with events) and `claim_returning` in one statement
+    (`then`: more CTEs reading `claimed`, as `claim_returning`'s).
 
     Its rows are the claimed runs, each with `settled_ids` and `settled_parents` (the
     settled runs and their parents, in the same order); one row of NULLs but those two
     when nothing was claimed."""
-    shape = (connection.vendor, len(items), tuple(lease_ttls), due.sql)
+    shape = (connection.vendor, len(items), tuple(lease_ttls), due.sql, then and then[0])
     sql = _SHAPES.get(shape)
     if sql is not None:  # the text of a shape seen before: only its parameters are new
         return sql, _settle_and_claim_params(items, worker_id, running, succeeded, completed,
                                              ended, due, at, queued, lease_ttls,
-                                             default_lease, started)
+                                             default_lease, started) + (then[1] if then else [])
     head, update, params = _succeed_parts(items, worker_id, running, succeeded, completed, at)
     settle, more = _succeed_ctes(head, update, ended, at)
     claim, claim_params = _claim_ctes(due, at, worker_id, running, queued, lease_ttls,
                                       default_lease, started)
-    sql = (f"{settle}, {claim} SELECT claimed.*, s.settled_ids, s.settled_parents FROM "
-           f"(SELECT array_agg(id) AS settled_ids, array_agg(parent_id) AS settled_parents "
-           f"FROM done) s LEFT JOIN claimed ON true")
+    sql = (f"{settle}, {claim}{', ' + then[0] if then else ''} SELECT claimed.*, "
+           f"s.settled_ids, s.settled_parents FROM (SELECT array_agg(id) AS settled_ids, "
+           f"array_agg(parent_id) AS settled_parents FROM done) s LEFT JOIN claimed ON true")
     if len(_SHAPES) < 256:
         _SHAPES[shape] = sql
-    return sql, params + more + claim_params
+    return sql, params + more + claim_params + (then[1] if then else [])
 
 
 _SHAPES: dict[tuple[Any, ...], str] = {}

@@ -53,8 +53,8 @@ def _locked(*guard: Any, **filters: Any) -> dict[str, Any] | None:
     qs = AgentRun.objects.filter(*guard, **filters)
     if is_postgres():
         qs = qs.select_for_update(of=("self",))
-    row = qs.values(
-        "id", "agent", "status", "attempt", "wait_key", "cancel_requested_at").first()
+    row = qs.values("id", "agent", "status", "attempt", "wait_key", "cancel_requested_at",
+                    "fair_key").first()
     return None if row is None else dict(row)
 
 
@@ -256,7 +256,8 @@ def spawn(ref: AttemptRef, key: str, new: NewRun, at: datetime | None = None, *,
     """Enqueue a child run in the attempt's fenced write; the same key gives the same child
     in any later attempt (the unique constraint agentruns_spawn_key backs it). A new child
     past `max_children` of this run, or deeper than `max_depth`, is refused
-    (`LimitExceeded`); `budget` is the child's own."""
+    (`LimitExceeded`); `budget` is the child's own; a child given no fair key takes its
+    parent's (a tenant's work stays in its fairness group)."""
     at = at or now()
     with transaction.atomic():
         row = _locked(ref.guard())
@@ -270,7 +271,8 @@ def spawn(ref: AttemptRef, key: str, new: NewRun, at: datetime | None = None, *,
         if known is not None:
             return Renewal.OK, known
         _check_tree(ref.run_id, max_depth, max_children)
-        (child,) = insert_runs([new], at)
+        (child,) = insert_runs([new if new.fair_key else
+                                new._replace(fair_key=row["fair_key"])], at)
         AgentRun.objects.filter(pk=child.pk).update(parent_id=ref.run_id, spawn_key=key,
                                                     budget=budget)
         append_events([lifecycle(ref.run_id, SPAWNED, ref.attempt, key=key, run=child.pk,

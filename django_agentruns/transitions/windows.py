@@ -7,17 +7,20 @@ run's running one it counts the larger of the two; after (finished, or lost and 
 reclaimed) only what it used: a crash gives its reservation back, and an overspend only
 leaves the window less room, never stops the run.
 
-Only keys with a window pay for this: one aggregate read per claim of such keys, and one
-INSERT of the entries of the runs it started.
+Only keys with a window pay for this: one INSERT of the entries of the runs a claim
+started; the aggregate read shares the statement that counts the keys' running runs
+(`running_and_window_use`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
+from django.conf import settings
+from django.db import connection
 from django.db.models import (
     Avg,
     Case,
@@ -25,7 +28,6 @@ from django.db.models import (
     Exists,
     F,
     FloatField,
-    Max,
     Min,
     OuterRef,
     Q,
@@ -34,6 +36,7 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from ..models import AgentLimit, AgentRun, KeyWindowEntry, Status
 from ..registry import find_agent
@@ -68,19 +71,17 @@ def _live() -> Exists:
                                           attempt=OuterRef("attempt")))
 
 
-def window_use(keys: Iterable[str], at: datetime) -> dict[str, WindowUse]:
-    """The windows of `keys` at `at`, in one statement (keys with no entry: empty)."""
-    keys = sorted(set(keys))
-    if not keys:
-        return {}
+def _window_rows(keys: list[str], at: datetime) -> Any:
+    """The aggregate of `keys`' entries at `at`, a row per key with an entry (the columns
+    of `_use_of`, in order)."""
     minute, day = at - timedelta(seconds=MINUTE), at - timedelta(seconds=DAY)
     in_minute = Q(started_at__gt=minute)
     tokens = Case(When(live=True, then=Greatest("reserved_tokens", "used_tokens")),
                   default=F("used_tokens"), output_field=FloatField())
     cost = Case(When(live=True, then=Greatest("reserved_cost", "used_cost")),
                 default=F("used_cost"), output_field=FloatField())
-    rows: Any = (KeyWindowEntry.objects.filter(key__in=keys, started_at__gt=day)
-                 .annotate(live=_live()).values("key").order_by("key").annotate(
+    return (KeyWindowEntry.objects.filter(key__in=keys, started_at__gt=day)
+            .annotate(live=_live()).values("key").order_by("key").annotate(
         starts=Count("id", filter=in_minute),
         tokens=Coalesce(Sum(tokens, filter=in_minute), 0.0, output_field=FloatField()),
         cost=Coalesce(Sum(cost), 0.0, output_field=FloatField()),
@@ -89,11 +90,62 @@ def window_use(keys: Iterable[str], at: datetime) -> dict[str, WindowUse]:
         average_tokens=Coalesce(Avg("used_tokens", filter=Q(live=False)), 0.0,
                                 output_field=FloatField()),
         average_cost=Coalesce(Avg("used_cost", filter=Q(live=False)), 0.0,
-                              output_field=FloatField()),
-        newest=Max("started_at")))
-    return {r["key"]: WindowUse(r["starts"], float(r["tokens"]), float(r["cost"]),
-                                r["oldest_minute"], r["oldest_day"], float(r["average_tokens"]),
-                                float(r["average_cost"])) for r in rows}
+                              output_field=FloatField())))
+
+
+_USE_COLUMNS = ("starts", "tokens", "cost", "oldest_minute", "oldest_day", "average_tokens",
+                "average_cost")
+
+
+def _use_of(values: Sequence[Any]) -> WindowUse:
+    starts, tokens, cost, oldest_minute, oldest_day, average_tokens, average_cost = values
+    return WindowUse(int(starts), float(tokens), float(cost), _time(oldest_minute),
+                     _time(oldest_day), float(average_tokens), float(average_cost))
+
+
+def _time(value: Any) -> datetime | None:
+    """A time read by a raw cursor as the ORM would give it (SQLite: text, UTC)."""
+    if isinstance(value, str):
+        value = parse_datetime(value)
+        if value is not None and settings.USE_TZ and timezone.is_naive(value):
+            value = timezone.make_aware(value, UTC)
+    return cast("datetime | None", value)
+
+
+def window_use(keys: Iterable[str], at: datetime) -> dict[str, WindowUse]:
+    """The windows of `keys` at `at`, in one statement (keys with no entry: empty)."""
+    keys = sorted(set(keys))
+    if not keys:
+        return {}
+    return {r["key"]: _use_of([r[c] for c in _USE_COLUMNS]) for r in _window_rows(keys, at)}
+
+
+def running_and_window_use(keys: Sequence[str], windowed: Sequence[str], at: datetime,
+                           ) -> tuple[dict[str, int], dict[str, WindowUse]]:
+    """The limited claim's read under its keys' locks: each key's running runs, and the
+    windows of its `windowed` keys, in ONE statement (a UNION ALL of the two aggregates,
+    one snapshot): a key with windows adds no read to its claims, only the INSERT of its
+    runs' entries. Without windowed keys, the running count as it always was."""
+    running = (AgentRun.objects.filter(status=Status.RUNNING, limit_key__in=keys)
+               .values_list("limit_key").annotate(n=Count("id")).order_by())
+    if not windowed:
+        return dict(running), {}
+    r_sql, r_params = running.query.sql_with_params()
+    w_sql, w_params = _window_rows(sorted(set(windowed)), at).query.sql_with_params()
+    key, nulls = connection.ops.quote_name("key"), ", ".join(["NULL"] * len(_USE_COLUMNS))
+    uses = ", ".join(f"w.{connection.ops.quote_name(c)}" for c in _USE_COLUMNS)
+    sql = (f"SELECT 0, r.limit_key, r.n, {nulls} FROM ({r_sql}) r UNION ALL "
+           f"SELECT 1, w.{key}, NULL, {uses} FROM ({w_sql}) w")
+    counts: dict[str, int] = {}
+    use: dict[str, WindowUse] = {}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*r_params, *w_params])
+        for kind, name, n, *values in cursor.fetchall():
+            if kind == 0:
+                counts[name] = int(n)
+            else:
+                use[name] = _use_of(values)
+    return counts, use
 
 
 def start_room(limits: KeyLimits, use: WindowUse) -> int | None:

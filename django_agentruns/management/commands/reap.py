@@ -30,3 +30,5 @@ class Command(BaseCommand):
             self.stdout.write(
                 f"waits timed out {len(report.wait_timeouts)}, parents resumed "
                 f"{len(report.parents_resumed)}")
+        if report.groups_dropped:
+            self.stdout.write(f"idle fairness groups deleted {report.groups_dropped}")
