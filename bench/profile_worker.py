@@ -259,9 +259,10 @@ def samples(raw: str) -> Iterator[tuple[str, list[str], int]]:
 # What a wall-clock sample is doing, judged by the innermost frames: first match wins.
 WALL = [
     ("idle: waiting for work", ("Condition.wait", "Event.wait",
-                                "_worker (concurrent/futures/thread.py", "Thread.join")),
+                                "_worker (concurrent/futures/thread.py", "Thread.join",
+                                "StopSignals._watch (django_agentruns/")),
     ("waiting on PostgreSQL", ("Connection.wait", "Connection.notifies", "_exec_command",
-                               "_execute_send")),
+                               "_execute_send", "notifications (django_agentruns/db.py")),
     ("Python: Django ORM", ("django/db/",)),
     ("Python: psycopg", ("psycopg/",)),
     ("Python: logging", ("logging/",)),

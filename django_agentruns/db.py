@@ -8,6 +8,7 @@ import functools
 import hashlib
 import logging
 import random
+import select
 import threading
 import time
 import uuid
@@ -282,6 +283,26 @@ def self_check(listening: Any, channel: str, send_alias: str = DEFAULT_DB_ALIAS,
         sender.execute("SELECT pg_notify(%s, %s)", [channel, nonce])
     return any(note.channel == channel and note.payload == nonce
                for note in listening.notifies(timeout=timeout, stop_after=1))
+
+
+def notifications(listening: Any, timeout: float) -> list[Any]:
+    """The notifications `listening` (a psycopg connection that LISTENs) has, waiting up
+    to `timeout` seconds for the first to arrive.
+
+    psycopg's `notifies(timeout=...)` spins through its last millisecond (its poll rounds
+    the time left down to 0 ms): some 0.6 ms of CPU a call, 1.4% of a core for a thread
+    that listens in 50 ms slices. Here the socket is waited on once, then read without
+    waiting."""
+    notes = list(listening.notifies(timeout=0))  # what libpq holds already, first
+    if notes:
+        return notes
+    if hasattr(select, "poll"):
+        poll = select.poll()
+        poll.register(listening.fileno(), select.POLLIN)
+        poll.poll(max(1, round(timeout * 1000)))
+    else:  # pragma: no cover - no poll() (Windows)
+        select.select([listening.fileno()], [], [], timeout)
+    return list(listening.notifies(timeout=0))
 
 
 @contextlib.contextmanager

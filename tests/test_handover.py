@@ -5,6 +5,7 @@ guards), and the worker's hand-over from its attempts to its claim loop."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -164,6 +165,44 @@ def test_successes_whose_statement_failed_are_written_by_the_store(
     assert worker.store is not None
     assert worker.store.writes == 1
     assert AgentRun.objects.filter(status=Status.SUCCEEDED).count() == 4
+
+
+@pytest.mark.postgres_only
+def test_a_claim_whose_start_raises_still_answers_the_successes_it_settled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The statement committed the success: its attempt, waiting for the answer, is told,
+    whatever happens after the commit (here a start raising), and the worker goes on."""
+    for n in range(3):
+        enqueue("tests.noop", {"n": n})
+    real = Worker._start
+    started: list[int] = []
+
+    def start(self: Worker, run: AgentRun) -> None:
+        real(self, run)
+        started.append(run.pk)
+        if len(started) == 2:  # the pass that settled the first run's success
+            raise RuntimeError("after the start")
+
+    monkeypatch.setattr(Worker, "_start", start)
+    worker = Worker(["default"], concurrency=1, burst=True, reap_interval=0)
+
+    def serve() -> None:
+        try:
+            worker.run(install_signals=False)
+        finally:
+            connection.close()  # this thread's: the test database is dropped at the end
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    thread.join(30)
+    hung = thread.is_alive()
+    if hung:  # the first attempt waits for an answer that never comes
+        worker.stop()
+        thread.join(15)
+    assert not hung
+    assert worker.stats.pass_errors == 1
+    assert worker.stats.settled == {"succeeded": 3}
+    assert AgentRun.objects.filter(status=Status.SUCCEEDED).count() == 3
 
 
 @pytest.mark.postgres_only

@@ -33,6 +33,7 @@ from ..db import (
     Reconnects,
     listen_alias,
     listening,
+    notifications,
     probe_channel,
     self_check,
 )
@@ -96,7 +97,7 @@ class Listener:
         while not self.stopping.is_set():
             # Short: the worker joins this thread when it stops, so this timeout is how
             # long a stop (or a burst worker's exit) waits.
-            for note in conn.notifies(timeout=0.05):
+            for note in notifications(conn, 0.05):
                 if note.channel == CHANNEL and note.payload in self.queues:
                     self.wake.set()
 

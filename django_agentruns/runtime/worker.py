@@ -264,15 +264,17 @@ class Worker:
             load_states(runs)
         if include_lapsed and len(limited) < batch:  # else the claim did not look
             self._last_lapsed_scan = now
-        for run in runs:
-            self._start(run)
-        if taken and len(runs) >= len(taken):
-            for handed in taken:  # their slots are taken again: their ends wake nobody
-                live = self.live.get(handed.write.ref.run_id)
-                # That attempt's, not a later one of the same run this claim just started.
-                if live is not None and live.run.attempt == handed.write.ref.attempt:
-                    live.refilled = True
-        self.handover.settled(taken, settled)
+        try:
+            for run in runs:
+                self._start(run)
+            if taken and len(runs) >= len(taken):
+                for handed in taken:  # their slots are taken again: their ends wake nobody
+                    live = self.live.get(handed.write.ref.run_id)
+                    # That attempt's, not a later one of the same run just started.
+                    if live is not None and live.run.attempt == handed.write.ref.attempt:
+                        live.refilled = True
+        finally:  # committed: their attempts wait for the answer, whatever happened since
+            self.handover.settled(taken, settled)
         self.stats.claimed += len(runs)
         return len(runs)
 

@@ -26,7 +26,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, close_old_connections, connection, connections
 from django.db.models import Q
 
-from ..db import Reconnects, read_alias, retry_on_lock, serve_on_demand
+from ..db import Reconnects, notifications, read_alias, retry_on_lock, serve_on_demand
 from ..models import AgentRun, StreamChunk
 from ..outcomes import AttemptRef
 from ..queries import reading
@@ -344,7 +344,7 @@ class Listener:
                     subscribed = set(wanted)
                     if not subscribed:
                         return
-                    for note in conn.notifies(timeout=0.05):
+                    for note in notifications(conn, 0.05):
                         self._hear(note.channel, note.payload)
                         if self.changed.is_set():
                             break

@@ -34,7 +34,7 @@ from asgiref.sync import sync_to_async
 from django.db import connection
 
 from ..conf import SETTING_NAME, app_settings
-from ..db import Reconnects, is_postgres, serve_on_demand
+from ..db import Reconnects, is_postgres, notifications, serve_on_demand
 from ..exceptions import InvalidInputError, RunNotFoundError, TooManyWaitersError
 from ..models import TERMINAL, AgentRun
 
@@ -171,7 +171,7 @@ class FinishedListener:
                         conn.execute(f"DELETE FROM {WATCH_TABLE} WHERE watcher = %s AND "
                                      "run_id = ANY(%s::bigint[])", [watcher, answered])
                     heard = set()
-                    for note in conn.notifies(timeout=SLICE):
+                    for note in notifications(conn, SLICE):
                         if note.payload.isdigit():
                             heard.add(int(note.payload))
                         if self._changed.is_set():
