@@ -86,8 +86,8 @@ def test_a_child_without_a_fair_key_of_its_own_takes_its_parents() -> None:
     at = timezone.now()
     plain = build_new_run(RunRequest("tests.noop"), at, {})
     own = build_new_run(RunRequest("tests.tenant", {"tenant": "B"}), at, {})
-    _, inherits = transitions.waiting.spawn(ref, "plain", plain)
-    _, keeps = transitions.waiting.spawn(ref, "own", own)
+    _, inherits = transitions.children.spawn(ref, "plain", plain)
+    _, keeps = transitions.children.spawn(ref, "own", own)
     assert AgentRun.objects.get(pk=inherits).fair_key == "A"
     assert AgentRun.objects.get(pk=keeps).fair_key == "B"
 

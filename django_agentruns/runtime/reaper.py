@@ -81,6 +81,6 @@ def _expire_waits(report: ReapReport, at: datetime, limit: int, dry_run: bool) -
             report.wait_timeouts.append(run_id)
             logger.info("run %s: its wait timed out; queued again", run_id,
                         extra={"run_id": run_id})
-    for run_id in waits.parents_behind(limit):
-        if not dry_run and waits.resume_parent(run_id, at):
+    for run_id in transitions.children.parents_behind(limit):
+        if not dry_run and transitions.children.resume_parent(run_id, at):
             report.parents_resumed.append(run_id)

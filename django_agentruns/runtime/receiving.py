@@ -92,7 +92,7 @@ def spawn(ctx: RunContext, agent: str, input: Any = None, *, key: str,
     MAX_SPAWN_DEPTH levels below the root run, a new child is refused (LimitExceeded)."""
     from ..conf import app_settings
     from ..rules.limits import check_budget
-    from ..transitions import waiting
+    from ..transitions import children
 
     key = check_key(key, "spawn key")
     checked = check_budget(budget)
@@ -103,7 +103,7 @@ def spawn(ctx: RunContext, agent: str, input: Any = None, *, key: str,
     control = _control(ctx)
     call = cast(Any, control.call)
     renewal, child = call(functools.partial(
-        waiting.spawn, control.ref, key, new,
+        children.spawn, control.ref, key, new,
         budget=None if checked is None else checked.as_dict(),
         max_depth=int(app_settings.MAX_SPAWN_DEPTH),
         max_children=int(app_settings.MAX_CHILDREN_PER_RUN)))

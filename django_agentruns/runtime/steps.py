@@ -24,13 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import inspect
 import json
 import math
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -39,15 +36,13 @@ from django.db import connection
 
 from .. import transitions
 from ..conf import SETTING_NAME, app_settings
-from ..db import close_all_connections
-from ..exceptions import AttemptStopped, InvalidInputError, LimitExceeded, StepTimeout
+from ..exceptions import AttemptStopped, InvalidInputError, LimitExceeded
 from ..models import AgentRun, step_key
 from ..ops import metrics, tracing
 from ..outcomes import Renewal, StepStart
-from ..registry import NAME_PATTERN, find_agent
-from ..rules import policy
+from ..registry import NAME_PATTERN
 from ..validation import capped_json
-from .recording import classify_for
+from . import step_execution as execution
 
 if TYPE_CHECKING:
     from .context import RunContext
@@ -111,10 +106,12 @@ def run_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any
         try:
             try:
                 if tracing.configured():
-                    with _span(ctx, step):
-                        text, result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
+                    with execution.span(ctx, step):
+                        text, result = _stored_form(
+                            name, execution.call(fn, args, kwargs, timeout, step))
                 else:
-                    text, result = _stored_form(name, _call(fn, args, kwargs, timeout, step))
+                    text, result = _stored_form(
+                        name, execution.call(fn, args, kwargs, timeout, step))
             finally:
                 # A start still held is the end's to write (or, for an attempt stopping,
                 # nobody's: the next attempt executes the step again).
@@ -125,11 +122,11 @@ def run_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any
         except BaseException as exc:
             control.apply(control.write(_end_write(control, step, began, exc)))
             metrics.observe_step(ctx.agent, "failed")
-            delay = _retry_delay(ctx, exc, failures, retries)
+            delay = execution.retry_delay(ctx, exc, failures, retries)
             if delay is None:
                 raise
             failures += 1
-            _sleep(control, delay)
+            execution.backoff_sleep(control, delay)
             started = _took(control, control.write(_restart(start, step)), name)
             continue
         control.apply(control.write(_end_write(control, step, began, None, text)))
@@ -157,12 +154,12 @@ async def arun_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tu
         try:
             try:
                 if tracing.configured():
-                    with _span(ctx, step):
+                    with execution.span(ctx, step):
                         text, result = _stored_form(
-                            name, await _acall(fn, args, kwargs, timeout, step))
+                            name, await execution.acall(fn, args, kwargs, timeout, step))
                 else:
                     text, result = _stored_form(
-                        name, await _acall(fn, args, kwargs, timeout, step))
+                        name, await execution.acall(fn, args, kwargs, timeout, step))
             finally:
                 # A start still held is the end's to write (or, for an attempt stopping,
                 # nobody's: the next attempt executes the step again).
@@ -173,11 +170,11 @@ async def arun_step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tu
         except BaseException as exc:
             control.apply(await control.awrite(_end_write(control, step, began, exc)))
             metrics.observe_step(ctx.agent, "failed")
-            delay = _retry_delay(ctx, exc, failures, retries)
+            delay = execution.retry_delay(ctx, exc, failures, retries)
             if delay is None:
                 raise
             failures += 1
-            await _asleep(control, delay)
+            await execution.abackoff_sleep(control, delay)
             started = _took(control, await control.awrite(_restart(start, step)), name)
             continue
         end = _end_write(control, step, began, None, text)
@@ -313,90 +310,3 @@ def _end_write(control: AttemptControl, step: ActiveStep, began: float,
 def _replayed(ctx: RunContext, started: StepStart) -> Any:
     metrics.observe_step(ctx.agent, "replayed")
     return started.result
-
-
-# ----------------------------------------------------------------------- executing
-
-
-@contextmanager
-def _span(ctx: RunContext, step: ActiveStep) -> Iterator[None]:
-    """The step's execution's span, when a tracer is configured (`_executing`)."""
-    with tracing.step_span(ctx.agent, step.name, step.occurrence, step.key):
-        yield
-
-
-def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-          timeout: float | None, step: ActiveStep) -> Any:
-    """`fn` here, or with a timeout in a thread of its own: past the timeout the step has
-    failed (`StepTimeout`) and the thread runs on until `fn` returns; what it returns
-    then is discarded (Python cannot stop a thread)."""
-    if timeout is None:
-        return fn(*args, **kwargs)
-    box: dict[str, Any] = {}
-    finished = threading.Event()
-    context = contextvars.copy_context()  # ctx.step_key and usage attribution carry over
-
-    def execute() -> None:
-        try:
-            box["result"] = context.run(fn, *args, **kwargs)
-        except BaseException as exc:
-            box["error"] = exc
-        finally:
-            close_all_connections()  # this thread is the step's alone
-            finished.set()
-
-    threading.Thread(target=execute, daemon=True, name=f"agentruns-step-{step.key}"[:60]).start()
-    if not finished.wait(timeout):
-        raise StepTimeout(f"step {step.key!r} took longer than its timeout of {timeout}s")
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
-
-
-async def _acall(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 timeout: float | None, step: ActiveStep) -> Any:
-    value = fn(*args, **kwargs)
-    if not inspect.isawaitable(value):
-        return value
-    if timeout is None:
-        return await value
-    try:
-        return await asyncio.wait_for(value, timeout)  # cancelled past the timeout
-    except TimeoutError:
-        raise StepTimeout(f"step {step.key!r} took longer than its timeout of {timeout}s") \
-            from None
-
-
-def _retry_delay(ctx: RunContext, exc: BaseException, failures: int,
-                 retries: int) -> float | None:
-    """Seconds before the step's next execution in this attempt, or None: the error goes
-    to the agent (and fails the attempt, unless the agent catches it). A rate limit with
-    Retry-After is not retried here: it snoozes the run (and closes its key), as an
-    attempt's error does."""
-    if failures >= retries or not isinstance(exc, Exception):
-        return None
-    failure = classify_for(find_agent(ctx.agent), exc)
-    if failure.snooze or not failure.retryable:
-        return None
-    if failure.delay is not None:
-        return failure.delay
-    return policy.backoff(failures, base=float(app_settings.BACKOFF_BASE),
-                          cap=float(app_settings.BACKOFF_CAP),
-                          jitter=float(app_settings.BACKOFF_JITTER))
-
-
-def _sleep(control: AttemptControl, delay: float) -> None:
-    """Wait out a step's backoff in slices, so a stop (cancel, shutdown) ends it early."""
-    until = time.monotonic() + delay
-    while (left := until - time.monotonic()) > 0:
-        control.check()
-        time.sleep(min(0.1, left))
-    control.check()
-
-
-async def _asleep(control: AttemptControl, delay: float) -> None:
-    until = time.monotonic() + delay
-    while (left := until - time.monotonic()) > 0:
-        control.check()
-        await asyncio.sleep(min(0.1, left))
-    control.check()

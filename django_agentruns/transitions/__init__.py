@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from ..outcomes import AttemptRef, CancelResult, ErrorInfo, Renewal, ScopePolicy, Settlement
 from ..rules import policy
-from . import waiting
+from . import children, waiting
 from .attempts import checkpoint, emit, migrate_version, renew, renew_many
 from .batched import (
     CheckpointWrite,
@@ -98,7 +98,8 @@ __all__ = [
     "FullWindow", "NewRun", "RenewWrite", "Renewal", "Result", "ScopePolicy", "SettleWrite",
     "Settlement",
     "StepEndWrite", "StepStartWrite", "SucceedWrite", "UsageWrite", "WindowUse", "Write",
-    "abandon", "apply_alone", "apply_writes", "awaited", "cancel", "checkpoint", "claim",
+    "abandon", "apply_alone", "apply_writes", "awaited", "cancel", "checkpoint", "children",
+    "claim",
     "claim_limited", "close_key", "drop_idle_groups", "due_elsewhere", "due_queued", "emit",
     "emitted_event_id", "end_step", "enqueue_debounced", "enqueue_superseding", "exhaust_budget",
     "find_stale",

@@ -32,6 +32,7 @@ from ..models import AgentRun, Reason, RunEvent, Status
 from ..outcomes import AttemptRef, Renewal, Settlement, StepStart, UsageTotals
 from . import rawsql
 from .attempts import checkpoint, emit, renew, trim_history
+from .children import parents_settled
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
 from .settling import _announce_succeeded, settle_succeeded, settle_succeeded_many
 from .snoozing import record_usage, record_usage_in
@@ -45,7 +46,6 @@ from .steps import (
     start_step,
     unpacked,
 )
-from .waiting import parents_settled
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from ..conf import app_settings
 from ..db import is_postgres
 from ..models import AgentRun, Reason, Status
 from ..outcomes import AttemptRef, ScopePolicy, Settlement
-from . import rawrows, rawsql, waiting
+from . import children, rawrows, rawsql
 from .claiming import _announce_started, claim
 from .due import compiled_due
 from .events import STARTED, SUCCEEDED, lifecycle_event_id, now
@@ -110,7 +110,7 @@ def _in_one_statement(
     claimed.sort(key=lambda r: (-r.priority, r.available_at, r.fired_seq, r.pk))
     # Committed: parents waiting on these runs are resumed just after (and by the reaper,
     # should this worker die in between), as after `settle_succeeded_many`'s statement.
-    waiting.resume_parents(parents or (), at)
+    children.resume_parents(parents or (), at)
     _announce_succeeded(successes, done)
     _announce_started(claimed, worker_id)
     return ({ref: Settlement.SUCCEEDED if ref.run_id in done else Settlement.LOST

@@ -13,7 +13,7 @@ from ..exceptions import InvalidInputError
 from ..models import AgentRun, Reason, RunWait, Status
 from ..outcomes import CancelResult
 from ..signals import send_after_commit
-from . import waiting
+from . import children
 from .events import CANCEL_REQUESTED, CANCELLED, RETRIED, STARTED, append_events, lifecycle, now
 from .fair import join_groups
 
@@ -32,7 +32,7 @@ def cancel(run_id: int, reason: str = "", at: datetime | None = None) -> CancelR
         level = [run_id] if result in _CASCADES else []
         while level:
             below = []
-            for parent, child in waiting.unfinished_children_of(level):
+            for parent, child in children.unfinished_children_of(level):
                 if _cancel_one(child, reason or f"parent run {parent} cancelled", at) \
                         in _CASCADES:
                     below.append(child)
@@ -57,7 +57,7 @@ def _cancel_one(run_id: int, reason: str, at: datetime) -> CancelResult | None:
             cancel_requested_at=at, cancel_reason=reason, wait_key="",
             wait_until=None)
         append_events([lifecycle(run_id, CANCELLED, row["attempt"], reason=reason)], at)
-        waiting.children_settled([run_id], at)
+        children.children_settled([run_id], at)
         send_after_commit(signals.run_cancelled, run_id=run_id, agent=row["agent"],
                           attempt=row["attempt"], reason=reason)
         return CancelResult.CANCELLED

@@ -18,7 +18,7 @@ from ..models import AgentRun, Reason, RunEvent, RunPayload, Status
 from ..outcomes import AttemptRef, DecisionAction, ErrorInfo, Settlement
 from ..rules import policy
 from ..signals import send_after_commit
-from . import rawrows, rawsql, waiting
+from . import children, rawrows, rawsql
 from .due import CLAIM_FIELDS, lapsed
 from .events import (
     ABANDONED,
@@ -69,12 +69,12 @@ def settle_succeeded_many(
                 settled = dict(cursor.fetchall())
             append_events([(run_id, SUCCEEDED, {}, attempt, event_id)
                             for run_id, attempt, _, event_id in rows if run_id in settled], at)
-            waiting.parents_settled(settled.values(), at)
+            children.parents_settled(settled.values(), at)
             _announce_succeeded(items, set(settled))
     else:
         # Committed already: parents waiting on these runs are resumed just after (and by
         # the reaper, should this worker die in between).
-        waiting.resume_parents(settled.values(), at)
+        children.resume_parents(settled.values(), at)
         _announce_succeeded(items, set(settled))
     done = set(settled)
     return {ref: Settlement.SUCCEEDED if ref.run_id in done else Settlement.LOST
@@ -259,7 +259,7 @@ def _apply(
         keep_traceback(run_id, error.traceback, at)
     append_events(events, at)
     if settlement is not Settlement.REQUEUED:
-        waiting.children_settled([run_id], at)
+        children.children_settled([run_id], at)
     announce = {"run_id": run_id, "agent": row["agent"], "attempt": attempt}
     error_type = error.type if error else ""
     if settlement is Settlement.REQUEUED:
