@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The full check, as `make test` runs it: migrations, lint, types, then the test suite on
 # SQLite and on PostgreSQL, the two passes side by side (TEST_SERIAL=1: one after the
-# other, output live). Extra arguments go to pytest.
+# other, output live). Extra arguments go to pytest. TEST_AFTER_SQLITE / TEST_AFTER_POSTGRES:
+# a command to run after that pass, in its lane (CI's extra jobs; see lane below).
 #
 # PostgreSQL: DATABASE_URL if it is a postgres URL; else the local server at 127.0.0.1:5432
 # if it answers; else skipped with a loud note, or a failure when REQUIRE_POSTGRES=1.
@@ -68,7 +69,7 @@ fi
 pytest_pass() {
   local name=$1 url=$2 started=$SECONDS status=0
   if [[ ${SIDE_BY_SIDE:-0} == 1 ]]; then
-    DATABASE_URL=$url "$PY" -m pytest -p no:cacheprovider "${PYTEST_PASS_ARGS[@]}" \
+    DATABASE_URL=$url "$PY" -m pytest -p no:cacheprovider --durations=30 "${PYTEST_PASS_ARGS[@]}" \
       >".tmp/test-$name.log" 2>&1 || status=$?
   else
     DATABASE_URL=$url "$PY" -m pytest "${PYTEST_PASS_ARGS[@]}" || status=$?
@@ -77,6 +78,19 @@ pytest_pass() {
   return "$status"
 }
 PYTEST_PASS_ARGS=("$@")
+
+# lane NAME URL [AFTER]: a pass, then (when it passed) the command AFTER in the same lane,
+# its output into .tmp/after-NAME.log. CI uses it to start its extra jobs as soon as the
+# shorter pass ends, rather than after both.
+lane() {
+  local name=$1 url=$2 after=${3:-} started status=0
+  pytest_pass "$name" "$url" || return $?
+  [[ -n $after ]] || return 0
+  started=$SECONDS
+  bash -c "$after" >".tmp/after-$name.log" 2>&1 || status=$?
+  printf '    after the %s pass, `%s`: exit %s after %ss\n' "$name" "$after" "$status" "$((SECONDS - started))"
+  return "$status"
+}
 
 ran=("SQLite")
 if [[ -n $pg_url ]]; then
@@ -89,12 +103,17 @@ if [[ -n $pg_url && ${TEST_SERIAL:-0} != 1 ]]; then
   # Side by side: most of the suite waits on worker subprocesses, leases and sockets, so two
   # passes on two cores take little longer than one (TEST_SERIAL=1 runs them one by one).
   # Each pass has its own database (a SQLite file per process; test_<name> on PostgreSQL).
+  show_lane() {  # show_lane NAME SUFFIX: a lane's pass output, then its after-command's
+    step "pytest on $1$2: output"; cat ".tmp/test-$1.log"
+    if [[ -f .tmp/after-$1.log ]]; then step "after the $1 pass$2: output"; cat ".tmp/after-$1.log"; fi
+  }
+  rm -f .tmp/after-sqlite.log .tmp/after-postgres.log
   step "pytest on SQLite and on PostgreSQL ($pg_from: $shown), side by side"
   echo "    output: .tmp/test-sqlite.log and .tmp/test-postgres.log, printed when both end"
   set +e
-  SIDE_BY_SIDE=1 pytest_pass sqlite "$SQLITE_URL" &
+  SIDE_BY_SIDE=1 lane sqlite "$SQLITE_URL" "${TEST_AFTER_SQLITE:-}" &
   sqlite_job=$!
-  SIDE_BY_SIDE=1 pytest_pass postgres "$pg_url" &
+  SIDE_BY_SIDE=1 lane postgres "$pg_url" "${TEST_AFTER_POSTGRES:-}" &
   postgres_job=$!
   wait "$sqlite_job"; sqlite_status=$?
   wait "$postgres_job"; postgres_status=$?
@@ -102,11 +121,11 @@ if [[ -n $pg_url && ${TEST_SERIAL:-0} != 1 ]]; then
   # A failed pass prints last, so its summary ends the output.
   for name in sqlite postgres; do
     status_var="${name}_status"
-    if [[ ${!status_var} == 0 ]]; then step "pytest on $name: output"; cat ".tmp/test-$name.log"; fi
+    if [[ ${!status_var} == 0 ]]; then show_lane "$name" ""; fi
   done
   for name in sqlite postgres; do
     status_var="${name}_status"
-    if [[ ${!status_var} != 0 ]]; then step "pytest on $name FAILED: output"; cat ".tmp/test-$name.log"; fi
+    if [[ ${!status_var} != 0 ]]; then show_lane "$name" " FAILED"; fi
   done
   if [[ $sqlite_status != 0 || $postgres_status != 0 ]]; then
     printf '\n!!! FAIL: pytest on SQLite exited %s, on PostgreSQL %s\n' "$sqlite_status" "$postgres_status" >&2
@@ -114,10 +133,10 @@ if [[ -n $pg_url && ${TEST_SERIAL:-0} != 1 ]]; then
   fi
 else
   step "pytest on SQLite"
-  pytest_pass sqlite "$SQLITE_URL"
+  lane sqlite "$SQLITE_URL" "${TEST_AFTER_SQLITE:-}" || { cat .tmp/after-sqlite.log 2>/dev/null; exit 1; }
   if [[ -n $pg_url ]]; then
     step "pytest on PostgreSQL ($pg_from: $shown)"
-    pytest_pass postgres "$pg_url"
+    lane postgres "$pg_url" "${TEST_AFTER_POSTGRES:-}" || { cat .tmp/after-postgres.log 2>/dev/null; exit 1; }
   else
     printf '\n!!! PostgreSQL SKIPPED: DATABASE_URL is not a postgres URL and nothing answers at\n'
     printf '!!! 127.0.0.1:5432. Set DATABASE_URL=postgres://USER@HOST:PORT/NAME to test on it.\n'

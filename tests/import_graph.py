@@ -68,6 +68,17 @@ def _file_module(module: str) -> str | None:
 
 def imports(path: Path) -> list[tuple[str, bool]]:
     """(imported file module, whether only under TYPE_CHECKING) for each import in `path`."""
+    stat = path.stat()
+    key = (str(path), str(PACKAGE), stat.st_mtime_ns, stat.st_size)
+    if key not in _PARSED:  # every layer test reads the whole package: parse each file once
+        _PARSED[key] = _parse_imports(path)
+    return list(_PARSED[key])
+
+
+_PARSED: dict[tuple[str, str, int, int], list[tuple[str, bool]]] = {}
+
+
+def _parse_imports(path: Path) -> list[tuple[str, bool]]:
     tree = ast.parse(path.read_text(), str(path))
     package = module_name(path).split(".")[:-1]
     typing_only: set[int] = set()

@@ -203,7 +203,10 @@ class Chaos:
             if self.slow and now >= next_slow:
                 guarded(self._enqueue_slow, None)
                 next_slow = now + 2.0
-            if sigterm_due and progress >= 0.2 and self._sigterm_busy():
+            # A loaded machine may settle slowly: SIGTERM once a fifth has settled or
+            # 0.4 of the phase has passed, whichever comes first (as the restart).
+            if sigterm_due and (progress >= 0.2 or now - begin > cfg.chaos_seconds * 0.4) \
+                    and self._sigterm_busy():
                 sigterm_due = False
             if restart_due and (progress >= 0.4 or now - begin > cfg.chaos_seconds * 0.4):
                 self._restart_postgres()
