@@ -294,15 +294,17 @@ def test_priority_orders_the_queue(tasks: ModuleType) -> None:
 
 
 def test_run_after_defers_the_task(tasks: ModuleType) -> None:
-    due = timezone.now() + timedelta(seconds=0.5)
+    due = timezone.now() + timedelta(seconds=1)
     result = tasks.add.using(run_after=due).enqueue(1, 1)
     assert run_of(result).available_at == due
-    assert work().claimed == 0  # not due yet
     read = tasks.add.get_result(result.id)
     assert (read.status, read.task.run_after) == (compat.TaskResultStatus.READY, due)
+    early = work().claimed
+    if timezone.now() < due:  # a pass that ended before the task was due claimed nothing
+        assert early == 0      # (a loaded machine may reach it late: started_at says)
 
     helpers.wait_until(lambda: timezone.now() >= due, message="the task to come due")
-    assert work().claimed == 1
+    assert early + work().claimed == 1
     result.refresh()
     assert result.status == compat.TaskResultStatus.SUCCESSFUL
     assert result.started_at is not None
