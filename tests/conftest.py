@@ -9,10 +9,12 @@ import django
 import pytest
 from django.conf import settings
 from django.db import connection
+from django.test import Client
 
 from tests import browser as browser_support
 from tests import fakeprovider, helpers
 from tests import pgbouncer as pgb
+from tests.test_admin import login, staff
 
 
 def _engine_vendor() -> str:
@@ -61,6 +63,19 @@ def _partitioned_needs_rollback(item: pytest.Item) -> bool:
     return ("transactional_db" in names or "live_server" in names
             or "worker_env" in names
             or (marker is not None and bool(marker.kwargs.get("transaction"))))
+
+
+@pytest.fixture
+def viewer() -> Client:
+    """A staff user's admin client that may view runs and nothing more."""
+    return login(staff("viewer", "view_agentrun"))
+
+
+@pytest.fixture
+def operator() -> Client:
+    """A staff user's admin client that may view, retry and cancel runs (the browser tests
+    have an `operator` fixture of their own: a user, for a live server)."""
+    return login(staff("operator", "view_agentrun", "retry_agentrun", "cancel_agentrun"))
 
 
 @pytest.fixture

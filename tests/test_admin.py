@@ -83,16 +83,6 @@ def login(user: User, **client_options: Any) -> Client:
     return client
 
 
-@pytest.fixture
-def viewer() -> Client:
-    return login(staff("viewer", "view_agentrun"))
-
-
-@pytest.fixture
-def operator() -> Client:
-    return login(staff("operator", "view_agentrun", "retry_agentrun", "cancel_agentrun"))
-
-
 def listed(response: HttpResponse) -> list[int]:
     assert response.status_code == 200, response.status_code
     return [run.pk for run in response.context["cl"].result_list]

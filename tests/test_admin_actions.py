@@ -33,16 +33,6 @@ from tests.test_admin import (
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def viewer() -> Client:
-    return login(staff("viewer", "view_agentrun"))
-
-
-@pytest.fixture
-def operator() -> Client:
-    return login(staff("operator", "view_agentrun", "retry_agentrun", "cancel_agentrun"))
-
-
 # --------------------------------------------------------------------------- permissions
 
 

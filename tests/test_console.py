@@ -27,11 +27,6 @@ from tests.test_admin import (
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def operator() -> Client:
-    return login(staff("operator", "view_agentrun", "retry_agentrun", "cancel_agentrun"))
-
-
 def summary(client: Client, run: AgentRun) -> str:
     html = client.get(run_url(run)).content.decode()
     start = html.index('id="agentruns-summary"')

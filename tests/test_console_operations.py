@@ -18,16 +18,6 @@ from tests.test_admin import changelist, login, make_run, messages_of, run_url, 
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def viewer() -> Client:
-    return login(staff("viewer", "view_agentrun"))
-
-
-@pytest.fixture
-def operator() -> Client:
-    return login(staff("operator", "view_agentrun", "retry_agentrun", "cancel_agentrun"))
-
-
 def budget_dead_letter() -> AgentRun:
     return make_run(Status.FAILED, agent="tests.spender", reason=Reason.BUDGET_EXHAUSTED,
                     error_type="BudgetExhausted", input_tokens=1200)

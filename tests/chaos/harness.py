@@ -21,6 +21,8 @@ until every run has settled (or the chaos phase is over):
 Then it kills what is left, drains the backlog with fresh workers, stops them with SIGTERM
 (exit 0 expected), and checks the database with `invariants.check_all`.
 
+The worker processes and the signals they get are `tests.chaos.workers`'s.
+
 The database must be a test database the caller owns (pytest's, or the one
 ``python -m tests.chaos`` creates): the harness writes to it from many processes.
 """
@@ -29,8 +31,6 @@ from __future__ import annotations
 
 import json
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -39,7 +39,7 @@ from collections.abc import Callable
 from django.db import connection, connections
 
 from django_agentruns import RunRequest, cancel, enqueue_many, set_limit
-from django_agentruns.models import TERMINAL, AgentRun, RunEvent, Status
+from django_agentruns.models import TERMINAL, AgentRun, RunEvent
 from django_agentruns.registry import get_agent
 from tests import helpers
 from tests.chaos.invariants import PlannedRun, check_all
@@ -48,11 +48,10 @@ from tests.chaos.support import (
     KeySampler,
     _connection_params,
     _outcomes,
-    _pids,
-    _thaw,
     guarded,
     wait_for_postgres,
 )
+from tests.chaos.workers import ChaosWorkers
 from tests.pgbouncer import PgBouncer
 from tests.private_postgres import PrivateServer
 from tests.testapp.chaos_agents import (
@@ -67,7 +66,7 @@ from tests.testapp.chaos_agents import (
 SUMMARIES: list[str] = []
 
 
-class Chaos:
+class Chaos(ChaosWorkers):
     def __init__(self, config: ChaosConfig, env: dict[str, str],
                  log: Callable[[str], None] | None = None,
                  bouncer: PgBouncer | None = None,
@@ -228,115 +227,6 @@ class Chaos:
             return 0.0
         done = AgentRun.objects.filter(status__in=TERMINAL).count()
         return done / len(self.plan)
-
-    # ------------------------------------------------------------------ workers
-
-    def _start_worker(self, concurrency: int | None = None, grace: float | None = None
-                      ) -> helpers.ManageProcess:
-        args = ["runworker", "--concurrency", str(concurrency or self.config.concurrency),
-                "--grace", str(self.config.grace if grace is None else grace)]
-        worker = helpers.start_manage(args, self.env)
-        self.workers.append(worker)
-        self.report.workers_started += 1
-        return worker
-
-    def _retire(self, worker: helpers.ManageProcess) -> None:
-        """Reap a dead worker process and keep its output for the log checks."""
-        worker.popen.wait()
-        self.logs.append(worker.stderr)
-        worker.close()
-        if worker in self.workers:
-            self.workers.remove(worker)
-        self.frozen.pop(worker, None)
-
-    def _killable(self) -> list[helpers.ManageProcess]:
-        return [w for w in self.workers if w not in self.stopping and w.returncode is None]
-
-    def _spare_slow(self) -> None:
-        now = time.monotonic()
-        owners = AgentRun.objects.filter(agent=CHAOS_SLOW, attempt=1,
-                                         status=Status.RUNNING).values_list("claimed_by",
-                                                                            flat=True)
-        for pid in _pids(owners):
-            self.spared[pid] = now + 3.0
-        for pid, until in list(self.spared.items()):
-            if until < now:
-                del self.spared[pid]
-
-    def _kill_one(self) -> None:
-        candidates = [w for w in self._killable() if w.pid not in self.spared]
-        if candidates:
-            victim = self.rng.choice(candidates)
-            victim.kill()
-            self._retire(victim)
-            self.report.kills += 1
-        # Died by themselves? Replace them too; a crashed worker is a finding.
-        for worker in [w for w in self.workers if w.returncode is not None
-                       and w not in self.stopping]:
-            self.report.problems.append(f"a worker exited {worker.returncode} on its own:\n"
-                                        f"{worker.stderr[-3000:]}")
-            self._retire(worker)
-        while len(self._killable()) < self.config.workers:
-            self._start_worker()
-
-    def _freeze_one(self) -> None:
-        """SIGSTOP a busy worker for longer than a lease: its runs are taken over meanwhile,
-        and when it thaws its attempts carry on as if nothing happened, until a write of
-        theirs meets the fence (or the lease keeper finds the lease lost)."""
-        busy = guarded(self._busy_pids, set())
-        candidates = [w for w in self._killable()
-                      if not (w in self.frozen and self.frozen[w].is_alive())]
-        candidates = [w for w in candidates if w.pid in busy] or candidates
-        if not candidates:
-            return
-        victim = self.rng.choice(candidates)
-        victim.send_signal(signal.SIGSTOP)
-        timer = threading.Timer(self.config.lease_ttl * 1.5, _thaw, args=(victim,))
-        timer.daemon = True
-        timer.start()
-        self.frozen[victim] = timer
-        self.report.freezes += 1
-
-    def _thaw_all(self) -> None:
-        for worker, timer in list(self.frozen.items()):
-            timer.cancel()
-            _thaw(worker)
-        self.frozen.clear()
-
-    def _busy_pids(self) -> set[int]:
-        return _pids(AgentRun.objects.filter(status=Status.RUNNING
-                                             ).values_list("claimed_by", flat=True))
-
-    def _sigterm_busy(self) -> bool:
-        """SIGTERM one worker that holds runs right now; it must stop cleanly (exit 0)."""
-        busy = guarded(self._busy_pids, set())
-        candidates = [w for w in self._killable() if w.pid in busy
-                      and not (w in self.frozen and self.frozen[w].is_alive())]
-        if not candidates:
-            return False
-        victim = self.rng.choice(candidates)
-        victim.terminate()
-        self.stopping.append(victim)
-        self.report.sigterms += 1
-        self._start_worker()
-        return True
-
-    def _collect_stopped(self, timeout: float | None = None) -> None:
-        """Workers that were SIGTERMed must exit 0 within their grace and a margin."""
-        for worker in list(self.stopping):
-            if timeout is not None:
-                try:
-                    worker.popen.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    worker.kill()
-            if worker.returncode is None:
-                continue
-            self.report.harness_checks += 1
-            if worker.returncode != 0:
-                self.report.problems.append(
-                    f"a SIGTERMed worker exited {worker.returncode}:\n{worker.stderr[-3000:]}")
-            self.stopping.remove(worker)
-            self._retire(worker)
 
     # ------------------------------------------------------------------ other faults
 
