@@ -257,3 +257,54 @@ def test_with_fair_shares_a_success_and_a_fair_claim_are_one_statement_on_postgr
     after = dict(FairGroup.objects.values_list("key", "vtime"))
     assert after["A"] == before["A"] + 2
     assert after["B"] == before["B"] + 2
+
+
+def test_a_handed_off_success_is_answered_by_whoever_settles_it_and_nobody_waits() -> None:
+    """`Handover.hand_off` (a worker's attempt does not wait for its success): the claim
+    loop's statement answers it, or the store while that statement runs or once closed; a
+    `then` that raises leaves none of the others taken with it unanswered."""
+    from concurrent.futures import Future
+
+    from django_agentruns.runtime.handover import Handover
+    from django_agentruns.transitions import SucceedWrite
+
+    class Store:
+        """The store's `submit`, committed at once."""
+
+        def __init__(self) -> None:
+            self.written: list[SucceedWrite] = []
+
+        def submit(self, write: SucceedWrite) -> Future[Settlement]:
+            self.written.append(write)
+            future: Future[Settlement] = Future()
+            future.set_result(Settlement.SUCCEEDED)
+            return future
+
+    def write(run_id: int) -> SucceedWrite:
+        return SucceedWrite(AttemptRef(run_id, 1, WORKER, 30.0, agent="tests.noop"), None)
+
+    store, wake = Store(), threading.Event()
+    handover = Handover(store, wake, open=True)  # type: ignore[arg-type]
+    got: list[tuple[int, Any]] = []
+
+    def then(run_id: int, raises: bool = False) -> Any:
+        def answered(result: Any) -> None:
+            got.append((run_id, result))
+            if raises:
+                raise RuntimeError("a log handler failed")
+        return answered
+
+    first, second, third = write(1), write(2), write(3)
+    handover.hand_off(first, then(1, raises=True))
+    handover.hand_off(second, then(2))
+    assert wake.is_set()  # the claim loop's now
+    assert (got, store.written) == ([], [])
+    taken = handover.take()
+    handover.hand_off(third, then(3))  # while the statement runs: the store's
+    assert (store.written, got) == ([third], [(3, Settlement.SUCCEEDED)])
+    handover.settled(taken, {first.ref: Settlement.SUCCEEDED, second.ref: Settlement.LOST})
+    handover.release()
+    assert got[1:] == [(1, Settlement.SUCCEEDED), (2, Settlement.LOST)]
+    handover.close()
+    handover.hand_off(write(4), then(4))  # closed: the store's
+    assert (got[-1], len(store.written)) == ((4, Settlement.SUCCEEDED), 2)

@@ -117,11 +117,21 @@ def observe_settlement(
     """
     if prometheus_client is None:
         return
-    ATTEMPTS.labels(agent, outcome).inc()
+    # The labelled children are kept, as for steps: three `labels()` a run cost more
+    # than the observations.
+    children = _settlement_children.get((agent, outcome))
+    if children is None:
+        children = _settlement_children[agent, outcome] = (
+            ATTEMPTS.labels(agent, outcome), QUEUE_WAIT.labels(agent),
+            DURATION.labels(agent, outcome))
+    children[0].inc()
     if queue_wait_s is not None:
-        QUEUE_WAIT.labels(agent).observe(max(0.0, queue_wait_s))
+        children[1].observe(max(0.0, queue_wait_s))
     if duration_s is not None:
-        DURATION.labels(agent, outcome).observe(max(0.0, duration_s))
+        children[2].observe(max(0.0, duration_s))
+
+
+_settlement_children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
 
 def observe_usage(agent: str, model: str, tokens: int, cost: float) -> None:

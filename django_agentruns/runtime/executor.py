@@ -36,8 +36,9 @@ from ..outcomes import AttemptRef, Outcome, OutcomeKind, Settlement, StopReason
 from ..queries import load_states, state_loaded
 from ..registry import AgentSpec
 from ..streaming import chunks
+from ..transitions import Result, Write
 from ..validation import capped_json
-from . import recording, steps, versions
+from . import late, recording, steps, versions
 from .attempt_store import AttemptStore
 from .context import RunContext, entered
 from .control import AttemptControl, in_thread
@@ -73,10 +74,11 @@ class Executor:
                 ) -> AttemptControl:
         return AttemptControl(ref, timeout, checkpoints, self.store)
 
-    def run(self, run: AgentRun, spec: AgentSpec | None,
-            control: AttemptControl) -> Settlement | None:
+    def run(self, run: AgentRun, spec: AgentSpec | None, control: AttemptControl,
+            then: late.Then | None = None) -> Settlement | late.Deferred | None:
         """One claimed attempt of a sync agent (or of an agent the worker lacks), in a
-        worker thread: None if its outcome could not be written.
+        worker thread: None if its outcome could not be written. With `then`, a success
+        may be handed off instead (`late.DEFERRED`): `then` gets its settlement later.
 
         Never raises: storage failing while settling leaves the run running until its
         lease lapses, then the reaper (or a claim) takes it back. Nothing is lost.
@@ -91,9 +93,12 @@ class Executor:
                 # restarted mid-run): replace it before the outcome is written.
                 close_old_connections()
                 finish_stream(control, outcome)
+                if late.hand_off(self, run, spec, control, outcome, began, span, then,
+                                 in_thread=True):
+                    return late.DEFERRED
                 settlement = self.record(spec, control.ref, outcome)
                 span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
-            self._settled(run, control, settlement, outcome, began)
+            self.settled(run, control, settlement, outcome, began)
             return settlement
         except BaseException:
             # BaseException: in a pool thread nothing else would ever read it.
@@ -101,8 +106,8 @@ class Executor:
                              extra=extra(control.ref, run.agent))
             return None
 
-    async def arun(self, run: AgentRun, spec: AgentSpec,
-                   control: AttemptControl) -> Settlement | None:
+    async def arun(self, run: AgentRun, spec: AgentSpec, control: AttemptControl,
+                   then: late.Then | None = None) -> Settlement | late.Deferred | None:
         """One claimed attempt of an async agent, as a coroutine on the executor's loop:
         `run`'s contract, with every write awaited through the store."""
         began = time.monotonic()
@@ -113,6 +118,9 @@ class Executor:
                     await acall_agent(spec, make_context(run, control), control)
                 await control.aflush_end()  # a step's end no later write carried
                 await chunks.afinish(control, store=chunks.stores_at_finish(outcome.stop_reason))
+                if late.hand_off(self, run, spec, control, outcome, began, span, then,
+                                 in_thread=False):
+                    return late.DEFERRED
                 settlement = await self.arecord(spec, control.ref, outcome)
                 span.set_outcome(settlement.value, outcome.error or outcome.stop_reason)
             facts: dict[str, str] = {}
@@ -120,7 +128,7 @@ class Executor:
                 # The ORM must not run on the loop; its thread keeps no connection.
                 facts = await sync_to_async(recording.settlement_facts, thread_sensitive=False)(
                     control.ref, settlement, close=True)
-            self._settled(run, control, settlement, outcome, began, facts)
+            self.settled(run, control, settlement, outcome, began, facts)
             return settlement
         except Exception:
             logger.exception("run %s: could not record the attempt's outcome", run.pk,
@@ -165,15 +173,17 @@ class Executor:
             return _raised(control, exc)
         return None
 
-    def record(self, spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome) -> Settlement:
+    def record(self, spec: AgentSpec | None, ref: AttemptRef, outcome: Outcome,
+               write: Callable[[Write], Result] | None = None) -> Settlement:
         """Write the outcome, retrying a database error for up to half the lease.
 
         Each settle is one guarded transaction, so a retry after a commit whose answer was
         lost finds the guard unmatched and writes nothing twice. Past half the lease the
-        run is left to lapse and be reclaimed, as if this worker had died.
+        run is left to lapse and be reclaimed, as if this worker had died. `write`: how
+        (default: the hand-over, else the store, else alone on this thread).
         """
         writer = self.settles or self.store
-        write = writer.call if writer is not None else None
+        write = write or (writer.call if writer is not None else None)
         return _retrying(ref, lambda: recording.record(spec, ref, outcome, write=write))
 
     async def arecord(self, spec: AgentSpec, ref: AttemptRef, outcome: Outcome) -> Settlement:
@@ -205,7 +215,7 @@ class Executor:
         recording.record(spec, control.ref, outcome, interactive=True)
         return outcome
 
-    def _settled(self, run: AgentRun, control: AttemptControl, settlement: Settlement,
+    def settled(self, run: AgentRun, control: AttemptControl, settlement: Settlement,
                  outcome: Outcome, began: float,
                  facts: dict[str, str] | None = None) -> None:
         if facts is None:

@@ -4,10 +4,12 @@ claim in one statement (`transitions.settle_and_claim`).
 An attempt whose agent returned has nothing left to write but its success, and the slot
 it frees is what the claim loop fills next: on PostgreSQL the two go together, one round
 trip per run where they were two. Every other write (and every success once the worker
-stops serving, or on SQLite) goes to the attempt store as before. The attempt waits for
-its settlement as it waits for the store's commit, so every guarantee of that path holds;
-a hand-over whose statement failed is given to the store, which retries and reconnects.
-An attempt's earlier writes have all committed by then (each is waited for).
+stops serving, or on SQLite) goes to the attempt store as before. A worker's attempt
+does not wait for its success (`hand_off`, `runtime.late`): whoever settles it ends the
+attempt, which stays live (its lease renewed, its slot taken) until then; `call` / `acall`
+wait, as for the store's commit. A hand-over whose statement failed is given to the
+store, which retries and reconnects. An attempt's earlier writes have all committed by
+then (each is waited for).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -23,18 +27,27 @@ from ..outcomes import AttemptRef, Settlement
 from ..transitions import Result, SucceedWrite, Write
 from .attempt_store import AttemptStore
 
+logger = logging.getLogger("django_agentruns.worker")
+
 
 @dataclass
 class Handed:
-    """One success and who waits for it: a thread (`future`) or a coroutine (`afuture`)."""
+    """One success and who waits for it: a thread (`future`), a coroutine (`afuture`), or
+    nobody: `then` is called with the result, on the thread that has it (`hand_off`)."""
 
     write: SucceedWrite
     future: Future[Result] | None = None
     loop: asyncio.AbstractEventLoop | None = None
     afuture: asyncio.Future[Result] | None = None
+    then: Callable[[Result | BaseException], None] | None = None
 
     def answer(self, result: Result | BaseException) -> None:
-        if self.future is not None:
+        if self.then is not None:
+            try:
+                self.then(result)
+            except Exception:  # the others taken with it must be answered all the same
+                logger.exception("run %s: the end of its attempt raised", self.write.ref.run_id)
+        elif self.future is not None:
             if isinstance(result, BaseException):
                 self.future.set_exception(result)
             else:
@@ -88,6 +101,18 @@ class Handover:
             if self._hand(Handed(write, loop=loop, afuture=afuture)):
                 return await afuture
         return await self.store.acall(write)
+
+    def hand_off(self, write: SucceedWrite,
+                 then: Callable[[Result | BaseException], None]) -> None:
+        """`write` settled with nobody waiting for it: by the claim loop's next statement,
+        or (while that runs, or once closed) by the store; `then` gets the result or the
+        error on the thread that settled it, and must not block. An attempt whose agent
+        returned need not wait for its success (one thread wake-up less per run): it
+        stays live, its lease renewed, until `then` ends it. RuntimeError: the store is
+        closed, nothing was queued."""
+        handed = Handed(write, then=then)
+        if not self._hand(handed):
+            self.store.submit(write).add_done_callback(functools.partial(_forward, handed))
 
     def _hand(self, handed: Handed) -> bool:
         with self._lock:

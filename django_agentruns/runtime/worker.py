@@ -45,6 +45,7 @@ from .attempt_store import AttemptStore
 from .chores import Chores
 from .executor import Executor, extra
 from .handover import Handed, Handover
+from .late import Deferred
 from .lease_keeper import LeaseKeeper
 from .presence import Presence
 from .running import Live, LiveAttempts
@@ -319,35 +320,39 @@ class Worker:
         future.add_done_callback(functools.partial(self._attempt_done, live))
 
     def _attempt(self, live: Live) -> None:
+        result: Settlement | Deferred | None = None
+        end = functools.partial(self._end, live)
         try:
-            self._count(self.executor.run(live.run, live.spec, live.control))
+            result = self.executor.run(live.run, live.spec, live.control, end)
         finally:
             # The agent's own queries may have opened this thread's connection: it is not
             # kept to the next attempt (a pooled one goes back to Django's pool).
             close_all_connections()
-            self._ended(live)
+            self._end(live, result)
 
     async def _aattempt(self, live: Live, spec: AgentSpec) -> None:
+        result: Settlement | Deferred | None = None
+        end = functools.partial(self._end, live)
         try:
-            self._count(await self.executor.arun(live.run, spec, live.control))
+            result = await self.executor.arun(live.run, spec, live.control, end)
         finally:
-            self._ended(live)
+            self._end(live, result)
 
-    def _count(self, settlement: Settlement | None) -> None:
-        if settlement is not None:
-            settled = self.stats.settled
-            settled[settlement.value] = settled.get(settlement.value, 0) + 1
-
-    def _ended(self, live: Live) -> None:
+    def _end(self, live: Live, result: Settlement | Deferred | None) -> None:
+        """An attempt counted and its slot freed; for a success handed off (`runtime.late`)
+        not yet: whoever settles it calls this then, on its own thread."""
+        if isinstance(result, Deferred):
+            return
+        if result is not None:
+            self.stats.settled[result.value] = self.stats.settled.get(result.value, 0) + 1
         live.control.done.set()
         self.live.discard(live)
         if not live.refilled:
             self._wake.set()
 
     def _attempt_done(self, live: Live, future: Future[None]) -> None:
-        """Log what escaped `_attempt` (nothing should): a pool future is never read."""
-        error = None if future.cancelled() else future.exception()
-        if error is not None:
+        """Log what escaped an attempt (nothing should): a pool future is never read."""
+        if error := None if future.cancelled() else future.exception():
             logger.error("run %s: attempt thread raised", live.run.pk, exc_info=error,
                          extra=extra(live.control.ref, live.run.agent))
 
@@ -365,8 +370,7 @@ class Worker:
         remaining = self.live.snapshot()
         for lv in remaining:
             lv.control.request_stop(StopReason.SHUTDOWN)
-        # Stopped attempts record themselves as interrupted once their storage call (if
-        # any) returns; give them a moment, then record the stuck ones ourselves.
+        # Stopped attempts record themselves once their write returns; stuck ones we do
         settle_by = time.monotonic() + 2.0
         for lv in remaining:
             lv.control.done.wait(max(0.0, settle_by - time.monotonic()))
@@ -385,8 +389,7 @@ class Worker:
         if self.store is not None:
             self.store.close()
         self._listener_stop.set()
-        # Their connections must be closed when run() returns (a test database cannot be
-        # dropped while a session is open on it).
+        # Their connections closed when run() returns (else a test database stays in use)
         self.keeper.stop(timeout=5)
         if self._listener is not None:
             self._listener.thread.join(timeout=5)

@@ -7,7 +7,7 @@ import functools
 import threading
 from typing import Any
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
@@ -24,10 +24,13 @@ def cursor(*, prepared: bool) -> Any:
     The preparing cursor is kept per connection (this thread's) and reused: a new one per
     statement built its adapters and loaders again (about 20 us a statement); leaving
     `with` does not close it."""
-    if not prepared or connection.vendor != "postgresql":
-        return connection.cursor()
-    connection.ensure_connection()
-    raw = connection.connection
+    # The connection itself, not the `connection` proxy: each attribute read through
+    # that looks the thread's connection up again (some 15 a statement).
+    db = connections[DEFAULT_DB_ALIAS]
+    if not prepared or db.vendor != "postgresql":
+        return db.cursor()
+    db.ensure_connection()
+    raw = db.connection
     kept = getattr(_kept, "cursor", None)
     if kept is None or kept.connection is not raw or kept.closed:
         if raw.prepare_threshold is None:
@@ -35,7 +38,7 @@ def cursor(*, prepared: bool) -> Any:
             # on. A threshold never reached keeps every other statement unprepared.
             raw.prepare_threshold = 2**31 - 1
         kept = _kept.cursor = _preparing_cursor_class()(raw)
-    return (_KeptDebugWrapper if connection.queries_logged else _KeptWrapper)(kept, connection)
+    return (_KeptDebugWrapper if db.queries_logged else _KeptWrapper)(kept, db)
 
 
 _kept = threading.local()  # Django's connections are per thread, so is the kept cursor
