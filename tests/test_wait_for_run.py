@@ -170,7 +170,8 @@ def parked_runs(n: int) -> list[int]:
 
 def finish(run_ids: list[int], *, close: bool = False) -> None:
     for rid in run_ids:  # one by one: each with its own output
-        AgentRun.objects.filter(pk=rid).update(status=Status.SUCCEEDED, output={"id": rid})
+        AgentRun.objects.filter(pk=rid).update(status=Status.SUCCEEDED)
+        helpers.store_payloads([rid], "output", {"id": rid})
     if close:  # another thread's: give its connection back
         connection.close()
 

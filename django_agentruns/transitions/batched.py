@@ -356,6 +356,9 @@ def _succeed(writes: Sequence[Write], positions: list[int], results: list[Result
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             settled: dict[int, int | None] = dict(cursor.fetchall())  # id: parent_id
+            outputs = rawsql.insert_outputs(rows, settled, at)
+            if outputs is not None:
+                cursor.execute(*outputs)
         done = set(settled)
         ended += [(run_id, SUCCEEDED, {}, attempt, event_id)
                   for run_id, attempt, _, event_id in rows if run_id in done]

@@ -67,6 +67,9 @@ def settle_succeeded_many(
             with connection.cursor() as cursor:
                 cursor.execute(sql, params)
                 settled = dict(cursor.fetchall())
+                outputs = rawsql.insert_outputs(rows, settled, at)
+                if outputs is not None:
+                    cursor.execute(*outputs)
             append_events([(run_id, SUCCEEDED, {}, attempt, event_id)
                             for run_id, attempt, _, event_id in rows if run_id in settled], at)
             children.parents_settled(settled.values(), at)
