@@ -85,6 +85,25 @@ def load_inputs(runs: Iterable[AgentRun], using: str | None = None) -> None:
         run.__dict__[INPUT] = found.get(pk, {})
 
 
+def load_values(runs: Iterable[AgentRun], using: str | None = None) -> None:
+    """Read the input and output of each of `runs` not read yet, in one query: for runs
+    handed to code that may not query (an async caller of `await_run`)."""
+    wanted = {run.pk: run for run in runs if run.pk is not None and (
+        INPUT not in run.__dict__ or OUTPUT not in run.__dict__)}
+    if not wanted:
+        return
+    first = next(iter(wanted.values()))
+    found = {(pk, kind): value for pk, kind, value in
+             payload_model()._base_manager.using(using or first._state.db or "default")
+             .filter(run_id__in=list(wanted), kind__in=("input", "output")).order_by("id")
+             .values_list("run_id", "kind", "value")}
+    for pk, run in wanted.items():
+        kept = run.__dict__
+        kept.pop(INPUT_JSON, None)
+        kept.setdefault(INPUT, found.get((pk, "input"), {}))
+        kept.setdefault(OUTPUT, found.get((pk, "output")) if run.status == SUCCEEDED else None)
+
+
 def outputs_of(run_ids: list[int], using: str | None = None) -> dict[int, Any]:
     """The outputs of these (succeeded) runs, in one query (none for no ids); a run
     without a row (its output was None) is not in the answer."""

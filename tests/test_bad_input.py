@@ -226,7 +226,7 @@ def test_enqueue_many_too_large_for_one_statement_writes_several_in_one_transact
     statements: list[str] = []
 
     def count(execute: Any, sql: str, *args: Any) -> Any:
-        if sql.startswith("INSERT"):
+        if 'INSERT INTO "django_agentruns_agentrun"' in sql:
             statements.append(sql)
         return execute(sql, *args)
 
