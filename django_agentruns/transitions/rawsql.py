@@ -21,7 +21,7 @@ from django.db.models import Field, QuerySet
 from django.utils import timezone
 
 from ..models import AgentRun, RunCheckpoint, RunEvent, RunPayload
-from ..payloads import INPUT_JSON
+from . import payload_sql
 
 # Stands for "now" while a queryset is compiled; swapped for the real time per call.
 SENTINEL_TIME = datetime(1999, 12, 31, 23, 59, 58, 424242, tzinfo=UTC)
@@ -273,7 +273,8 @@ def _succeed_parts(
     table = qn(AgentRun._meta.db_table)
     params: list[Any] = []
     for run_id, attempt, output, event_id in items:
-        params += [run_id, attempt, output_param(output), prep(RunEvent, "event_id", event_id)]
+        params += [run_id, attempt, payload_sql.output_param(output),
+                   prep(RunEvent, "event_id", event_id)]
     rows = values_rows(len(items), "bigint", "integer", "jsonb", "uuid")
     params += [succeeded, completed, prep(AgentRun, "finished_at", at), running, worker_id]
     update = (f"UPDATE {table} SET status = %s, reason = %s, "
@@ -292,37 +293,9 @@ def _succeed_ctes(head: str, update: str, event_type: str,
     return (f"{head}, done AS ({update}RETURNING {table}.id, {table}.attempt, "
             f"{table}.parent_id), "
             f"ended AS ({_events_from('done', 'done_v.run_event', 'done_v')}), "
-            f"outputs AS ({_OUTPUTS_FROM_DONE})"), \
+            f"outputs AS ({payload_sql.OUTPUTS_FROM_DONE})"), \
         [event_type, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at),
          prep(RunEvent, "created_at", at)]
-
-
-def output_param(output: Any) -> Any:
-    """A success's output as the VALUES row carries it: NULL for None, which is stored
-    as no payload row (`AgentRun.output` reads None without one)."""
-    return None if output is None else prep(RunPayload, "value", output)
-
-
-_OUTPUTS_FROM_DONE = (
-    f"INSERT INTO django_agentruns_runpayload (run_id, kind, value, created_at) "
-    f"SELECT done.id, '{RunPayload.OUTPUT}', o.run_output, %s FROM done "
-    f"JOIN v o ON o.run_id = done.id WHERE o.run_output IS NOT NULL")
-
-
-def insert_outputs(rows: Sequence[tuple[int, int, Any, Any]], settled: Any,
-                   at: datetime) -> tuple[str, list[Any]] | None:
-    """The output payload rows of the settled runs among `settle_succeeded`'s rows, for
-    its form without events (SQLite, a caller's transaction); None: no output to store."""
-    kept = [(run_id, output) for run_id, _, output, _ in rows
-            if output is not None and run_id in settled]
-    if not kept:
-        return None
-    table = qn(RunPayload._meta.db_table)
-    sql = (f"WITH v AS {json_rows((('run_id', 'bigint'), ('value', 'jsonb')))} "
-           f"INSERT INTO {table} (run_id, kind, value, created_at) "
-           f"SELECT v.run_id, %s, v.value, %s FROM v")
-    return sql, [json_values(kept, ("bigint", "jsonb")), RunPayload.OUTPUT,
-                 prep(RunEvent, "created_at", at)]
 
 
 def _events_from(rows: str, event_id: str, join: str = "") -> str:
@@ -375,7 +348,7 @@ def _claim_ctes(
            f"ELSE {table}.dedupe_key END "
            f"FROM picked WHERE {table}.id = picked.id AND {table}.status = %s "
            f"RETURNING {table}.*, picked.started_at AS previous_started_at, "
-           f"{_INPUT_OF_CLAIMED}), "
+           f"{payload_sql.INPUT_OF_CLAIMED}), "
            f"started AS ({_events_from('claimed', 'gen_random_uuid()')})")
     return sql, params
 
@@ -412,14 +385,6 @@ def settle_and_claim(
 
 _SHAPES: dict[tuple[Any, ...], str] = {}
 
-# Each claimed run's input (its latest input payload, NULL: none), so that starting it
-# reads nothing more; `AgentRun.input` decodes it on first read.
-_INPUT_OF_CLAIMED = (
-    f"(SELECT p.value FROM django_agentruns_runpayload p "
-    f"WHERE p.run_id = django_agentruns_agentrun.id AND p.kind = '{RunPayload.INPUT}' "
-    f"ORDER BY p.id DESC LIMIT 1) AS {INPUT_JSON}")
-
-
 def _settle_and_claim_params(
     items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
     completed: str, ended: str, due: Compiled, at: datetime, queued: str,
@@ -429,7 +394,8 @@ def _settle_and_claim_params(
     worker sends the same few shapes run after run)."""
     params: list[Any] = []
     for run_id, attempt, output, event_id in items:
-        params += [run_id, attempt, output_param(output), prep(RunEvent, "event_id", event_id)]
+        params += [run_id, attempt, payload_sql.output_param(output),
+                   prep(RunEvent, "event_id", event_id)]
     params += [succeeded, completed, prep(AgentRun, "finished_at", at), running, worker_id,
                ended, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at),
                prep(RunEvent, "created_at", at), *due.bind(at), running, worker_id]

@@ -18,7 +18,7 @@ from ..models import AgentRun, Reason, RunEvent, RunPayload, Status
 from ..outcomes import AttemptRef, DecisionAction, ErrorInfo, Settlement
 from ..rules import policy
 from ..signals import send_after_commit
-from . import children, rawrows, rawsql
+from . import children, payload_sql, rawrows, rawsql
 from .due import CLAIM_FIELDS, lapsed
 from .events import (
     ABANDONED,
@@ -67,7 +67,7 @@ def settle_succeeded_many(
             with connection.cursor() as cursor:
                 cursor.execute(sql, params)
                 settled = dict(cursor.fetchall())
-                outputs = rawsql.insert_outputs(rows, settled, at)
+                outputs = payload_sql.insert_outputs(rows, settled, at)
                 if outputs is not None:
                     cursor.execute(*outputs)
             append_events([(run_id, SUCCEEDED, {}, attempt, event_id)
