@@ -241,3 +241,46 @@ def test_migration_0021_moves_inputs_and_outputs_out_and_back(history_layout: st
                     (null_out, [1, 2], None), (scalar, "text", "answer")]
     assert left == 0
     assert {r.pk: (r.input, r.output) for r in AgentRun.objects.all()} == runs
+
+
+@pytest.mark.postgres_only
+def test_migration_0021_moves_values_into_a_partitioned_payload_table(
+        db: None, history_layout: str, settings: Any) -> None:
+    """0021 on an install whose history 0018 and 0020 partitioned: an old run's values
+    move into a partition made for its span (DDL in the test's transaction, rolled back
+    with it)."""
+    if history_layout == "partitioned":
+        pytest.skip("builds its own partitioned layout from the plain one")
+    import importlib
+
+    from django_agentruns.ops import partitions
+
+    span = 10
+    old = enqueue("tests.noop")
+    settings.AGENTRUNS = {"HISTORY_PARTITION": span}
+    editor = type("Editor", (), {"connection": connection})()
+    importlib.import_module("django_agentruns.migrations.0018_partitioned_history") \
+        .partition_history(None, editor)
+    with connection.cursor() as cursor:  # 0020 reads the column it moved out
+        cursor.execute(f"ALTER TABLE {RUNS} ADD COLUMN error_traceback text NOT NULL "
+                       f"DEFAULT ''")
+    importlib.import_module("django_agentruns.migrations.0020_payload_traceback") \
+        .partition_payloads(None, editor)
+    with connection.cursor() as cursor:  # the columns 0021 moves out, as 0020 left them
+        cursor.execute(f"ALTER TABLE {RUNS} DROP COLUMN error_traceback")
+        cursor.execute(f"ALTER TABLE {RUNS} ADD COLUMN input jsonb NOT NULL DEFAULT '{{}}', "
+                       f"ADD COLUMN output jsonb NULL")
+        cursor.execute(f"UPDATE {RUNS} SET input = '{{\"q\": 1}}', output = '[2]', "
+                       f"status = 'succeeded' WHERE id = %s", [old.pk])
+        cursor.execute(f"SELECT setval(pg_get_serial_sequence('{RUNS}', 'id'), %s)",
+                       [old.pk + 5 * span])  # the old run's span is not made ahead
+        cursor.execute(f"DROP TABLE IF EXISTS "
+                       f"{partitions.partition_name(PAYLOADS, old.pk // span * span)}")
+    migration = importlib.import_module("django_agentruns.migrations.0021_narrow_input_output")
+    migration.partition_spans(None, editor)
+    migration.move_out(None, editor)
+    assert PAYLOADS in partitions.partitioned_tables()
+    assert partitions.partition_name(PAYLOADS, old.pk // span * span) in {
+        p.name for p in partitions.partitions([PAYLOADS])}
+    run = AgentRun.objects.get(pk=old.pk)
+    assert (run.input, run.output) == ({"q": 1}, [2])
