@@ -1,17 +1,16 @@
 """SQL of the values kept out of the run row (`RunPayload`, issue #29's narrow hot row)
 that the hot path's statements (`rawsql`) carry: each claimed run's input returned by the
-claim, and the successes' outputs written by the statement that settles them. Nothing
-here executes a statement."""
+claim, and the successes' outputs written by the statement that settles them (its form
+without events adds `settling.insert_outputs`). Nothing here executes a statement."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from datetime import datetime
 from typing import Any
 
-from ..models import RunEvent, RunPayload
+from django.db import connection
+
+from ..models import RunPayload
 from ..payloads import INPUT_JSON
-from . import rawsql
 
 # Each claimed run's input (its latest input payload, NULL: none), in the claim's
 # RETURNING, so that starting it reads nothing more; `AgentRun.input` decodes it on first
@@ -32,20 +31,7 @@ OUTPUTS_FROM_DONE = (
 def output_param(output: Any) -> Any:
     """A success's output as the VALUES row carries it: NULL for None, which is stored
     as no payload row (`AgentRun.output` reads None without one)."""
-    return None if output is None else rawsql.prep(RunPayload, "value", output)
-
-
-def insert_outputs(rows: Sequence[tuple[int, int, Any, Any]], settled: Any,
-                   at: datetime) -> tuple[str, list[Any]] | None:
-    """The output payload rows of the settled runs among `settle_succeeded`'s rows, for
-    its form without events (SQLite, a caller's transaction); None: no output to store."""
-    kept = [(run_id, output) for run_id, _, output, _ in rows
-            if output is not None and run_id in settled]
-    if not kept:
+    if output is None:
         return None
-    table = rawsql.qn(RunPayload._meta.db_table)
-    sql = (f"WITH v AS {rawsql.json_rows((('run_id', 'bigint'), ('value', 'jsonb')))} "
-           f"INSERT INTO {table} (run_id, kind, value, created_at) "
-           f"SELECT v.run_id, %s, v.value, %s FROM v")
-    return sql, [rawsql.json_values(kept, ("bigint", "jsonb")), RunPayload.OUTPUT,
-                 rawsql.prep(RunEvent, "created_at", at)]
+    return RunPayload._meta.get_field("value").get_db_prep_value(
+        output, connection)

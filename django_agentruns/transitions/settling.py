@@ -18,7 +18,7 @@ from ..models import AgentRun, Reason, RunEvent, RunPayload, Status
 from ..outcomes import AttemptRef, DecisionAction, ErrorInfo, Settlement
 from ..rules import policy
 from ..signals import send_after_commit
-from . import children, payload_sql, rawrows, rawsql
+from . import children, rawrows, rawsql
 from .due import CLAIM_FIELDS, lapsed
 from .events import (
     ABANDONED,
@@ -67,7 +67,7 @@ def settle_succeeded_many(
             with connection.cursor() as cursor:
                 cursor.execute(sql, params)
                 settled = dict(cursor.fetchall())
-                outputs = payload_sql.insert_outputs(rows, settled, at)
+                outputs = insert_outputs(rows, settled, at)
                 if outputs is not None:
                     cursor.execute(*outputs)
             append_events([(run_id, SUCCEEDED, {}, attempt, event_id)
@@ -98,6 +98,22 @@ def _succeed_in_one_statement(
             return dict(cursor.fetchall())  # id: parent_id
     except IntegrityError:
         return None
+
+
+def insert_outputs(rows: Sequence[tuple[int, int, Any, Any]], settled: Any,
+                   at: datetime) -> tuple[str, list[Any]] | None:
+    """The output payload rows of the settled runs among `settle_succeeded`'s rows, for
+    its form without events (SQLite, a caller's transaction); None: no output to store."""
+    kept = [(run_id, output) for run_id, _, output, _ in rows
+            if output is not None and run_id in settled]
+    if not kept:
+        return None
+    table = rawsql.qn(RunPayload._meta.db_table)
+    sql = (f"WITH v AS {rawsql.json_rows((('run_id', 'bigint'), ('value', 'jsonb')))} "
+           f"INSERT INTO {table} (run_id, kind, value, created_at) "
+           f"SELECT v.run_id, %s, v.value, %s FROM v")
+    return sql, [rawsql.json_values(kept, ("bigint", "jsonb")), RunPayload.OUTPUT,
+                 rawsql.prep(RunEvent, "created_at", at)]
 
 
 def _announce_succeeded(items: Sequence[tuple[AttemptRef, Any]], done: set[int]) -> None:
