@@ -47,7 +47,10 @@ LLM_RUNS, LLM_CONCURRENCY = 2_000, 500
 RATE_ROUNDS = 3
 PREFIX = "agentruns_bench_history"
 
-HISTORY = ("django_agentruns_runevent", "django_agentruns_runcheckpoint")
+# A run's rows deleted before it on plain tables (as purge does): its payloads too (its
+# input and output; the plain payload table has a foreign key to the run).
+HISTORY = ("django_agentruns_runevent", "django_agentruns_runcheckpoint",
+           "django_agentruns_runpayload")
 
 
 @dataclass
