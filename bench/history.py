@@ -4,12 +4,13 @@ dropping one partition of history against deleting the same runs' rows.
 
 Each layout is filled and measured in a database of its own, dropped before the next.
 The fill is set-based SQL (INSERT ... SELECT generate_series), never the worker: finished
-runs of an LLM-shaped agent, EVENTS_PER_RUN events of about 500 bytes of JSON each and one
+runs of an LLM-shaped agent, EVENTS_PER_RUN events of about 500 bytes of JSON each, one
 checkpoint of about STATE_BYTES of state (the run row keeps only its number, as the engine
-does). Latencies are measured by a Django process (bench.history_probe) one call at a
-time, after each fill step. At the largest fill the no-op drain and the LLM-shaped async
-rate are measured on the filled database against an empty one of the same layout,
-alternating between the two (`RATE_ROUNDS` times each), so the ratio is same-run.
+does), and an input and an output payload row each (not columns of the run row either).
+Latencies are measured by a Django process (bench.history_probe) one call at a time,
+after each fill step. At the largest fill the no-op drain and the LLM-shaped async rate
+are measured on the filled database against an empty one of the same layout, alternating
+between the two (`RATE_ROUNDS` times each), so the ratio is same-run.
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ LLM_RUNS, LLM_CONCURRENCY = 2_000, 500
 RATE_ROUNDS = 3
 PREFIX = "agentruns_bench_history"
 
-HISTORY = ("django_agentruns_runevent", "django_agentruns_runcheckpoint")
+# A run's rows deleted before it on plain tables (as purge does): its payloads too (its
+# input and output; the plain payload table has a foreign key to the run).
+HISTORY = ("django_agentruns_runevent", "django_agentruns_runcheckpoint",
+           "django_agentruns_runpayload")
 
 
 @dataclass
@@ -86,13 +90,13 @@ def fill(conn: psycopg.Connection[Any], runs: int, layout_env: dict[str, str]) -
         with conn.transaction():
             ids = [r[0] for r in conn.execute(
                 "INSERT INTO django_agentruns_agentrun (agent, queue, priority, scope, fired_seq,"
-                " input, output, status, reason, attempt, requeue_count, max_requeues,"
+                " status, reason, attempt, requeue_count, max_requeues,"
                 " claimed_by, available_at, limit_key, snooze_count, input_tokens,"
                 " output_tokens, cost, checkpoint_count, agent_version,"
                 " cancel_reason, error_type, error_message, created_at,"
                 " started_at, finished_at, wait_key, spawn_key, dedupe_key,"
                 " release_dedupe_at_start, fair_key, steps_copied)"
-                " SELECT 'bench.llm', 'history', 0, '', 0, '{\"ticket\": 1}', '{\"label\": 1}',"
+                " SELECT 'bench.llm', 'history', 0, '', 0,"
                 " 'succeeded', 'completed', 1, 0, 3, '', now(), '', 0, 900, 300, 0.01,"
                 " 1, 1, '', '', '', now() - interval '40 days',"
                 " now() - interval '40 days', now() - interval '40 days', '', '', '', false,"
@@ -111,6 +115,12 @@ def fill(conn: psycopg.Connection[Any], runs: int, layout_env: dict[str, str]) -
             conn.execute(
                 "INSERT INTO django_agentruns_runcheckpoint (run_id, number, state, created_at)"
                 f" SELECT r, 1, {state('r')}, now() FROM unnest(%s::bigint[]) r", [ids])
+            # The input and the output: payload rows, not columns of the run row.
+            conn.execute(
+                "INSERT INTO django_agentruns_runpayload (run_id, kind, value, created_at)"
+                " SELECT r, k.kind, k.value::jsonb, now() FROM unnest(%s::bigint[]) r,"
+                " (VALUES ('input', '{\"ticket\": 1}'), ('output', '{\"label\": 1}'))"
+                " AS k(kind, value)", [ids])
         done += n
     conn.execute("VACUUM ANALYZE")
 

@@ -46,10 +46,15 @@ class StreamChunk(models.Model):
 
 class RunPayload(models.Model):
     """A run's bulky values kept out of its row (issue #29's narrow hot row), append-only:
-    the latest row of a kind is the value. Today the last error's traceback (`TRACEBACK`,
-    read through by `AgentRun.error_traceback`), written by `transitions.settling` in the
-    transaction that records the error. Partitioned with the history."""
+    the latest row of a kind is the value. Its input (`INPUT`, written with the run; a
+    debounce appends the newer one; the default {} is no row), its output (`OUTPUT`,
+    written by the statement that records the success; None is no row), and the last
+    error's traceback (`TRACEBACK`, written by `transitions.settling` in the transaction
+    that records the error); read through by `AgentRun.input`, `.output` and
+    `.error_traceback`. Partitioned with the history."""
 
+    INPUT = "input"
+    OUTPUT = "output"
     TRACEBACK = "traceback"
 
     id = models.BigAutoField(primary_key=True)

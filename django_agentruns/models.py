@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import models
+from django.db import models, router, transaction
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
+from .payloads import INPUT, OUTPUT, input_of, output_of, save_payloads, set_payload, unsaved
 from .queries import STATE, TRACEBACK, RunQuerySet, load_states, traceback_of
 from .states import DEAD_LETTER_REASONS, TERMINAL, UNFINISHED, Reason, Status
 
@@ -29,8 +30,8 @@ class AgentRun(models.Model):
     fired_seq = models.BigIntegerField(
         default=0, help_text=_("Firing order within the scope; ties are broken by id.")
     )
-    input = models.JSONField(default=dict, blank=True)
-    output = models.JSONField(null=True, blank=True)
+    # Input and output are not columns: `RunPayload` rows (`input` and `output` below), so
+    # the row that claims and renewals update holds no JSON document.
 
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED)
     reason = models.CharField(max_length=32, choices=Reason.choices, blank=True, default="")
@@ -167,6 +168,18 @@ class AgentRun(models.Model):
     def __str__(self) -> str:
         return f"{self.agent} #{self.pk} ({self.status})"
 
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        """Also the input and output set on this instance, as payload rows (same database,
+        one transaction)."""
+        if not unsaved(self):
+            super().save(*args, **kwargs)
+            return
+        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        with transaction.atomic(using=using):
+            adding = self._state.adding
+            super().save(*args, **kwargs)
+            save_payloads(self, using, adding=adding)
+
     @property
     def is_dead_letter(self) -> bool:
         return self.status == Status.FAILED and self.reason in DEAD_LETTER_REASONS
@@ -197,9 +210,31 @@ class AgentRun(models.Model):
     def error_traceback(self, text: str) -> None:
         self.__dict__[TRACEBACK] = text  # this instance's view only: nothing is saved
 
+    @property
+    def input(self) -> Any:
+        """The run's input ({} if none), read through from its latest `RunPayload` of kind
+        input once and kept on this instance (a claim returns it with the run). Setting it
+        on an instance saves it with the instance's next `save()`."""
+        return input_of(self)
+
+    @input.setter
+    def input(self, value: Any) -> None:
+        set_payload(self, INPUT, value)
+
+    @property
+    def output(self) -> Any:
+        """What the run returned (None until it succeeds), read through from its
+        `RunPayload` of kind output once (a run that did not succeed costs no query).
+        Setting it saves it with the instance's next `save()`."""
+        return output_of(self)
+
+    @output.setter
+    def output(self, value: Any) -> None:
+        set_payload(self, OUTPUT, value)
+
     def refresh_from_db(self, *args: Any, **kwargs: Any) -> None:
-        self.__dict__.pop(STATE, None)
-        self.__dict__.pop(TRACEBACK, None)
+        for key in (STATE, TRACEBACK, INPUT, OUTPUT):
+            self.__dict__.pop(key, None)
         super().refresh_from_db(*args, **kwargs)
 
 

@@ -210,3 +210,12 @@ def wait_until(
             what = message or getattr(predicate, "__name__", repr(predicate))
             raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
         time.sleep(interval)
+
+
+def store_payloads(run_ids: Sequence[int], kind: str, value: Any) -> None:
+    """Give these runs a newer `kind` payload (input, output): what `.update(input=...)`
+    did while input and output were columns of the run row."""
+    from django_agentruns.models import RunPayload
+
+    RunPayload.objects.bulk_create(RunPayload(run_id=pk, kind=kind, value=value)
+                                   for pk in run_ids)

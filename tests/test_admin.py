@@ -257,9 +257,10 @@ def test_event_timeline_is_paginated(admin_client: Client,
                                      django_assert_max_num_queries: Any) -> None:
     run = make_run(Status.SUCCEEDED)
     add_events(run, 250)
-    # Session, user, the run, the event count and page, children, checkpoints, steps, the
-    # stored live output and the live workers: none grows with the 250 events.
-    with django_assert_max_num_queries(10):
+    # Session, user, the run, its input and output (payload rows), the event count and
+    # page, children, checkpoints, steps, the stored live output and the live workers:
+    # none grows with the 250 events.
+    with django_assert_max_num_queries(11):
         first = admin_client.get(run_url(run))
     # Newest first: the events that explain how it ended are on the first page.
     assert [e.seq for e, _ in first.context["event_rows"]] == list(range(250, 150, -1))

@@ -154,7 +154,8 @@ def test_a_worker_starts_a_late_tenants_runs_early_behind_a_flood(
     worker_env: dict[str, str],
 ) -> None:
     flood("A", 400)
-    AgentRun.objects.update(input={"tenant": "A", "seconds": 0.02})
+    helpers.store_payloads(list(AgentRun.objects.values_list("pk", flat=True)), "input",
+                           {"tenant": "A", "seconds": 0.02})
     with helpers.start_manage(["runworker", "--concurrency", "8"], worker_env):
         helpers.wait_until(lambda: AgentRun.objects.filter(status=Status.SUCCEEDED).count()
                            >= 40, timeout=30, message="the worker to be busy with A")

@@ -141,8 +141,9 @@ PAYLOAD_COLUMNS = ('"input"', '"output"', '"state"', '"value"', '"payload"')
 def make_big(runs: int, events: int) -> list[int]:
     ids = [make(Status.SUCCEEDED, Reason.COMPLETED, events=events).pk for _ in range(runs)]
     # Written past the size caps on purpose: what purge must cope with is what is stored.
-    AgentRun.objects.filter(pk__in=ids).update(
-        input={"blob": BIG}, output={"blob": BIG}, checkpoint_count=1)
+    AgentRun.objects.filter(pk__in=ids).update(checkpoint_count=1)
+    helpers.store_payloads(ids, RunPayload.INPUT, {"blob": BIG})
+    helpers.store_payloads(ids, RunPayload.OUTPUT, {"blob": BIG})
     RunCheckpoint.objects.bulk_create(
         RunCheckpoint(run_id=pk, number=1, state={"blob": BIG}) for pk in ids)
     RunPayload.objects.bulk_create(

@@ -12,7 +12,7 @@ import pytest
 from django.db import DatabaseError, close_old_connections, connection
 
 from django_agentruns import enqueue, transitions
-from django_agentruns.models import AgentRun, RunEvent, Status
+from django_agentruns.models import AgentRun, RunEvent, RunPayload, Status
 from django_agentruns.runtime.attempt_store import AttemptStore
 from django_agentruns.transitions import (
     AttemptRef,
@@ -119,24 +119,24 @@ def test_an_event_appended_while_a_settle_waits_is_not_overwritten() -> None:
 
 def refuse_output(marker: str) -> None:
     """A database-level rejection of one success: a trigger refusing any output holding
-    `marker`, as a value too large for the column would be refused."""
-    table = AgentRun._meta.db_table
+    `marker` (its payload row), as a value too large for the column would be refused."""
+    table = RunPayload._meta.db_table
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute(f"""CREATE OR REPLACE FUNCTION agentruns_test_refuse() RETURNS trigger
-                AS $$ BEGIN IF NEW.output::text LIKE '%{marker}%' THEN
+                AS $$ BEGIN IF NEW.value::text LIKE '%{marker}%' THEN
                 RAISE EXCEPTION 'output refused' USING ERRCODE = 'data_exception'; END IF;
                 RETURN NEW; END $$ LANGUAGE plpgsql""")
-            cursor.execute(f'CREATE TRIGGER agentruns_test_refuse BEFORE UPDATE ON "{table}" '
+            cursor.execute(f'CREATE TRIGGER agentruns_test_refuse BEFORE INSERT ON "{table}" '
                            f"FOR EACH ROW EXECUTE FUNCTION agentruns_test_refuse()")
         else:
-            cursor.execute(f'CREATE TRIGGER agentruns_test_refuse BEFORE UPDATE ON "{table}" '
-                           f"WHEN NEW.output LIKE '%{marker}%' "
+            cursor.execute(f'CREATE TRIGGER agentruns_test_refuse BEFORE INSERT ON "{table}" '
+                           f"WHEN NEW.value LIKE '%{marker}%' "
                            f"BEGIN SELECT RAISE(ABORT, 'output refused'); END")
 
 
 def drop_refusal() -> None:
-    table = AgentRun._meta.db_table
+    table = RunPayload._meta.db_table
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute(f'DROP TRIGGER IF EXISTS agentruns_test_refuse ON "{table}"')

@@ -124,8 +124,8 @@ def test_apply_writes_fences_each_write_on_its_own_in_one_transaction() -> None:
     assert [(s, t) for s, t, _ in story(pointed)] == [started, (2, transitions.CHECKPOINT)]
     assert AgentRun.objects.get(pk=pointed.run_id).checkpoint_state == {"s": 1}
     assert [(s, t) for s, t, _ in story(done)] == [started, (2, transitions.SUCCEEDED)]
-    assert AgentRun.objects.values_list("status", "output").get(pk=done.run_id) == (
-        Status.SUCCEEDED, {"out": 1})
+    finished = AgentRun.objects.get(pk=done.run_id)
+    assert (finished.status, finished.output) == (Status.SUCCEEDED, {"out": 1})
     assert AgentRun.objects.get(pk=gone.run_id).status == Status.RUNNING
 
 

@@ -19,6 +19,7 @@ from django.test import Client, override_settings
 from django_agentruns import InvalidInputError, checks, stream_url
 from django_agentruns.models import AgentRun
 from django_agentruns.streaming import signing
+from tests import helpers
 from tests.test_stream import (
     finished_run,
     make_user,
@@ -53,8 +54,12 @@ def owner_rule(request: HttpRequest, run: AgentRun) -> bool:
 
 def owned_run(owner: str) -> AgentRun:
     run = finished_run(steps=1)
-    AgentRun.objects.filter(pk=run.pk).update(input={"owner": owner})
+    helpers.store_payloads([run.pk], "input", {"owner": owner})
     return run
+
+
+def alice_run() -> AgentRun:
+    return next(r for r in AgentRun.objects.all() if r.input.get("owner") == "alice")
 
 
 def watch(client: Client, path: str) -> tuple[int, str]:
@@ -100,7 +105,7 @@ def test_the_stream_access_rule_lets_a_user_watch_that_run_only(client: Client) 
     with override_settings(AGENTRUNS={"STREAM_ACCESS": f"{__name__}.owner_rule"}):
         assert_one_run_only(client)
     client.force_login(User.objects.get(username="alice"))
-    assert watch(client, url(AgentRun.objects.get(input__owner="alice").pk))[0] == 403
+    assert watch(client, url(alice_run().pk))[0] == 403
 
 
 def test_without_permission_a_missing_run_is_refused_as_an_existing_one(

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
 
 from django_agentruns import (
@@ -169,8 +169,10 @@ def parked_runs(n: int) -> list[int]:
 
 
 def finish(run_ids: list[int], *, close: bool = False) -> None:
-    for rid in run_ids:  # one by one: each with its own output
-        AgentRun.objects.filter(pk=rid).update(status=Status.SUCCEEDED, output={"id": rid})
+    for rid in run_ids:  # one by one: each with its own output, as a settle commits both
+        with transaction.atomic():
+            AgentRun.objects.filter(pk=rid).update(status=Status.SUCCEEDED)
+            helpers.store_payloads([rid], "output", {"id": rid})
     if close:  # another thread's: give its connection back
         connection.close()
 

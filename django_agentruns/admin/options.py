@@ -12,7 +12,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import Case, QuerySet, When
+from django.db.models import Case, OuterRef, QuerySet, Subquery, When
 from django.db.models.fields.json import KT
 from django.db.models.functions import Substr
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -21,7 +21,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 from django.utils.translation import gettext_lazy as _
 
-from ..models import AgentRun, RunEvent, Status
+from ..models import AgentRun, RunEvent, RunPayload, Status
 from ..ops.diagnosis import short_error
 from ..ops.visibility import why_not_started
 from ..ops.workers import live_ids
@@ -50,7 +50,7 @@ ERROR_SHOWN = 48  # and shows (the rest on hover)
 TASK_PATH_SHOWN = 120
 # Never loaded for the list: a page of 100 runs would otherwise carry 100 inputs,
 # outputs and tracebacks.
-HEAVY_FIELDS = ("input", "output", "error_message", "cancel_reason")
+HEAVY_FIELDS = ("error_message", "cancel_reason")  # input, output: no columns (RunPayload)
 
 
 if TYPE_CHECKING:
@@ -68,8 +68,10 @@ class RunChangeList(ChangeList):
             error_head=Substr("error_message", 1, ERROR_HEAD), **approvals.wait_columns(),
             # A django.tasks run is named by its task's path: the one key read from the
             # input, of task runs only (the CASE spares every other run's input).
-            task_path=Case(When(agent__in=TASK_AGENTS,
-                                then=Substr(KT("input__task"), 1, TASK_PATH_SHOWN))))
+            task_path=Case(When(agent__in=TASK_AGENTS, then=Subquery(
+                RunPayload.objects.filter(run_id=OuterRef("pk"), kind=RunPayload.INPUT)
+                .order_by("-id").values_list(Substr(KT("value__task"), 1, TASK_PATH_SHOWN))
+                [:1]))))
 
     def get_results(self, request: HttpRequest) -> None:
         """The page's rows, each told which workers are live (one read for the page), so a

@@ -45,14 +45,15 @@ UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 LONGEST_DURATION = timedelta(days=365 * 1000)
 
 # Columns that can hold megabytes: never selected by a purge, whatever receivers want.
-RUN_PAYLOADS = ("input", "output", "error_message", "cancel_reason")
+RUN_PAYLOADS = ("error_message", "cancel_reason")  # input, output: RunPayload rows
 EVENT_PAYLOADS = ("payload",)
 
 OWNED_BY_RUN: tuple[tuple[type[models.Model], str, tuple[str, ...]], ...] = (
     # (model, its foreign key to the run, its payload columns): rows deleted with the run.
     (RunEvent, "run", EVENT_PAYLOADS),
     (RunCheckpoint, "run", ("state",)),
-    (RunPayload, "run", ("value",)),  # the values kept out of the run row (a traceback)
+    # The values kept out of the run row: input, output, traceback.
+    (RunPayload, "run", ("value",)),
     (RunWait, "run", ("prompt", "payload")),  # waits and the deliveries stored on them
     (StreamChunk, "run", ("text",)),  # SQLite's live output on its way to the readers
     (RunStep, "run", ("result", "error")),  # durable steps (a fork keeps its own copies)

@@ -33,6 +33,7 @@ from ..exceptions import (
 from ..models import AgentRun
 from ..ops import metrics, tracing
 from ..outcomes import AttemptRef, Outcome, OutcomeKind, Settlement, StopReason
+from ..payloads import inputs_loaded, load_inputs
 from ..queries import load_states, state_loaded
 from ..registry import AgentSpec
 from ..streaming import chunks
@@ -147,6 +148,8 @@ class Executor:
         try:
             if not state_loaded(run):  # the claim loop did not read it: a storage call
                 control.call(load_states, [run])
+            if not inputs_loaded(run):  # nor its input
+                control.call(load_inputs, [run])
         except BaseException as exc:
             return _raised(control, exc)
         return call_agent(spec, make_context(run, control), control)
@@ -169,6 +172,8 @@ class Executor:
         try:
             if not state_loaded(run):
                 await in_thread(control, load_states, [run])
+            if not inputs_loaded(run):
+                await in_thread(control, load_inputs, [run])
         except BaseException as exc:
             return _raised(control, exc)
         return None

@@ -30,8 +30,9 @@ def run_now(agent: str, input: Any = None, *, scope: str = "") -> Any:
     new = build_new_run(RunRequest(agent, input, scope), at, {})
     run = AgentRun(agent=new.agent, agent_version=new.agent_version, queue=new.queue,
                    priority=new.priority, scope=new.scope, fired_seq=new.fired_seq,
-                   input=new.input, max_requeues=new.max_requeues,
-                   available_at=new.available_at, created_at=at)
+                   max_requeues=new.max_requeues, available_at=new.available_at,
+                   created_at=at)
+    run.input = new.input  # a payload row, saved with the run
     worker_id = f"interactive:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     transitions.start_interactive(run, worker_id)
     ref = AttemptRef(run.pk, 1, worker_id, lease_ttl=None, agent=run.agent)

@@ -34,6 +34,7 @@ from ..exceptions import AgentRunsError
 from ..models import AgentRun
 from ..ops import visibility
 from ..outcomes import AttemptRef, Settlement, StopReason
+from ..payloads import load_inputs
 from ..queries import load_states
 from ..queues import PausedSet
 from ..registry import AgentSpec, all_agents, check_worker_names, find_agent, scope_policy
@@ -261,8 +262,9 @@ class Worker:
             raise
         runs = limited + claimed
         self.handover.release()  # successes from now on wait for the next pass
-        with suppress(Exception):  # resumed runs' states, one read (else each its own)
+        with suppress(Exception):  # states, inputs the claim did not return: a read each
             load_states(runs)
+            load_inputs(runs)
         if include_lapsed and len(limited) < batch:  # else the claim did not look
             self._last_lapsed_scan = now
         try:

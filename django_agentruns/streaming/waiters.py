@@ -37,6 +37,7 @@ from ..conf import SETTING_NAME, app_settings
 from ..db import Reconnects, is_postgres, notifications, serve_on_demand
 from ..exceptions import InvalidInputError, RunNotFoundError, TooManyWaitersError
 from ..models import TERMINAL, AgentRun
+from ..payloads import load_values
 
 logger = logging.getLogger("django_agentruns.waiters")
 
@@ -186,6 +187,7 @@ class FinishedListener:
         """One read for these runs: answer the waiters of those finished or gone (their
         ids are returned)."""
         found = {run.pk: run for run in AgentRun.objects.filter(pk__in=run_ids)}
+        load_values(found.values())  # a waiter may be a coroutine: it reads nothing more
         with self._lock:
             answered = [(run_id, self._waiters.pop(run_id)) for run_id in run_ids
                         if run_id in self._waiters and (run_id not in found
@@ -213,7 +215,7 @@ def wait_for_run(run_id: int, *, timeout: float | None = None) -> AgentRun:
     try:
         if not is_postgres():
             _poll_until_finished(rid, deadline)
-            return AgentRun.objects.get(pk=rid)
+            return finished_run(rid)
         done = threading.Event()
         result: list[AgentRun | BaseException] = []
 
@@ -267,7 +269,7 @@ def _last_look(rid: int) -> AgentRun:
     read the run yet: `timeout=0` on a finished run returns it); then `TimeoutError`."""
     try:
         if _finished(rid):
-            return AgentRun.objects.get(pk=rid)
+            return finished_run(rid)
     finally:
         if not connection.in_atomic_block:
             connection.close()  # a waiting thread holds no connection
@@ -323,4 +325,11 @@ async def _apoll_until_finished(rid: int, deadline: float | None) -> AgentRun:
         left = _left(deadline)
         await asyncio.sleep(wait if left is None else min(wait, left))
         wait = min(POLL_MAX, wait * 2)
-    return await sync_to_async(AgentRun.objects.get, thread_sensitive=False)(pk=rid)
+    return await sync_to_async(finished_run, thread_sensitive=False)(rid)
+
+
+def finished_run(rid: int) -> AgentRun:
+    """The run with its input and output read (its caller may be a coroutine)."""
+    run = AgentRun.objects.get(pk=rid)
+    load_values([run])
+    return run

@@ -34,7 +34,7 @@ from . import rawsql
 from .attempts import checkpoint, emit, renew, trim_history
 from .children import parents_settled
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
-from .settling import _announce_succeeded, settle_succeeded, settle_succeeded_many
+from .settling import _announce_succeeded, insert_outputs, settle_succeeded, settle_succeeded_many
 from .snoozing import record_usage, record_usage_in
 from .steps import (
     CarriedEnd,
@@ -356,6 +356,9 @@ def _succeed(writes: Sequence[Write], positions: list[int], results: list[Result
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             settled: dict[int, int | None] = dict(cursor.fetchall())  # id: parent_id
+            outputs = insert_outputs(rows, settled, at)
+            if outputs is not None:
+                cursor.execute(*outputs)
         done = set(settled)
         ended += [(run_id, SUCCEEDED, {}, attempt, event_id)
                   for run_id, attempt, _, event_id in rows if run_id in done]

@@ -12,7 +12,8 @@ from django.db import OperationalError, connection, transaction
 
 from ..conf import app_settings
 from ..exceptions import InvalidInputError
-from ..models import AgentLimit, AgentRun, RunCheckpoint, RunStep, Status
+from ..models import AgentLimit, AgentRun, RunCheckpoint, RunPayload, RunStep, Status
+from ..payloads import INPUT, keep
 from . import rawrows, rawsql
 from .events import FORKED, append_events, lifecycle
 from .fair import join_groups
@@ -42,6 +43,7 @@ class NewRun(NamedTuple):
 # What each element of insert_runs' JSON array holds, in order (input as its JSON text).
 _PER_RUN = ("agent", "queue", "priority", "scope", "fired_seq", "input", "max_requeues",
             "available_at", "dedupe_key", "limit_key", "agent_version", "fair_key")
+EMPTY_INPUT = "{}"  # the default input's JSON text: stored as no payload row
 # A dedupe key taken by a run that finished before its holder could be read: insert again,
 # at most this many times (each round needs another run to finish at that very moment).
 DEDUPE_ROUNDS = 5
@@ -81,6 +83,10 @@ def insert_runs(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
 
 
 def _insert_placed(new: Sequence[NewRun], at: datetime) -> list[AgentRun]:
+    if connection.vendor != "postgresql" and not connection.in_atomic_block and \
+            any(r.input_json != EMPTY_INPUT for r in new):
+        with transaction.atomic():  # the runs and their inputs' rows: two statements here
+            return _insert_placed(new, at)
     runs: list[AgentRun | None] = [None] * len(new)
     pending = list(range(len(new)))
     for _ in range(DEDUPE_ROUNDS):
@@ -142,6 +148,7 @@ def _place(new: Sequence[NewRun], pending: list[int], inserted: list[tuple[int, 
     shared.update(status=Status.QUEUED, created_at=at, forked_from_id=None)
     taken: set[int] = set()
     again = []
+    inputs: list[tuple[int, str]] = []  # SQLite: (id, input JSON) of the runs inserted
     for i in pending:
         r = new[i]
         pk = by_key.get((r.agent, r.dedupe_key)) if r.dedupe_key else next(keyless)
@@ -149,7 +156,10 @@ def _place(new: Sequence[NewRun], pending: list[int], inserted: list[tuple[int, 
             taken.add(pk)
             values = {**shared, **r._asdict(), "id": pk,
                       "limit_keys": list(r.limit_keys) if len(r.limit_keys) > 1 else None}
-            runs[i] = AgentRun.from_db(alias, names, [values[n] for n in names])
+            runs[i] = run = AgentRun.from_db(alias, names, [values[n] for n in names])
+            keep(run, INPUT, r.input)
+            if r.input_json != EMPTY_INPUT:
+                inputs.append((pk, r.input_json))
             continue
         # An earlier row of this call holds the key, or an unfinished run does.
         if pk is None:
@@ -162,15 +172,32 @@ def _place(new: Sequence[NewRun], pending: list[int], inserted: list[tuple[int, 
             continue
         existing.deduplicated = True
         runs[i] = existing
+    if inputs and connection.vendor != "postgresql":  # PostgreSQL: in the runs' INSERT
+        insert_inputs(inputs, at)
     return again
+
+
+def insert_inputs(inputs: Sequence[tuple[int, str]], at: datetime) -> None:
+    """The input payload rows of new runs ((id, input JSON text)), in one INSERT."""
+    table = connection.ops.quote_name(RunPayload._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} (run_id, kind, value, created_at) "
+            f"SELECT json_extract(value, '$[0]'), %s, json_extract(value, '$[1]'), %s "
+            f"FROM json_each(%s)",
+            [RunPayload.INPUT, connection.ops.adapt_datetimefield_value(at),
+             json.dumps(inputs)])
 
 
 def _insert(rows: str, at: datetime) -> list[tuple[int, str, str]]:
     """One INSERT of the JSON array `rows`; (id, agent, dedupe_key) of the rows inserted,
     in array order."""
     sql, fixed = _insert_statement(connection.vendor)
+    created = connection.ops.adapt_datetimefield_value(at)
+    params = [rows, *fixed, created, created] if connection.vendor == "postgresql" else \
+        [*fixed, created, rows]
     with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
-        cursor.execute(sql, [*fixed, connection.ops.adapt_datetimefield_value(at), rows])
+        cursor.execute(sql, params)
         return sorted((pk, agent, key) for pk, agent, key in cursor.fetchall())
 
 
@@ -199,27 +226,47 @@ def _json_time(value: datetime) -> str:
 def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
     """insert_runs' INSERT, and the values of its fixed columns: status 'queued' and every
     other NOT NULL column at its (constant) model default. Then created_at and the rows
-    are the parameters; nullable columns are left NULL."""
+    are the parameters; nullable columns are left NULL.
+
+    On PostgreSQL the same statement writes the input payload rows (the input is no
+    column: `RunPayload`): the ids are drawn from the run table's sequence in array order
+    before the INSERT, so each inserted row's input is found by its id."""
     fields = {f.attname: f for f in AgentRun._meta.concrete_fields}
+    columns_of = [name for name in _PER_RUN if name != "input"]
     fixed = {name: Status.QUEUED if name == "status" else f.get_default()
              for name, f in fields.items()
              if name not in (*_PER_RUN, "created_at") and not f.primary_key and not f.null}
     qn = connection.ops.quote_name
+    runs = qn(AgentRun._meta.db_table)
+    at_input = _PER_RUN.index("input")
     if vendor == "postgresql":
         # Cast to the column's type without its length: a value too long is an error, not cut.
-        picks = [f"(r->>{i})::{str(fields[name].db_type(connection)).split('(')[0]}"
-                 for i, name in enumerate(_PER_RUN)]
-        source = "jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS rows(r, n) ORDER BY n"
+        picks = [f"(r->>{_PER_RUN.index(name)})::"
+                 f"{str(fields[name].db_type(connection)).split('(')[0]}"
+                 for name in columns_of]
+        source = "src ORDER BY n"
     else:
-        picks = [f"json_extract(value, '$[{i}]')" for i in range(len(_PER_RUN))]
+        picks = [f"json_extract(value, '$[{_PER_RUN.index(name)}]')" for name in columns_of]
         # WHERE true: SQLite needs a WHERE in an INSERT ... SELECT with an upsert clause.
         source = "json_each(%s) WHERE true ORDER BY key"
     columns = ", ".join(qn(str(fields[name].column))
-                        for name in (*_PER_RUN, *fixed, "created_at"))
+                        for name in (*columns_of, *fixed, "created_at"))
     values = ", ".join([*picks, *["%s"] * (len(fixed) + 1)])
-    sql = (f"INSERT INTO {qn(AgentRun._meta.db_table)} ({columns}) SELECT {values} "
-           f"FROM {source} ON CONFLICT DO NOTHING "
-           f"RETURNING {qn(str(AgentRun._meta.pk.column))}, {qn('agent')}, {qn('dedupe_key')}")
+    returning = f"{qn(str(AgentRun._meta.pk.column))}, {qn('agent')}, {qn('dedupe_key')}"
+    insert = (f"INSERT INTO {runs} (@id@{columns}) SELECT @id@{values} "
+              f"FROM {source} ON CONFLICT DO NOTHING RETURNING {returning}")
+    if vendor == "postgresql":
+        sequence = f"(SELECT pg_get_serial_sequence('{AgentRun._meta.db_table}', 'id'))"
+        sql = (f"WITH src AS MATERIALIZED (SELECT nextval({sequence}::regclass) AS id, r, n "
+               f"FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS rows(r, n)), "
+               f"ins AS ({insert.replace('@id@', 'id, ')}), "
+               f"pay AS (INSERT INTO {qn(RunPayload._meta.db_table)} "
+               f"(run_id, kind, value, created_at) SELECT ins.id, '{RunPayload.INPUT}', "
+               f"(src.r->>{at_input})::jsonb, %s FROM ins JOIN src ON src.id = ins.id "
+               f"WHERE src.r->>{at_input} <> '{EMPTY_INPUT}') "
+               f"SELECT * FROM ins")
+    else:
+        sql = insert.replace("@id@", "")
     return sql, tuple(fields[name].get_db_prep_save(value, connection)
                       for name, value in fixed.items())
 
@@ -263,15 +310,17 @@ def insert_fork(
                                                     " and keeps only its latest ones "
                                                     "(CHECKPOINT_HISTORY; a fork keeps the "
                                                     "one it started from)"))
-        run = AgentRun.objects.create(
+        run = AgentRun(
             agent=agent or origin.agent, queue=queue or origin.queue, priority=origin.priority,
             limit_key=origin.limit_key if limit_key is None else limit_key,
             fair_key=origin.fair_key if fair_key is None else fair_key,
             agent_version=version or origin.agent_version,
             scope=origin.scope, fired_seq=origin.fired_seq,
-            input=origin.input if input is None else input, max_requeues=origin.max_requeues,
+            max_requeues=origin.max_requeues,
             status=Status.QUEUED, available_at=at, created_at=at,
             checkpoint_count=n, forked_from=origin, steps_copied=replay or bool(n))
+        run.input = origin.input if input is None else input  # a payload row, saved with it
+        run.save(force_insert=True)
         if run.fair_key:
             join_groups([(run.queue, run.fair_key)])
         if n:

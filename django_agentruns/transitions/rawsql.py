@@ -20,7 +20,8 @@ from django.db import connection
 from django.db.models import Field, QuerySet
 from django.utils import timezone
 
-from ..models import AgentRun, RunCheckpoint, RunEvent
+from ..models import AgentRun, RunCheckpoint, RunEvent, RunPayload
+from . import payload_sql
 
 # Stands for "now" while a queryset is compiled; swapped for the real time per call.
 SENTINEL_TIME = datetime(1999, 12, 31, 23, 59, 58, 424242, tzinfo=UTC)
@@ -39,7 +40,8 @@ def qn(name: str) -> str:
     return connection.ops.quote_name(name)
 
 
-def prep(model: type[AgentRun] | type[RunEvent], name: str, value: Any) -> Any:
+def prep(model: type[AgentRun] | type[RunEvent] | type[RunPayload], name: str,
+         value: Any) -> Any:
     """A value as the field would send it (JSON adapted, UUID and datetime for SQLite).
     PostgreSQL takes an aware datetime or a UUID as it is (the field would only check)."""
     if isinstance(value, datetime | uuid.UUID) and getattr(value, "tzinfo", True) is not None \
@@ -49,7 +51,8 @@ def prep(model: type[AgentRun] | type[RunEvent], name: str, value: Any) -> Any:
 
 
 @functools.cache
-def _field(model: type[AgentRun] | type[RunEvent], name: str) -> Field[Any, Any]:
+def _field(model: type[AgentRun] | type[RunEvent] | type[RunPayload],
+           name: str) -> Field[Any, Any]:
     field = model._meta.get_field(name)
     assert isinstance(field, Field)
     return field
@@ -270,11 +273,11 @@ def _succeed_parts(
     table = qn(AgentRun._meta.db_table)
     params: list[Any] = []
     for run_id, attempt, output, event_id in items:
-        params += [run_id, attempt, prep(AgentRun, "output", output),
+        params += [run_id, attempt, payload_sql.output_param(output),
                    prep(RunEvent, "event_id", event_id)]
     rows = values_rows(len(items), "bigint", "integer", "jsonb", "uuid")
     params += [succeeded, completed, prep(AgentRun, "finished_at", at), running, worker_id]
-    update = (f"UPDATE {table} SET status = %s, reason = %s, output = v.run_output, "
+    update = (f"UPDATE {table} SET status = %s, reason = %s, "
               f"finished_at = %s, lease_expires = NULL FROM v "
               f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
               f"AND {table}.status = %s AND {table}.claimed_by = %s ")
@@ -284,12 +287,15 @@ def _succeed_parts(
 
 def _succeed_ctes(head: str, update: str, event_type: str,
                   at: datetime) -> tuple[str, list[Any]]:
-    """`WITH v, done (the settled: id, attempt, parent_id), ended (their end events)`."""
+    """`WITH v, done (the settled: id, attempt, parent_id), ended (their end events),
+    outputs (their output payload rows)`."""
     table = qn(AgentRun._meta.db_table)
     return (f"{head}, done AS ({update}RETURNING {table}.id, {table}.attempt, "
             f"{table}.parent_id), "
-            f"ended AS ({_events_from('done', 'done_v.run_event', 'done_v')})"), \
-        [event_type, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at)]
+            f"ended AS ({_events_from('done', 'done_v.run_event', 'done_v')}), "
+            f"outputs AS ({payload_sql.OUTPUTS_FROM_DONE})"), \
+        [event_type, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at),
+         prep(RunEvent, "created_at", at)]
 
 
 def _events_from(rows: str, event_id: str, join: str = "") -> str:
@@ -341,7 +347,8 @@ def _claim_ctes(
            f"dedupe_key = CASE WHEN {table}.release_dedupe_at_start THEN '' "
            f"ELSE {table}.dedupe_key END "
            f"FROM picked WHERE {table}.id = picked.id AND {table}.status = %s "
-           f"RETURNING {table}.*, picked.started_at AS previous_started_at), "
+           f"RETURNING {table}.*, picked.started_at AS previous_started_at, "
+           f"{payload_sql.INPUT_OF_CLAIMED}), "
            f"started AS ({_events_from('claimed', 'gen_random_uuid()')})")
     return sql, params
 
@@ -378,7 +385,6 @@ def settle_and_claim(
 
 _SHAPES: dict[tuple[Any, ...], str] = {}
 
-
 def _settle_and_claim_params(
     items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
     completed: str, ended: str, due: Compiled, at: datetime, queued: str,
@@ -388,11 +394,11 @@ def _settle_and_claim_params(
     worker sends the same few shapes run after run)."""
     params: list[Any] = []
     for run_id, attempt, output, event_id in items:
-        params += [run_id, attempt, prep(AgentRun, "output", output),
+        params += [run_id, attempt, payload_sql.output_param(output),
                    prep(RunEvent, "event_id", event_id)]
     params += [succeeded, completed, prep(AgentRun, "finished_at", at), running, worker_id,
                ended, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at),
-               *due.bind(at), running, worker_id]
+               prep(RunEvent, "created_at", at), *due.bind(at), running, worker_id]
     for agent, until in lease_ttls.items():
         params += [agent, until]
     params += [default_lease, at, queued, started,

@@ -67,6 +67,9 @@ def settle_succeeded_many(
             with connection.cursor() as cursor:
                 cursor.execute(sql, params)
                 settled = dict(cursor.fetchall())
+                outputs = insert_outputs(rows, settled, at)
+                if outputs is not None:
+                    cursor.execute(*outputs)
             append_events([(run_id, SUCCEEDED, {}, attempt, event_id)
                             for run_id, attempt, _, event_id in rows if run_id in settled], at)
             children.parents_settled(settled.values(), at)
@@ -95,6 +98,22 @@ def _succeed_in_one_statement(
             return dict(cursor.fetchall())  # id: parent_id
     except IntegrityError:
         return None
+
+
+def insert_outputs(rows: Sequence[tuple[int, int, Any, Any]], settled: Any,
+                   at: datetime) -> tuple[str, list[Any]] | None:
+    """The output payload rows of the settled runs among `settle_succeeded`'s rows, for
+    its form without events (SQLite, a caller's transaction); None: no output to store."""
+    kept = [(run_id, output) for run_id, _, output, _ in rows
+            if output is not None and run_id in settled]
+    if not kept:
+        return None
+    table = rawsql.qn(RunPayload._meta.db_table)
+    sql = (f"WITH v AS {rawsql.json_rows((('run_id', 'bigint'), ('value', 'jsonb')))} "
+           f"INSERT INTO {table} (run_id, kind, value, created_at) "
+           f"SELECT v.run_id, %s, v.value, %s FROM v")
+    return sql, [rawsql.json_values(kept, ("bigint", "jsonb")), RunPayload.OUTPUT,
+                 rawsql.prep(RunEvent, "created_at", at)]
 
 
 def _announce_succeeded(items: Sequence[tuple[AttemptRef, Any]], done: set[int]) -> None:

@@ -14,7 +14,8 @@ from datetime import datetime
 from django.db import OperationalError, transaction
 
 from ..db import is_postgres, retry_on_lock
-from ..models import UNFINISHED, AgentRun, Status
+from ..models import UNFINISHED, AgentRun, RunPayload, Status
+from ..payloads import INPUT, keep
 from .enqueue import DEDUPE_ROUNDS, NewRun, insert_runs
 from .operators import cancel
 
@@ -33,9 +34,12 @@ def enqueue_debounced(new: NewRun, at: datetime) -> AgentRun:
             if holder_id is not None:
                 if AgentRun.objects.filter(pk=holder_id, status=Status.QUEUED,
                                            dedupe_key=new.dedupe_key).update(
-                        input=new.input, available_at=new.available_at,
-                        release_dedupe_at_start=True):
+                        available_at=new.available_at, release_dedupe_at_start=True):
+                    # The newest input: a payload row after the older one (even {}).
+                    RunPayload.objects.create(run_id=holder_id, kind=RunPayload.INPUT,
+                                              value=new.input, created_at=at)
                     run = AgentRun.objects.get(pk=holder_id)
+                    keep(run, INPUT, new.input)
                     run.debounced = True
                     return run
                 continue  # started or replaced meanwhile: look again

@@ -30,6 +30,7 @@ from ..outcomes import (
     Waited,
     WaitState,
 )
+from ..payloads import outputs_of
 from .events import append_events, append_one, lifecycle, now
 
 WAITING = "run.waiting"
@@ -130,14 +131,15 @@ def _children(parent_id: int, ids: list[int]) -> dict[int, RunResult]:
     from ..exceptions import InvalidInputError
 
     rows = {r["id"]: r for r in AgentRun.objects.filter(pk__in=ids, parent_id=parent_id)
-            .values("id", "status", "reason", "output", "error_type", "error_message")}
+            .values("id", "status", "reason", "error_type", "error_message")}
+    outputs = outputs_of([pk for pk, r in rows.items() if r["status"] == Status.SUCCEEDED])
     strangers = sorted(set(ids) - set(rows))
     if strangers:
         raise InvalidInputError(f"wait_for_runs takes child runs of run {parent_id} "
                                 f"(ctx.spawn); not its children: {strangers[:10]}")
     return {pk: RunResult(
         status=r["status"], reason=r["reason"],
-        output=r["output"] if r["status"] == Status.SUCCEEDED else None,
+        output=outputs.get(pk),
         error={"type": r["error_type"], "message": r["error_message"]}
         if r["status"] == Status.FAILED else None) for pk, r in rows.items()}
 
