@@ -21,6 +21,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from django.utils import timezone
 
+from django_agentruns import enqueue
 from django_agentruns.checks import check_history_layout, check_history_partition
 from django_agentruns.flow_models import RunUsage
 from django_agentruns.models import (
@@ -123,6 +124,31 @@ def test_partitions_are_made_ahead_and_rows_cross_a_boundary(partitioned: int) -
         cursor.execute("SELECT tableoid::regclass::text, run_id FROM django_agentruns_runevent")
         for table, run_id in cursor.fetchall():
             assert table == f"django_agentruns_runevent_p{run_id // SPAN * SPAN}"
+
+
+@pytest.mark.postgres_only
+def test_an_enqueue_near_the_partitions_top_makes_the_next_ones(
+        partitioned: int, django_capture_on_commit_callbacks: Any) -> None:
+    """A run's input is a payload row in its span's partition: enqueues that come within
+    half a span of the top make more (after their transaction commits), as a worker's
+    chores would, so enqueueing with no worker running never runs out of partitions."""
+    top = max(hi for _, hi in spans())
+    runs = []
+    with django_capture_on_commit_callbacks(execute=True) as callbacks:
+        while not runs or runs[-1].pk < top - SPAN // 2:
+            runs.append(enqueue("tests.noop", {"n": len(runs)}))
+    assert callbacks  # the last enqueues asked for partitions once committed
+    assert max(hi for _, hi in spans()) > top
+    with django_capture_on_commit_callbacks(execute=True):
+        while runs[-1].pk < top + 2:  # past the old top: into the partitions just made
+            runs.append(enqueue("tests.noop", {"n": len(runs)}))
+    assert [AgentRun.objects.get(pk=run.pk).input for run in runs] == \
+        [{"n": n} for n in range(len(runs))]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT tableoid::regclass::text, run_id FROM django_agentruns_runpayload "
+                       "WHERE kind = 'input'")
+        for table, run_id in cursor.fetchall():
+            assert table == f"django_agentruns_runpayload_p{run_id // SPAN * SPAN}"
 
 
 @pytest.mark.postgres_only
@@ -371,27 +397,45 @@ def test_a_fresh_install_is_partitioned_and_a_real_worker_writes_across_a_bounda
             # The next runs' ids straddle 2000, past the partitions migrate made ([0, 2000)).
             fresh.execute("SELECT setval(pg_get_serial_sequence('django_agentruns_agentrun', "
                           "'id'), 1995)")
-        # With the default input: an enqueue writes no payload row then (an input is one,
-        # in the span's partition: enqueueing past the partitions needs the worker's, or
-        # `partitions ensure`'s, first).
+        # No worker has run: the enqueues themselves make the partitions their inputs'
+        # payload rows need (a run's input is a row in its span's partition).
         enq = helpers.run_manage(["shell", "-c", "from django_agentruns import enqueue; "
-                                  "[enqueue('tests.steps') for _ in range(10)]"], env)
+                                  "[enqueue('tests.steps', {'steps': 2}) for _ in range(10)]"],
+                                 env)
+        assert enq.returncode == 0, enq.stderr
+        with psycopg.connect(f"{server}/{name}", autocommit=True) as fresh:
+            # The sequence jumps past every partition made: the enqueue's INSERT finds
+            # none for its input, makes them and inserts again.
+            top = fresh.execute("SELECT max(substring(relname FROM '_p([0-9]+)$')::bigint) "
+                                "FROM pg_class WHERE relname ~ "
+                                "'^django_agentruns_runpayload_p[0-9]+$'").fetchone()
+            fresh.execute("SELECT setval(pg_get_serial_sequence('django_agentruns_agentrun', "
+                          "'id'), %s)", [top[0] + 1500])
+        enq = helpers.run_manage(["shell", "-c", "from django_agentruns import enqueue; "
+                                  "enqueue('tests.steps', {'steps': 2})"], env)
         assert enq.returncode == 0, enq.stderr
         work = helpers.run_manage(["runworker", "--burst"], env, timeout=120)
         assert work.returncode == 0, work.stderr
         with psycopg.connect(f"{server}/{name}", autocommit=True) as fresh:
             statuses = fresh.execute("SELECT status, count(*) FROM django_agentruns_agentrun "
                                      "GROUP BY status").fetchall()
-            assert statuses == [("succeeded", 10)]
+            assert statuses == [("succeeded", 11)]
             rows = fresh.execute("SELECT tableoid::regclass::text, run_id FROM "
                                  "django_agentruns_runevent").fetchall()
             runs = {run_id for _, run_id in rows}
-            assert runs == set(range(1996, 2006))
+            assert (len(runs), min(runs)) == (11, 1996)
+            assert len({run_id for run_id in runs if run_id < 2010}) == 10  # across 2000
+            assert max(runs) > top[0] + 1500  # past every partition there was
+            inputs = fresh.execute("SELECT tableoid::regclass::text, run_id FROM "
+                                   "django_agentruns_runpayload WHERE kind = 'input'").fetchall()
+            assert {run_id for _, run_id in inputs} == runs
+            for table, run_id in inputs:
+                assert table == f"django_agentruns_runpayload_p{run_id // 1000 * 1000}"
             for table, run_id in rows:
                 assert table == f"django_agentruns_runevent_p{run_id // 1000 * 1000}"
             checkpoints = fresh.execute("SELECT count(DISTINCT run_id) FROM "
                                         "django_agentruns_runcheckpoint").fetchone()
-            assert checkpoints == (10,)
+            assert checkpoints == (11,)
     finally:
         with psycopg.connect(f"{server}/postgres", autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 from django.db import OperationalError, connection, transaction
 
+from .. import partitioning
 from ..conf import app_settings
 from ..exceptions import InvalidInputError
 from ..models import AgentLimit, AgentRun, RunCheckpoint, RunPayload, RunStep, Status
@@ -196,9 +197,22 @@ def _insert(rows: str, at: datetime) -> list[tuple[int, str, str]]:
     created = connection.ops.adapt_datetimefield_value(at)
     params = [rows, *fixed, created, created] if connection.vendor == "postgresql" else \
         [*fixed, created, rows]
-    with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
-        cursor.execute(sql, params)
-        return sorted((pk, agent, key) for pk, agent, key in cursor.fetchall())
+    for tries_left in (1, 0):
+        try:
+            with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
+                cursor.execute(sql, params)
+                found = sorted((pk, agent, key) for pk, agent, key in cursor.fetchall())
+            break
+        except Exception as exc:
+            # Partitioned history: the inputs' payload rows went past the partitions made
+            # so far (no worker ran `ensure` lately). Outside a transaction, make them and
+            # insert again; inside one, the caller's transaction is already aborted.
+            if not tries_left or connection.in_atomic_block or not partitioning.no_partition(exc):
+                raise
+            partitioning.make_room()
+    if found:
+        partitioning.keep_ahead(found[-1][0])
+    return found
 
 
 def _chunks(rows: list[list[Any]]) -> list[str]:
