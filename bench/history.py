@@ -32,6 +32,7 @@ from bench import llm
 from bench.drain import drain
 from bench.engines import OURS
 from bench.harness import PgTarget, log
+from bench.pg import PREFIX as DB_PREFIX
 from bench.pg import REPO_ROOT, Admin, db_url, django_env, migrate
 
 EVENTS_PER_RUN = 10
@@ -44,7 +45,10 @@ BATCH_RUNS = 20_000
 DRAIN_RUNS, DRAIN_CONCURRENCY = 5_000, 16
 LLM_RUNS, LLM_CONCURRENCY = 2_000, 500
 RATE_ROUNDS = 3
-PREFIX = "agentruns_bench_history"
+PREFIX = f"{DB_PREFIX}_history"
+"""From BENCH_DB_PREFIX, as every bench database: two benches on one server must not drop
+each other's databases."""
+LAYOUTS = ("plain", "partitioned")
 
 HISTORY = ("django_agentruns_runevent", "django_agentruns_runcheckpoint")
 
@@ -270,7 +274,7 @@ def run_layout(layout: str, points: list[int], span: int, calls: int) -> LayoutR
 
 
 def main(events: int, points: list[int] | None = None, span: int = 50_000,
-         calls: int = 200) -> list[LayoutResult]:
+         calls: int = 200, layouts: tuple[str, ...] = LAYOUTS) -> list[LayoutResult]:
     points = sorted({p for p in (points or [1_000_000]) if 0 < p < events} | {events})
     needed, free = check_disk(points[-1])
     print(f"history bench: {points[-1]:,} events, about {needed / 2**30:.1f} GiB of disk "
@@ -278,7 +282,7 @@ def main(events: int, points: list[int] | None = None, span: int = 50_000,
     if free < 1.5 * needed:
         raise SystemExit(f"refused: free disk ({free / 2**30:.1f} GiB) is under 1.5 times "
                          f"what the fill needs ({needed / 2**30:.1f} GiB); pass fewer --events")
-    results = [run_layout(layout, points, span, calls) for layout in ("plain", "partitioned")]
+    results = [run_layout(layout, points, span, calls) for layout in layouts]
     print(json.dumps([r.__dict__ for r in results], indent=1))
     return results
 
