@@ -33,6 +33,7 @@ from bench import llm
 from bench.drain import drain
 from bench.engines import OURS
 from bench.harness import PgTarget, log
+from bench.pg import PREFIX as DB_PREFIX
 from bench.pg import REPO_ROOT, Admin, db_url, django_env, migrate
 
 EVENTS_PER_RUN = 10
@@ -45,7 +46,10 @@ BATCH_RUNS = 20_000
 DRAIN_RUNS, DRAIN_CONCURRENCY = 5_000, 16
 LLM_RUNS, LLM_CONCURRENCY = 2_000, 500
 RATE_ROUNDS = 3
-PREFIX = "agentruns_bench_history"
+PREFIX = f"{DB_PREFIX}_history"
+"""From BENCH_DB_PREFIX, as every bench database: two benches on one server must not drop
+each other's databases."""
+LAYOUTS = ("plain", "partitioned")
 
 # A run's rows deleted before it on plain tables (as purge does): its payloads too (its
 # input and output; the plain payload table has a foreign key to the run).
@@ -60,6 +64,7 @@ class LayoutResult:
     drop: dict[str, float] = field(default_factory=dict)
     sizes: dict[str, float] = field(default_factory=dict)
     rates: dict[str, float] = field(default_factory=dict)
+    fills: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 def needed_bytes(events: int) -> int:
@@ -125,16 +130,31 @@ def fill(conn: psycopg.Connection[Any], runs: int, layout_env: dict[str, str]) -
     conn.execute("VACUUM ANALYZE")
 
 
-def probe(env: dict[str, str], calls: int, rounds: int = 3) -> dict[str, float]:
-    """Medians over `rounds` probe processes of each figure, and the load average: the
-    machine is shared, and one probe's p99 is one slow moment."""
-    seen: list[dict[str, float]] = []
+def probe_once(env: dict[str, str], calls: int) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-m", "bench.history_probe", str(calls)],
+                         env=env, cwd=REPO_ROOT, check=True, capture_output=True, text=True)
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "load1": os.getloadavg()[0]}
+
+
+def probe(env: dict[str, str], empty_env: dict[str, str], calls: int,
+          rounds: int = 3) -> dict[str, float]:
+    """Medians over `rounds` probe processes of each figure on the filled database, each
+    round followed by one on the empty database of the same layout: the machine is shared,
+    so the filled / empty ratio of the medians, taken under the same load, is the figure
+    that can show growth; the load average (1 min) after each probe, median, min and max."""
+    seen: dict[str, list[dict[str, float]]] = {"filled": [], "empty": []}
     for _ in range(rounds):
-        out = subprocess.run([sys.executable, "-m", "bench.history_probe", str(calls)],
-                             env=env, cwd=REPO_ROOT, check=True, capture_output=True, text=True)
-        seen.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return {**{k: statistics.median(s[k] for s in seen) for k in seen[0]},
-            "load1": os.getloadavg()[0]}
+        seen["filled"].append(probe_once(env, calls))
+        seen["empty"].append(probe_once(empty_env, calls))
+    out: dict[str, float] = {}
+    for which, runs in seen.items():
+        med = {k: statistics.median(s[k] for s in runs) for k in runs[0]}
+        out.update(med if which == "filled" else {f"empty_{k}": v for k, v in med.items()})
+    for key in ("enqueue_p50_ms", "enqueue_p99_ms", "claim_p50_ms", "claim_p99_ms"):
+        out[f"{key}_over_empty"] = out[key] / out[f"empty_{key}"]
+    loads = [s["load1"] for runs in seen.values() for s in runs]
+    out.update(load1=statistics.median(loads), load1_min=min(loads), load1_max=max(loads))
+    return out
 
 
 def wal_lsn(admin: Admin) -> int:
@@ -225,25 +245,31 @@ def run_layout(layout: str, points: list[int], span: int, calls: int) -> LayoutR
     name, empty = f"{PREFIX}_{layout}", f"{PREFIX}_{layout}_empty"
     extra = {"BENCH_HISTORY_PARTITION": str(span)} if layout == "partitioned" else {}
     env = django_env(db_url(name), **extra)
+    empty_env = django_env(db_url(empty), **extra)
     result = LayoutResult(layout)
     try:
         for db in (name, empty):
             admin.drop(db)
             admin.execute(f'CREATE DATABASE "{db}"')
             subprocess.run([sys.executable, "-m", "django", "migrate", "--verbosity", "0"],
-                           env={**env, **django_env(db_url(db), **extra)}, cwd=REPO_ROOT,
-                           check=True)
-        result.points[0] = probe(env, calls)
+                           env=django_env(db_url(db), **extra), cwd=REPO_ROOT, check=True)
+        result.points[0] = probe(env, empty_env, calls)
+        print(f"  {layout} at 0: {result.points[0]}", flush=True)
         filled = 0
         with psycopg.connect(db_url(name), autocommit=True) as conn:
             for events in points:
                 runs = (events - filled) // EVENTS_PER_RUN
-                started = time.perf_counter()
+                started, load0 = time.perf_counter(), os.getloadavg()[0]
                 fill(conn, runs, env)
                 filled = events
-                print(f"  {layout}: filled {events:,} events in "
-                      f"{time.perf_counter() - started:.0f} s", flush=True)
-                result.points[events] = probe(env, calls)
+                result.fills[events] = {
+                    "seconds": time.perf_counter() - started, "load1_start": load0,
+                    "load1_end": os.getloadavg()[0],
+                    "db_bytes": float(conn.execute(
+                        "SELECT pg_database_size(current_database())").fetchone()[0])}
+                print(f"  {layout}: filled {events:,} events: {result.fills[events]}",
+                      flush=True)
+                result.points[events] = probe(env, empty_env, calls)
                 print(f"  {layout} at {events:,}: {result.points[events]}", flush=True)
             result.sizes = sizes(conn)
             result.rates = rates(admin, name, empty, span if layout == "partitioned" else None)
@@ -258,16 +284,15 @@ def run_layout(layout: str, points: list[int], span: int, calls: int) -> LayoutR
 
 
 def main(events: int, points: list[int] | None = None, span: int = 50_000,
-         calls: int = 200) -> list[LayoutResult]:
-    points = sorted(points or [min(events, 1_000_000), events])
-    points = sorted(set(points))
+         calls: int = 200, layouts: tuple[str, ...] = LAYOUTS) -> list[LayoutResult]:
+    points = sorted({p for p in (points or [1_000_000]) if 0 < p < events} | {events})
     needed, free = check_disk(points[-1])
     print(f"history bench: {points[-1]:,} events, about {needed / 2**30:.1f} GiB of disk "
           f"needed per layout (one at a time); {free / 2**30:.1f} GiB free", flush=True)
     if free < 1.5 * needed:
         raise SystemExit(f"refused: free disk ({free / 2**30:.1f} GiB) is under 1.5 times "
                          f"what the fill needs ({needed / 2**30:.1f} GiB); pass fewer --events")
-    results = [run_layout(layout, points, span, calls) for layout in ("plain", "partitioned")]
+    results = [run_layout(layout, points, span, calls) for layout in layouts]
     print(json.dumps([r.__dict__ for r in results], indent=1))
     return results
 

@@ -165,12 +165,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "printed only")
     parser.add_argument("--events", type=int, default=1_000_000,
                         help="history: events to fill (measured at 1M and at this many)")
+    parser.add_argument("--at", default="1000000",
+                        help="history: comma-separated smaller fills to measure at too "
+                             "(the same run, so their latencies compare with the largest)")
+    parser.add_argument("--layouts", default="plain,partitioned",
+                        help="history: the layouts to measure, one after the other")
     parser.add_argument("--span", type=int, default=50_000,
                         help="history: HISTORY_PARTITION of the partitioned layout")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.only == "history":
-        history.main(args.events, span=args.span)
+        history.main(args.events, [int(n) for n in args.at.split(",") if n],
+                     span=args.span, layouts=tuple(args.layouts.split(",")))
         return 0
     plan = QUICK if args.quick else FULL
     if args.reps is not None:
