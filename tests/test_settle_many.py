@@ -119,19 +119,19 @@ def test_an_event_appended_while_a_settle_waits_is_not_overwritten() -> None:
 
 def refuse_output(marker: str) -> None:
     """A database-level rejection of one success: a trigger refusing any output holding
-    `marker` (its payload row), as a value too large for the column would be refused."""
+    `marker` (its output payload row; an input holding it is let in), as a value too large for the column would be refused."""
     table = RunPayload._meta.db_table
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute(f"""CREATE OR REPLACE FUNCTION agentruns_test_refuse() RETURNS trigger
-                AS $$ BEGIN IF NEW.value::text LIKE '%{marker}%' THEN
+                AS $$ BEGIN IF NEW.kind = 'output' AND NEW.value::text LIKE '%{marker}%' THEN
                 RAISE EXCEPTION 'output refused' USING ERRCODE = 'data_exception'; END IF;
                 RETURN NEW; END $$ LANGUAGE plpgsql""")
             cursor.execute(f'CREATE TRIGGER agentruns_test_refuse BEFORE INSERT ON "{table}" '
                            f"FOR EACH ROW EXECUTE FUNCTION agentruns_test_refuse()")
         else:
             cursor.execute(f'CREATE TRIGGER agentruns_test_refuse BEFORE INSERT ON "{table}" '
-                           f"WHEN NEW.value LIKE '%{marker}%' "
+                           f"WHEN NEW.kind = 'output' AND NEW.value LIKE '%{marker}%' "
                            f"BEGIN SELECT RAISE(ABORT, 'output refused'); END")
 
 
