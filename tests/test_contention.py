@@ -69,12 +69,15 @@ def run_in_thread(worker: Worker, errors: list[BaseException],
 
 @pytest.mark.slow
 def test_two_burst_workers_in_threads_leave_nothing_pending(transactional_db: None) -> None:
-    """300 rounds: both workers exit, every run of the round succeeded, in firing order.
+    """300 rounds on SQLite, 150 on PostgreSQL: both workers exit, every run of the round
+    succeeded, in firing order.
 
     The worker that finds the next run of every scope held by the other's running run
-    must wait for it, not leave: on exit, each worker leaves nothing queued.
+    must wait for it, not leave: on exit, each worker leaves nothing queued. (The
+    PostgreSQL pass is CI's longest and runs many other races on real row locks; the
+    SQLite pass, which ends earlier, carries the long repetition.)
     """
-    for round_ in range(300):
+    for round_ in range(150 if connection.vendor == "postgresql" else 300):
         runs = enqueue_round(f"r{round_}")
         errors: list[BaseException] = []
         workers = [Worker(burst=True, reap_interval=0, max_contention_wait=10)

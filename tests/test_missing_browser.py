@@ -12,7 +12,9 @@ import pytest
 
 from tests import helpers
 
-pytestmark = pytest.mark.slow
+# The inner pytest runs on its own SQLite file whichever pass runs this one, so one pass
+# (SQLite's) is enough.
+pytestmark = [pytest.mark.slow, pytest.mark.sqlite_only]
 
 ONE_BROWSER_TEST = "tests/test_console_browser.py"
 
