@@ -119,7 +119,8 @@ def test_an_event_appended_while_a_settle_waits_is_not_overwritten() -> None:
 
 def refuse_output(marker: str) -> None:
     """A database-level rejection of one success: a trigger refusing any output holding
-    `marker` (its output payload row; an input holding it is let in), as a value too large for the column would be refused."""
+    `marker` (its output payload row; an input holding it is let in), as a value too
+    large for the column would be refused."""
     table = RunPayload._meta.db_table
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
