@@ -188,6 +188,11 @@ def keep_ahead(highest_id: int) -> None:
         _ensure_and_look(alias)
 
 
+def forget_top() -> None:
+    """Drop the cached top of the partitions (a test whose layout was rolled back)."""
+    _known_top.clear()
+
+
 def _ensure_and_look(alias: str) -> None:
     ensure()
     _known_top[alias] = _lowest_top()

@@ -168,6 +168,9 @@ def history_layout(request: pytest.FixtureRequest, settings: Any) -> Iterator[st
     id (`HISTORY_PARTITION`). The conversion is DDL inside the test's transaction, which
     PostgreSQL rolls back with it: the next test finds the plain tables again. On SQLite the
     setting is on too, and ignored: the same plain tables."""
+    from django_agentruns import partitioning
+
+    partitioning.forget_top()  # an earlier test's (rolled-back) partitions are not these
     if request.param == "plain":
         yield "plain"
         return
@@ -187,6 +190,7 @@ def history_layout(request: pytest.FixtureRequest, settings: Any) -> Iterator[st
         assert partitions.span() is None
         assert not partitions.partitioned_tables()
     yield "partitioned"
+    partitioning.forget_top()
 
 
 @pytest.fixture
