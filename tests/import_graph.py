@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "django_agentruns"
 LAYERS: list[tuple[str, set[str]]] = [
     ("vocabulary and data", {"models", "queries", "states", "outcomes", "validation", "conf",
                              "db", "exceptions", "registry", "rules", "signals", "sqlite",
-                             "history_models", "flow_models", "payloads", "partitioning"}),
+                             "history_models", "flow_models", "payloads", "partitioning",
+                             "operator_models"}),
     ("transitions", {"transitions"}),
     ("public calls", {"api", "waiting", "schedules", "queues"}),
     ("ops", {"ops"}),

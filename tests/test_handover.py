@@ -210,7 +210,7 @@ def test_a_statement_shape_seen_before_gets_the_same_parameters_without_its_text
 ) -> None:
     from datetime import timedelta
 
-    from django_agentruns.transitions import due, rawsql
+    from django_agentruns.transitions import due, hot_sql
 
     at = transitions.now()
     compiled = due.compiled_due(connection.vendor, ("default",), ScopePolicy(), 2,
@@ -220,10 +220,10 @@ def test_a_statement_shape_seen_before_gets_the_same_parameters_without_its_text
             Status.SUCCEEDED, "completed", transitions.SUCCEEDED, compiled, at, Status.QUEUED,
             {"tests.slow": at + timedelta(seconds=90)}, at + timedelta(seconds=30),
             transitions.STARTED)
-    rawsql._SHAPES.clear()
-    built = rawsql.settle_and_claim(*args)
-    assert rawsql._SHAPES  # kept by shape
-    again = rawsql.settle_and_claim(*args)
+    hot_sql._SHAPES.clear()
+    built = hot_sql.settle_and_claim(*args)
+    assert hot_sql._SHAPES  # kept by shape
+    again = hot_sql.settle_and_claim(*args)
 
     def plain(params: list[Any]) -> list[Any]:
         return [getattr(p, "obj", p) for p in params]  # psycopg's Jsonb wraps the value

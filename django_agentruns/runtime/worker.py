@@ -14,15 +14,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import dataclass, field
 
 from django.db import close_old_connections, connection
 from django.utils import timezone
@@ -30,7 +26,6 @@ from django.utils import timezone
 from .. import transitions
 from ..conf import app_settings
 from ..db import close_all_connections
-from ..exceptions import AgentRunsError
 from ..models import AgentRun
 from ..ops import visibility
 from ..outcomes import AttemptRef, Settlement, StopReason
@@ -53,29 +48,13 @@ from .running import Live, LiveAttempts
 from .stop_signals import StopSignals
 from .ticker import Ticker
 from .wakeups import Listener
+from .worker_outcome import ContentionTimeout, WorkerStats, make_worker_id
 
 logger = logging.getLogger("django_agentruns.worker")
 
 CONTENTION_START = 0.002
 CONTENTION_MAX = 0.1
 LAPSED_SCAN_INTERVAL = 1.0
-
-
-class ContentionTimeout(AgentRunsError):
-    """A burst worker waited too long on runs held by another worker."""
-
-
-def make_worker_id() -> str:
-    """Unique per process start, so a restarted worker never matches its old fence."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-@dataclass
-class WorkerStats:
-    claimed: int = 0
-    settled: dict[str, int] = field(default_factory=dict)
-    pass_errors: int = 0
-    reaped: int = 0
 
 
 class Worker:

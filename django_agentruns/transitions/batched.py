@@ -30,7 +30,7 @@ from ..conf import SETTING_NAME
 from ..exceptions import LimitExceeded
 from ..models import AgentRun, Reason, RunEvent, Status
 from ..outcomes import AttemptRef, Renewal, Settlement, StepStart, UsageTotals
-from . import rawsql
+from . import hot_sql, rawsql
 from .attempts import checkpoint, emit, renew, trim_history
 from .children import parents_settled
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
@@ -350,7 +350,7 @@ def _succeed(writes: Sequence[Write], positions: list[int], results: list[Result
         items = [(w.ref, w.output) for w in (writes[i] for i in group)
                  if isinstance(w, SucceedWrite)]
         rows = [(ref.run_id, ref.attempt, output, lifecycle_event_id()) for ref, output in items]
-        sql, params = rawsql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
+        sql, params = hot_sql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
                                               Reason.COMPLETED, SUCCEEDED, at,
                                               with_events=False)
         with connection.cursor() as cursor:

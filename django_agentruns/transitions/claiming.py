@@ -14,7 +14,7 @@ from ..db import is_postgres, retry_on_lock
 from ..models import AgentRun, RunEvent, Status
 from ..outcomes import DecisionAction, ScopePolicy
 from ..signals import send_after_commit
-from . import rawrows, rawsql
+from . import hot_sql, rawrows, rawsql
 from .due import claim_row, compiled_due, recheck_order
 from .events import STARTED, append_events, lifecycle, now
 from .fair import Weights, advance, advance_ctes
@@ -123,7 +123,7 @@ def _claim_due_returning(
                        naive=rawsql.naive_times(), fair=fair)
     special = {agent: at + timedelta(seconds=ttl) for agent, ttl in lease_ttls.items()
                if ttl != default_ttl}
-    sql, params = rawsql.claim_returning(due, at, worker_id, Status.RUNNING, Status.QUEUED,
+    sql, params = hot_sql.claim_returning(due, at, worker_id, Status.RUNNING, Status.QUEUED,
                                          special, at + timedelta(seconds=default_ttl), STARTED,
                                          None if fair is None else advance_ctes(fair))
     with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:

@@ -10,7 +10,7 @@ group starts at its queue's lowest time (`join_groups`, at enqueue).
 
 Only a worker that has seen a group row pays for this (`FairClaim`): without one the claim
 is the ordinary statement. The fair statement replaces only the claim's due query (the
-`picked` rows of `rawsql.claim_returning`); on PostgreSQL it reads each group's first due
+`picked` rows of `hot_sql.claim_returning`); on PostgreSQL it reads each group's first due
 runs through `agentruns_fair_due` (a LATERAL join), so a flood of one group costs the
 claim only as many rows as it takes.
 """
@@ -110,7 +110,7 @@ def compile_fair(due: QuerySet[AgentRun], vendor: str, queues: Sequence[str], li
 
 @functools.cache
 def advance_ctes(weights: Weights) -> tuple[str, list[Any]]:
-    """`advance` as CTEs of the claim's own statement (PostgreSQL, rawsql.claim_returning),
+    """`advance` as CTEs of the claim's own statement (PostgreSQL, hot_sql.claim_returning),
     reading its `claimed` rows: no statement, no commit of its own."""
     groups, key = rawsql.qn(FairGroup._meta.db_table), rawsql.qn("key")
     stride, params = _stride(f"g.{key}", weights)

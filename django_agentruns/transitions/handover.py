@@ -1,7 +1,7 @@
 """A worker's finished successes settled and its next runs claimed, in one statement.
 
 A worker's loop is: settle what finished, claim what is due. On PostgreSQL the two are
-one statement of CTEs (`rawsql.settle_and_claim`): the successes' fenced UPDATE and their
+one statement of CTEs (`hot_sql.settle_and_claim`): the successes' fenced UPDATE and their
 end events (`settle_succeeded_many`'s statement), then the due runs locked with SKIP
 LOCKED, started, and their start events (`claim`'s one-statement form, the same due
 query: paused queues, limit keys, priorities, agents keep their meaning). One round trip
@@ -27,7 +27,7 @@ from ..conf import app_settings
 from ..db import is_postgres
 from ..models import AgentRun, Reason, Status
 from ..outcomes import AttemptRef, ScopePolicy, Settlement
-from . import children, rawrows, rawsql
+from . import children, hot_sql, rawrows, rawsql
 from .claiming import _announce_started, claim
 from .due import compiled_due
 from .events import STARTED, SUCCEEDED, lifecycle_event_id, now
@@ -88,7 +88,7 @@ def _in_one_statement(
                        naive=rawsql.naive_times(), fair=fair)
     special = {agent: at + timedelta(seconds=ttl) for agent, ttl in lease_ttls.items()
                if ttl != default_ttl}
-    sql, params = rawsql.settle_and_claim(
+    sql, params = hot_sql.settle_and_claim(
         rows, worker_id, Status.RUNNING, Status.SUCCEEDED, Reason.COMPLETED, SUCCEEDED, due,
         at, Status.QUEUED, special, at + timedelta(seconds=default_ttl), STARTED,
         None if fair is None else advance_ctes(fair))

@@ -18,7 +18,7 @@ from ..models import AgentRun, Reason, RunEvent, RunPayload, Status
 from ..outcomes import AttemptRef, DecisionAction, ErrorInfo, Settlement
 from ..rules import policy
 from ..signals import send_after_commit
-from . import children, rawrows, rawsql
+from . import children, hot_sql, rawrows, rawsql
 from .due import CLAIM_FIELDS, lapsed
 from .events import (
     ABANDONED,
@@ -60,7 +60,7 @@ def settle_succeeded_many(
         # One statement, committed on its own: the UPDATE and the end events together.
         settled = _succeed_in_one_statement(worker_id, rows, at)
     if settled is None:
-        sql, params = rawsql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
+        sql, params = hot_sql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
                                               Reason.COMPLETED, SUCCEEDED, at,
                                               with_events=False)
         with transaction.atomic():
@@ -90,7 +90,7 @@ def _succeed_in_one_statement(
     """None when an event of these runs was appended after the statement's snapshot (an
     operator's cancel request, racing): its seq collided, nothing was written, and the
     caller writes in two statements instead, the second seeing that event."""
-    sql, params = rawsql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
+    sql, params = hot_sql.settle_succeeded(rows, worker_id, Status.RUNNING, Status.SUCCEEDED,
                                           Reason.COMPLETED, SUCCEEDED, at, with_events=True)
     try:
         with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:

@@ -1,0 +1,176 @@
+"""SQL text of the statements that settle successes and claim runs (PostgreSQL's hot
+path): the fenced success UPDATE with its events and outputs, the claim's CTEs, and the
+two in one statement (`settle_and_claim`). Built from `rawsql`'s pieces, once per shape;
+nothing here executes a statement or decides a status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from django.db import connection
+
+from ..models import AgentRun, RunEvent
+from . import payload_sql
+from .rawsql import Compiled, prep, qn, values_rows
+
+
+def settle_succeeded(
+    items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
+    completed: str, event_type: str, at: datetime, *, with_events: bool,
+) -> tuple[str, list[Any]]:
+    """Mark (run_id, attempt, output, event_id) rows succeeded where the fence holds.
+
+    Returns (id, parent_id) of the runs it updated: the rest lost their lease meanwhile;
+    a parent id says a waiting parent may need resuming, with no read to find out.
+    `with_events` (PostgreSQL) appends their end events in the same statement.
+    """
+    head, update, params = _succeed_parts(items, worker_id, running, succeeded, completed, at)
+    table = qn(AgentRun._meta.db_table)
+    if not with_events:
+        return f"{head}{update}RETURNING {table}.id, {table}.parent_id", params
+    ctes, more = _succeed_ctes(head, update, event_type, at)
+    return f"{ctes} SELECT id, parent_id FROM done", params + more
+
+
+def _succeed_parts(
+    items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
+    completed: str, at: datetime,
+) -> tuple[str, str, list[Any]]:
+    """The VALUES head and the fenced UPDATE of a settle of successes, and their params."""
+    table = qn(AgentRun._meta.db_table)
+    params: list[Any] = []
+    for run_id, attempt, output, event_id in items:
+        params += [run_id, attempt, payload_sql.output_param(output),
+                   prep(RunEvent, "event_id", event_id)]
+    rows = values_rows(len(items), "bigint", "integer", "jsonb", "uuid")
+    params += [succeeded, completed, prep(AgentRun, "finished_at", at), running, worker_id]
+    update = (f"UPDATE {table} SET status = %s, reason = %s, "
+              f"finished_at = %s, lease_expires = NULL FROM v "
+              f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
+              f"AND {table}.status = %s AND {table}.claimed_by = %s ")
+    head = f"WITH v (run_id, run_attempt, run_output, run_event) AS (VALUES {rows}) "
+    return head, update, params
+
+
+def _succeed_ctes(head: str, update: str, event_type: str,
+                  at: datetime) -> tuple[str, list[Any]]:
+    """`WITH v, done (the settled: id, attempt, parent_id), ended (their end events),
+    outputs (their output payload rows)`."""
+    table = qn(AgentRun._meta.db_table)
+    return (f"{head}, done AS ({update}RETURNING {table}.id, {table}.attempt, "
+            f"{table}.parent_id), "
+            f"ended AS ({_events_from('done', 'done_v.run_event', 'done_v')}), "
+            f"outputs AS ({payload_sql.OUTPUTS_FROM_DONE})"), \
+        [event_type, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at),
+         prep(RunEvent, "created_at", at)]
+
+
+def _events_from(rows: str, event_id: str, join: str = "") -> str:
+    """INSERT one event per row of CTE `rows` (id, attempt): type, payload, time as %s."""
+    events = qn(RunEvent._meta.db_table)
+    source = f"{rows} JOIN v {join} ON {join}.run_id = {rows}.id" if join else rows
+    return (f"INSERT INTO {events} (run_id, seq, event_id, type, payload, attempt, created_at) "
+            f"SELECT {rows}.id, COALESCE((SELECT MAX(e.seq) FROM {events} e "
+            f"WHERE e.run_id = {rows}.id), 0) + 1, {event_id}, %s, %s::jsonb, {rows}.attempt, "
+            f"%s FROM {source}")
+
+
+def claim_returning(
+    due: Compiled, at: datetime, worker_id: str, running: str, queued: str,
+    lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
+    then: tuple[str, list[Any]] | None = None,
+) -> tuple[str, list[Any]]:
+    """PostgreSQL: lock the due rows (SKIP LOCKED), start them and append their start
+    events, all in one statement. `then`: more CTEs (SQL, params) that read the `claimed`
+    rows (fair shares advance their groups there: transitions.fair)."""
+    ctes, params = _claim_ctes(due, at, worker_id, running, queued, lease_ttls,
+                               default_lease, started)
+    if then:
+        return f"WITH {ctes}, {then[0]} SELECT * FROM claimed", params + then[1]
+    return f"WITH {ctes} SELECT * FROM claimed", params
+
+
+def _claim_ctes(
+    due: Compiled, at: datetime, worker_id: str, running: str, queued: str,
+    lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
+) -> tuple[str, list[Any]]:
+    """`picked` (the due rows, locked), `claimed` (them started, whole rows), `started`
+    (their start events)."""
+    table = qn(AgentRun._meta.db_table)
+    params = due.bind(at)
+    lease = "%s"
+    lease_params: list[Any] = []
+    if lease_ttls:
+        whens = " ".join(["WHEN %s THEN %s"] * len(lease_ttls))
+        lease = f"CASE {table}.agent {whens} ELSE %s END"
+        for agent, until in lease_ttls.items():
+            lease_params += [agent, until]
+    lease_params.append(default_lease)
+    params += [running, worker_id, *lease_params, at, queued,
+               started, prep(RunEvent, "payload", {"worker": worker_id}), at]
+    sql = (f"picked AS ({due.sql}), "
+           f"claimed AS (UPDATE {table} SET status = %s, claimed_by = %s, "
+           f"attempt = {table}.attempt + 1, lease_expires = {lease}, started_at = %s, "
+           f"dedupe_key = CASE WHEN {table}.release_dedupe_at_start THEN '' "
+           f"ELSE {table}.dedupe_key END "
+           f"FROM picked WHERE {table}.id = picked.id AND {table}.status = %s "
+           f"RETURNING {table}.*, picked.started_at AS previous_started_at, "
+           f"{payload_sql.INPUT_OF_CLAIMED}), "
+           f"started AS ({_events_from('claimed', 'gen_random_uuid()')})")
+    return sql, params
+
+
+def settle_and_claim(
+    items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
+    completed: str, ended: str, due: Compiled, at: datetime, queued: str,
+    lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
+    then: tuple[str, list[Any]] | None = None,
+) -> tuple[str, list[Any]]:
+    """PostgreSQL: `settle_succeeded` (with events) and `claim_returning` in one statement
+    (`then`: more CTEs reading `claimed`, as `claim_returning`'s).
+
+    Its rows are the claimed runs, each with `settled_ids` and `settled_parents` (the
+    settled runs and their parents, in the same order); one row of NULLs but those two
+    when nothing was claimed."""
+    shape = (connection.vendor, len(items), tuple(lease_ttls), due.sql, then and then[0])
+    sql = _SHAPES.get(shape)
+    if sql is not None:  # the text of a shape seen before: only its parameters are new
+        return sql, _settle_and_claim_params(items, worker_id, running, succeeded, completed,
+                                             ended, due, at, queued, lease_ttls,
+                                             default_lease, started) + (then[1] if then else [])
+    head, update, params = _succeed_parts(items, worker_id, running, succeeded, completed, at)
+    settle, more = _succeed_ctes(head, update, ended, at)
+    claim, claim_params = _claim_ctes(due, at, worker_id, running, queued, lease_ttls,
+                                      default_lease, started)
+    sql = (f"{settle}, {claim}{', ' + then[0] if then else ''} SELECT claimed.*, "
+           f"s.settled_ids, s.settled_parents FROM (SELECT array_agg(id) AS settled_ids, "
+           f"array_agg(parent_id) AS settled_parents FROM done) s LEFT JOIN claimed ON true")
+    if len(_SHAPES) < 256:
+        _SHAPES[shape] = sql
+    return sql, params + more + claim_params + (then[1] if then else [])
+
+
+_SHAPES: dict[tuple[Any, ...], str] = {}
+
+def _settle_and_claim_params(
+    items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
+    completed: str, ended: str, due: Compiled, at: datetime, queued: str,
+    lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
+) -> list[Any]:
+    """`settle_and_claim`'s parameters in its text's order, without building the text (a
+    worker sends the same few shapes run after run)."""
+    params: list[Any] = []
+    for run_id, attempt, output, event_id in items:
+        params += [run_id, attempt, payload_sql.output_param(output),
+                   prep(RunEvent, "event_id", event_id)]
+    params += [succeeded, completed, prep(AgentRun, "finished_at", at), running, worker_id,
+               ended, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at),
+               prep(RunEvent, "created_at", at), *due.bind(at), running, worker_id]
+    for agent, until in lease_ttls.items():
+        params += [agent, until]
+    params += [default_lease, at, queued, started,
+               prep(RunEvent, "payload", {"worker": worker_id}), at]
+    return params
