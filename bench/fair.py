@@ -31,10 +31,10 @@ BASELINE = Path(os.environ.get("BENCH_BASELINE_REPO", "/work/main"))
 FLOOD, LATE, DRAIN = 10_000, 10, 5_000
 
 
-def _enqueue(url: str, groups: list[str | None], counts: list[int]) -> float:
+def _enqueue(url: str, groups: list[str | None], counts: list[int], **env: str) -> float:
     """Enqueue `counts[i]` runs of group `groups[i]` (bench.tenant; None: bench.noop, which
-    main's code has too) from a client process; returns the database's time after the
-    last commit."""
+    main's code has too) from a client process (`env`: more settings, as the weights,
+    which apply at enqueue); returns the database's time after the last commit."""
     code = ("import json, sys, django; django.setup(); "
             "from django.db import connection; from django_agentruns import enqueue_many; "
             "spec = json.loads(sys.argv[1]); "
@@ -46,7 +46,8 @@ def _enqueue(url: str, groups: list[str | None], counts: list[int]) -> float:
             "print(c.fetchone()[0])")
     spec = json.dumps(list(zip(groups, counts, strict=True)))
     out = subprocess.run([sys.executable, "-c", code, spec],
-                         env=django_env(url), cwd=REPO_ROOT, check=True, capture_output=True,
+                         env=django_env(url, **env), cwd=REPO_ROOT, check=True,
+                         capture_output=True,
                          text=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -98,8 +99,9 @@ def late_tenant(admin: Admin, logs: Path) -> int:
 
 def weights(admin: Admin, logs: Path, starts: int = 4000) -> float:
     url = admin.fresh(RUN_DB)
-    _enqueue(url, ["A", "B"], [5000, 5000])
-    worker = _worker(url, 8, False, logs, BENCH_FAIR_WEIGHTS=json.dumps({"A": 3}))
+    weighted = {"BENCH_FAIR_WEIGHTS": json.dumps({"A": 3})}
+    _enqueue(url, ["A", "B"], [5000, 5000], **weighted)
+    worker = _worker(url, 8, False, logs, **weighted)
     try:
         _wait(url, STARTED, starts)
     finally:

@@ -6,11 +6,10 @@ are drained, on PostgreSQL. Per run: this process's CPU time and its PostgreSQL 
 (read from /proc, so the server must be local), variants interleaved in a rotated order,
 medians of REPS:
 
-- plain: runs without a fair key (no group row: the ordinary claim);
-- fair: every run in one of 10 groups (the fair claim, its groups advanced in the same
-  statement as the settle and the claim);
-- fair2: the same in two statements, settle then claim (what a worker did with fair
-  shares on before the one-statement form took them).
+- plain: runs without a fair key (no group row: the ordinary claim, in age order);
+- fair: every run in one of 10 groups (the claim in stamp order, in the same statement as
+  the settle);
+- fair2: the same in two statements, settle then claim.
 
     DATABASE_URL=postgres://.../a_scratch_db DJANGO_SETTINGS_MODULE=bench.settings \\
         N=1500 B=8 REPS=3 python -m bench.fair_cpu
@@ -66,7 +65,7 @@ def fill(fair: bool) -> int:
 def drain(variant: str) -> tuple[float, float]:
     """(client, backend) CPU microseconds per run."""
     pid = fill(variant != "plain")
-    weights = None if variant == "plain" else ()
+    fair = variant != "plain"
     previous: list[AgentRun] = []
     settled_total = 0
     client, backend = time.process_time(), backend_cpu(pid)
@@ -75,11 +74,11 @@ def drain(variant: str) -> tuple[float, float]:
         if variant == "fair2":
             settled = transitions.settle_succeeded_many("w", done) if done else {}
             claimed = transitions.claim("w", ["default"], BATCH, ScopePolicy(), {}, 60.0,
-                                        include_lapsed=False, fair=weights)
+                                        include_lapsed=False, fair=fair)
         else:
             settled, claimed = transitions.settle_and_claim(
                 "w", done, ["default"], BATCH, ScopePolicy(), {}, 60.0, include_lapsed=False,
-                fair=weights)
+                fair=fair)
         settled_total += len(settled)
         if not claimed and not previous:
             break

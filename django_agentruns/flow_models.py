@@ -78,10 +78,10 @@ class KeyWindowEntry(models.Model):
 
 
 class FairGroup(models.Model):
-    """A fairness group of a queue and its virtual time: each start of one of its runs
-    advances it by 1/weight, and the claim takes next from the group whose time is lowest
-    (stride scheduling). A group without due runs is carried along to the lowest time of
-    those with some, so an idle group does not come back owed a backlog of starts.
+    """A fairness group of a queue: its row turns workers' fair order on while one of its
+    runs lives (transitions.fair). The order itself is in the runs' stamps (`fair_vstart`);
+    `vtime` is used by the queue's "" group only, as the queue's clock: the frontier the
+    reaper saw last, where enqueue starts when the queue has no queued run.
     """
 
     id = models.BigAutoField(primary_key=True)

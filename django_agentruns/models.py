@@ -47,6 +47,9 @@ class AgentRun(models.Model):
     # its snoozes (free requeues, up to MAX_SNOOZES), what it spent, and an operator's budget.
     limit_key = models.CharField(max_length=200, blank=True, default="")
     fair_key = models.CharField(max_length=200, blank=True, default="")  # its fairness group
+    # Its virtual start, stamped at enqueue: the claim's order with fair shares on
+    # (transitions.fair). Kept when the run is requeued.
+    fair_vstart = models.FloatField(default=0.0)
     snooze_count = models.PositiveIntegerField(default=0)
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
@@ -141,9 +144,13 @@ class AgentRun(models.Model):
             # Failover at the claim: queued runs with a list, of a key without room.
             models.Index(fields=("limit_key",), name="agentruns_key_failover",
                          condition=Q(status="queued", limit_keys__isnull=False)),
-            # Fair shares: each group's due runs in claim order (transitions.fair).
-            models.Index(fields=("queue", "fair_key", "-priority", "available_at", "fired_seq",
-                                 "id"), condition=Q(status="queued"), name="agentruns_fair_due"),
+            # Fair shares (transitions.fair): the claim's order, and a group's last stamp
+            # for enqueue's next one.
+            models.Index(fields=("queue", "-priority", "fair_vstart", "available_at",
+                                 "fired_seq", "id"), condition=Q(status="queued"),
+                         name="agentruns_fair_order"),
+            models.Index(fields=("queue", "fair_key", "priority", "fair_vstart"),
+                         condition=Q(status="queued"), name="agentruns_fair_last"),
             models.Index(fields=("created_at",), name="agentruns_created"),
             # The overview's throughput chart and per-agent window: runs finished lately.
             models.Index(fields=("finished_at",), name="agentruns_finished"),

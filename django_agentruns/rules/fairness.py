@@ -1,9 +1,10 @@
 """Fair shares: a run's fairness group (`fair_key`) and the groups' weights.
 
-Pure checks, no database. Within a queue, the claim (transitions.fair) takes runs
-round-robin across the groups that have a due run, weighted by `AGENTRUNS["FAIR_WEIGHTS"]`
-(a group not listed weighs 1), instead of oldest first across all of them: priority first,
-then fairness, then age. Runs without a key form one group of their own ("").
+Pure checks, no database. Within a queue, the claim takes runs in turns across the groups
+that have a due run (by the virtual starts enqueue stamps: transitions.fair), weighted by
+`AGENTRUNS["FAIR_WEIGHTS"]` (a group not listed weighs 1; weights apply at enqueue),
+instead of oldest first across all of them: priority first, then fairness, then age. Runs
+without a key form one group of their own ("").
 """
 
 from __future__ import annotations

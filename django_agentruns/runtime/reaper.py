@@ -29,6 +29,7 @@ class ReapReport:
     parents_resumed: list[int] = field(default_factory=list)  # children all done, parent not
     chunks_pruned: int = 0  # live-output rows (SQLite) of finished runs, left by a crash
     groups_dropped: int = 0  # fairness groups with no queued, waiting or running run
+    clocks_raised: int = 0  # queues whose fair-share clock moved up to their frontier
 
     @property
     def total(self) -> int:
@@ -39,7 +40,8 @@ def reap(at: datetime | None = None, *, limit: int = 1000, dry_run: bool = False
          run_ids: list[int] | None = None) -> ReapReport:
     """Requeue, dead-letter or cancel (if asked) each run whose lease lapsed before `at`;
     queue again each waiting run whose wait's deadline passed (never a waiting run else);
-    delete up to `limit` fairness groups left without a queued, waiting or running run.
+    delete up to `limit` fairness groups left without a queued, waiting or running run,
+    and raise the queues' fair-share clocks (transitions.fair.raise_clocks).
 
     `run_ids`: only these runs' lapsed leases (an operator's "reap now" on a stuck run,
     when nothing else reaps); waits are left to the next full reap."""
@@ -50,6 +52,7 @@ def reap(at: datetime | None = None, *, limit: int = 1000, dry_run: bool = False
         if not dry_run:
             report.chunks_pruned = prune_finished_chunks(limit)
             report.groups_dropped = transitions.drop_idle_groups(limit)
+            report.clocks_raised = transitions.raise_clocks()
     rows = transitions.find_stale(at, limit) if run_ids is None \
         else transitions.find_stale(at, limit, run_ids)
     for row in rows:

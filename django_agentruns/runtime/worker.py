@@ -226,7 +226,7 @@ class Worker:
         now = time.monotonic()
         include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
         batch = min(free, int(app_settings.CLAIM_BATCH)) if queues else 0
-        fair = self._fair.weights()
+        fair = self._fair.on()
         try:
             # Flow control: runs of keys with a limits row first, never past their limit.
             limited = self._limited.claim(self.worker_id, queues, batch, self._scopes,

@@ -65,7 +65,7 @@ from .events import (
     lifecycle_event_id,
     now,
 )
-from .fair import drop_idle_groups
+from .fair import drop_idle_groups, raise_clocks
 from .handover import settle_and_claim
 from .limited import (
     claim_limited,
@@ -104,7 +104,8 @@ __all__ = [
     "emitted_event_id", "end_step", "enqueue_debounced", "enqueue_superseding", "exhaust_budget",
     "find_stale",
     "full_window", "insert_fork", "insert_runs", "interrupt", "lapsed", "lifecycle_event_id",
-    "limits_in_use", "migrate_version", "now", "open_key", "operator_retry", "policy", "reap_one",
+    "limits_in_use", "migrate_version", "now", "open_key", "operator_retry", "policy",
+    "raise_clocks", "reap_one",
     "record_usage", "renew", "renew_many", "seed_settings_limits", "settle_and_claim",
     "settle_cancelled", "settle_failed", "settle_succeeded", "settle_succeeded_many", "snooze",
     "start_interactive", "start_step", "waiting", "window_fill", "window_use", "write_limit",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db import connection, transaction
 from django.db.models import Case, F, Q, QuerySet, Value, When
@@ -17,7 +18,6 @@ from ..signals import send_after_commit
 from . import hot_sql, rawrows, rawsql
 from .due import claim_row, compiled_due, recheck_order
 from .events import STARTED, append_events, lifecycle, now
-from .fair import Weights, advance, advance_ctes
 from .settling import abandon_locked
 from .windows import carry_entries
 
@@ -37,7 +37,7 @@ def claim(
     *,
     include_lapsed: bool = True,
     agents: frozenset[str] | None = None,
-    fair: Weights | None = None,
+    fair: bool = False,
 ) -> list[AgentRun]:
     """Take up to `limit` due runs for `worker_id`, in one short transaction.
 
@@ -50,8 +50,7 @@ def claim(
     A lapsed run is taken as it stands, its lost attempt recorded as abandoned
     (`include_lapsed=False` skips looking for them, for a worker that just did).
     `agents`: take only runs of these agents, due or lapsed (a worker's own; None: any).
-    `fair`: due runs in fair order across fairness groups, with these weights, whose
-    virtual times the claim then advances (transitions.fair; None: no fairness).
+    `fair`: due runs in fair order, their stamps before their age (transitions.fair).
     """
     at = at or now()
     if limit <= 0 or (agents is not None and not agents):
@@ -74,8 +73,6 @@ def claim(
                           fair)
             if fast and scopes.ordered:
                 started = _release_held(started, scopes, worker_id)
-            if fair is not None and started and not fast:  # PostgreSQL: in the claim
-                advance(started, fair)
         else:
             started = []
         # The fast path's statement appended its own start events.
@@ -115,7 +112,7 @@ def _claim_lapsed(
 def _claim_due_returning(
     worker_id: str, queues: tuple[str, ...], limit: int, scopes: ScopePolicy,
     lease_ttls: dict[str, float], default_ttl: float, at: datetime,
-    agents: frozenset[str] | None, fair: Weights | None = None,
+    agents: frozenset[str] | None, fair: bool = False,
 ) -> list[AgentRun]:
     """PostgreSQL: lock the due runs (SKIP LOCKED), start them and append their start
     events, in one statement."""
@@ -124,19 +121,28 @@ def _claim_due_returning(
     special = {agent: at + timedelta(seconds=ttl) for agent, ttl in lease_ttls.items()
                if ttl != default_ttl}
     sql, params = hot_sql.claim_returning(due, at, worker_id, Status.RUNNING, Status.QUEUED,
-                                         special, at + timedelta(seconds=default_ttl), STARTED,
-                                         None if fair is None else advance_ctes(fair))
+                                         special, at + timedelta(seconds=default_ttl), STARTED)
     with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
         cursor.execute(sql, params)
         claimed = rawrows.runs_from(cursor, sql=sql)
-    claimed.sort(key=lambda r: (-r.priority, r.available_at, r.fired_seq, r.pk))
+    claimed.sort(key=fair_order if fair else age_order)
     return claimed
+
+
+def age_order(run: AgentRun) -> tuple[Any, ...]:
+    """The ordinary claim's order, for rows returned unordered."""
+    return (-run.priority, run.available_at, run.fired_seq, run.pk)
+
+
+def fair_order(run: AgentRun) -> tuple[Any, ...]:
+    """FAIR_ORDER, for rows returned unordered."""
+    return (-run.priority, run.fair_vstart, run.available_at, run.fired_seq, run.pk)
 
 
 def _claim_due_checked(
     worker_id: str, queues: tuple[str, ...], limit: int, scopes: ScopePolicy,
     lease_ttls: dict[str, float], default_ttl: float, at: datetime,
-    agents: frozenset[str] | None, fair: Weights | None = None,
+    agents: frozenset[str] | None, fair: bool = False,
 ) -> list[AgentRun]:
     """Lock the due rows, re-check firing order under the lock, then start them."""
     due = compiled_due(connection.vendor, queues, scopes, limit, ids_only=False, agents=agents,

@@ -18,7 +18,7 @@ from ..models import AgentLimit, AgentRun, Status
 from ..outcomes import ScopePolicy
 from ..rules.windows import settings_limits
 from . import rawsql
-from .fair import Weights, compile_fair
+from .fair import FAIR_ORDER
 from .windows import full_window_keys
 
 
@@ -82,18 +82,18 @@ CLAIM_FIELDS = ("id", "agent", "status", "attempt", "requeue_count", "max_requeu
 @functools.lru_cache(maxsize=512)
 def compiled_due(
     vendor: str, queues: tuple[str, ...], scopes: ScopePolicy, limit: int, *, ids_only: bool,
-    agents: frozenset[str] | None = None, naive: bool = False, fair: Weights | None = None,
+    agents: frozenset[str] | None = None, naive: bool = False, fair: bool = False,
 ) -> rawsql.Compiled:
     """The due query's SQL for this shape, compiled once (`vendor` keys the cache).
 
     A worker's agents are fixed, so they are baked into the statement with its queues.
-    `fair`: in fair order across fairness groups, with these weights (transitions.fair).
+    `fair`: in fair order, the runs' stamps before their age (transitions.fair).
     """
     # Runs whose limit key has a row are the limited claim's (transitions.limited). A run
     # with no key (the common case) passes on the OR's first term: no subquery for it.
     qs = due_queued(queues, rawsql.sentinel_time(naive), scopes, agents).filter(unlimited_keys())
-    if fair is not None:
-        return compile_fair(qs, vendor, queues, limit, fair, ids_only=ids_only, naive=naive)
+    if fair:
+        qs = qs.order_by(*FAIR_ORDER)
     if vendor == "postgresql":
         qs = qs.select_for_update(skip_locked=True, of=("self",))
     with transaction.atomic():  # Django compiles FOR UPDATE only inside one (no statement runs)

@@ -17,7 +17,7 @@ from ..models import AgentLimit, AgentRun, RunCheckpoint, RunPayload, RunStep, S
 from ..payloads import INPUT, keep
 from . import rawrows, rawsql
 from .events import FORKED, append_events, lifecycle
-from .fair import join_groups
+from .fair import join_groups, next_stamp, stamp_base_sql, stamp_offsets
 from .windows import give_pattern_keys_rows
 
 
@@ -44,6 +44,8 @@ class NewRun(NamedTuple):
 # What each element of insert_runs' JSON array holds, in order (input as its JSON text).
 _PER_RUN = ("agent", "queue", "priority", "scope", "fired_seq", "input", "max_requeues",
             "available_at", "dedupe_key", "limit_key", "agent_version", "fair_key")
+# Then each row's fair-share stride and offset in its group (transitions.fair.stamp_offsets).
+STRIDE_AT, OFFSET_AT = len(_PER_RUN), len(_PER_RUN) + 1
 EMPTY_INPUT = "{}"  # the default input's JSON text: stored as no payload row
 # A dedupe key taken by a run that finished before its holder could be read: insert again,
 # at most this many times (each round needs another run to finish at that very moment).
@@ -131,9 +133,16 @@ def _insert_rows(rows: Sequence[NewRun], at: datetime) -> list[tuple[int, str, s
             for r in rows]
     # Escaping at most doubles a row's text: below half the cap, one statement surely does.
     if sum(len(r.input_json) + 1000 for r in rows) * 2 <= MAX_STATEMENT_BYTES:
-        return _insert(json.dumps(data), at)
-    with transaction.atomic():
+        return _insert(json.dumps(_stamped(data)), at)
+    with transaction.atomic():  # each chunk's stamps follow those of the chunks before it
         return [row for chunk in _chunks(data) for row in _insert(chunk, at)]
+
+
+def _stamped(data: list[list[Any]]) -> list[list[Any]]:
+    """`data`'s rows with their fair-share stride and offset appended (transitions.fair)."""
+    groups = [(row[1], row[11], row[2]) for row in data]  # queue, fair_key, priority
+    return [[*row, stride, offset]
+            for row, (stride, offset) in zip(data, stamp_offsets(groups), strict=True)]
 
 
 def _place(new: Sequence[NewRun], pending: list[int], inserted: list[tuple[int, str, str]],
@@ -216,19 +225,20 @@ def _insert(rows: str, at: datetime) -> list[tuple[int, str, str]]:
 
 
 def _chunks(rows: list[list[Any]]) -> list[str]:
-    """`rows` as JSON arrays of at most MAX_STATEMENT_BYTES each (a larger row alone)."""
-    chunks: list[str] = []
-    texts: list[str] = []
+    """`rows` as JSON arrays of at most MAX_STATEMENT_BYTES each (a larger row alone), each
+    chunk's rows stamped on their own."""
+    chunks: list[list[list[Any]]] = []
+    chunk: list[list[Any]] = []
     size = 0
     for row in rows:
-        text = json.dumps(row)
-        if texts and size + len(text) > MAX_STATEMENT_BYTES:
-            chunks.append(f"[{','.join(texts)}]")
-            texts, size = [], 0
-        texts.append(text)
-        size += len(text) + 1
-    chunks.append(f"[{','.join(texts)}]")
-    return chunks
+        length = len(json.dumps(row)) + 40  # and its stride and offset
+        if chunk and size + length > MAX_STATEMENT_BYTES:
+            chunks.append(chunk)
+            chunk, size = [], 0
+        chunk.append(row)
+        size += length + 1
+    chunks.append(chunk)
+    return [json.dumps(_stamped(c)) for c in chunks]
 
 
 def _json_time(value: datetime) -> str:
@@ -249,7 +259,8 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
     columns_of = [name for name in _PER_RUN if name != "input"]
     fixed = {name: Status.QUEUED if name == "status" else f.get_default()
              for name, f in fields.items()
-             if name not in (*_PER_RUN, "created_at") and not f.primary_key and not f.null}
+             if name not in (*_PER_RUN, "created_at", "fair_vstart") and not f.primary_key
+             and not f.null}
     qn = connection.ops.quote_name
     runs = qn(AgentRun._meta.db_table)
     at_input = _PER_RUN.index("input")
@@ -258,13 +269,21 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
         picks = [f"(r->>{_PER_RUN.index(name)})::"
                  f"{str(fields[name].db_type(connection)).split('(')[0]}"
                  for name in columns_of]
-        source = "src ORDER BY n"
+        # Each group's first stamp once (stamp_base_sql), then each row's offset from it.
+        picks.append(f"base.b + (r->>{OFFSET_AT})::float8")
+        source = ("src JOIN base ON base.q = r->>1 AND base.k = r->>11 AND "
+                  "base.p = (r->>2)::int ORDER BY n")
     else:
         picks = [f"json_extract(value, '$[{_PER_RUN.index(name)}]')" for name in columns_of]
+        # The SELECT reads the run table, so SQLite runs it to the end before inserting: a
+        # row's stamp never sees another of the same statement.
+        item = "json_extract(json_each.value, '$[{}]')".format
+        picks.append(f"{stamp_base_sql(vendor, item(1), item(11), item(2), item(STRIDE_AT))}"
+                     f" + {item(OFFSET_AT)}")
         # WHERE true: SQLite needs a WHERE in an INSERT ... SELECT with an upsert clause.
         source = "json_each(%s) WHERE true ORDER BY key"
     columns = ", ".join(qn(str(fields[name].column))
-                        for name in (*columns_of, *fixed, "created_at"))
+                        for name in (*columns_of, "fair_vstart", *fixed, "created_at"))
     values = ", ".join([*picks, *["%s"] * (len(fixed) + 1)])
     returning = f"{qn(str(AgentRun._meta.pk.column))}, {qn('agent')}, {qn('dedupe_key')}"
     insert = (f"INSERT INTO {runs} (@id@{columns}) SELECT @id@{values} "
@@ -273,6 +292,10 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
         sequence = f"(SELECT pg_get_serial_sequence('{AgentRun._meta.db_table}', 'id'))"
         sql = (f"WITH src AS MATERIALIZED (SELECT nextval({sequence}::regclass) AS id, r, n "
                f"FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS rows(r, n)), "
+               f"base AS MATERIALIZED (SELECT g.q, g.k, g.p, "
+               f"{stamp_base_sql(vendor, 'g.q', 'g.k', 'g.p', 'g.s')} AS b FROM (SELECT "
+               f"DISTINCT r->>1 AS q, r->>11 AS k, (r->>2)::int AS p, (r->>{STRIDE_AT})::float8 "
+               f"AS s FROM src) g), "
                f"ins AS ({insert.replace('@id@', 'id, ')}), "
                f"pay AS (INSERT INTO {qn(RunPayload._meta.db_table)} "
                f"(run_id, kind, value, created_at) SELECT ins.id, '{RunPayload.INPUT}', "
@@ -333,6 +356,7 @@ def insert_fork(
             max_requeues=origin.max_requeues,
             status=Status.QUEUED, available_at=at, created_at=at,
             checkpoint_count=n, forked_from=origin, steps_copied=replay or bool(n))
+        run.fair_vstart = next_stamp(run.queue, run.fair_key, run.priority)
         run.input = origin.input if input is None else input  # a payload row, saved with it
         run.save(force_insert=True)
         if run.fair_key:

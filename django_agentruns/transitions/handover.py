@@ -28,10 +28,9 @@ from ..db import is_postgres
 from ..models import AgentRun, Reason, Status
 from ..outcomes import AttemptRef, ScopePolicy, Settlement
 from . import children, hot_sql, rawrows, rawsql
-from .claiming import _announce_started, claim
+from .claiming import _announce_started, age_order, claim, fair_order
 from .due import compiled_due
 from .events import STARTED, SUCCEEDED, lifecycle_event_id, now
-from .fair import Weights, advance_ctes
 from .settling import _announce_succeeded, settle_succeeded_many
 
 Successes = Sequence[tuple[AttemptRef, Any]]
@@ -49,11 +48,10 @@ def settle_and_claim(
     *,
     include_lapsed: bool = True,
     agents: frozenset[str] | None = None,
-    fair: Weights | None = None,
+    fair: bool = False,
 ) -> tuple[dict[AttemptRef, Settlement], list[AgentRun]]:
     """Record `successes` (attempts of `worker_id` that returned), then take up to `limit`
-    due runs (as `claim`, same arguments): one statement where it can be (with fair shares
-    on, `fair`, the same statement advances the groups of the runs it started)."""
+    due runs (as `claim`, same arguments): one statement where it can be."""
     at = at or now()
     queues = tuple(queues)
     one = (successes and limit > 0 and (agents is None or agents) and is_postgres()
@@ -73,7 +71,7 @@ def settle_and_claim(
 def _in_one_statement(
     worker_id: str, successes: Successes, queues: tuple[str, ...], limit: int,
     scopes: ScopePolicy, lease_ttls: dict[str, float], default_ttl: float, at: datetime,
-    agents: frozenset[str] | None, fair: Weights | None,
+    agents: frozenset[str] | None, fair: bool,
 ) -> tuple[dict[AttemptRef, Settlement], list[AgentRun]] | None:
     """None when an event of a settled run was appended after the statement's snapshot
     (an operator's cancel request, racing): its seq collided and nothing was written; the
@@ -90,8 +88,7 @@ def _in_one_statement(
                if ttl != default_ttl}
     sql, params = hot_sql.settle_and_claim(
         rows, worker_id, Status.RUNNING, Status.SUCCEEDED, Reason.COMPLETED, SUCCEEDED, due,
-        at, Status.QUEUED, special, at + timedelta(seconds=default_ttl), STARTED,
-        None if fair is None else advance_ctes(fair))
+        at, Status.QUEUED, special, at + timedelta(seconds=default_ttl), STARTED)
     try:
         with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
             cursor.execute(sql, params)
@@ -107,7 +104,7 @@ def _in_one_statement(
     for run in claimed:
         run.__dict__.pop("settled_ids", None)
         run.__dict__.pop("settled_parents", None)
-    claimed.sort(key=lambda r: (-r.priority, r.available_at, r.fired_seq, r.pk))
+    claimed.sort(key=fair_order if fair else age_order)
     # Committed: parents waiting on these runs are resumed just after (and by the reaper,
     # should this worker die in between), as after `settle_succeeded_many`'s statement.
     children.resume_parents(parents or (), at)

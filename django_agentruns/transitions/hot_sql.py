@@ -81,15 +81,11 @@ def _events_from(rows: str, event_id: str, join: str = "") -> str:
 def claim_returning(
     due: Compiled, at: datetime, worker_id: str, running: str, queued: str,
     lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
-    then: tuple[str, list[Any]] | None = None,
 ) -> tuple[str, list[Any]]:
     """PostgreSQL: lock the due rows (SKIP LOCKED), start them and append their start
-    events, all in one statement. `then`: more CTEs (SQL, params) that read the `claimed`
-    rows (fair shares advance their groups there: transitions.fair)."""
+    events, all in one statement."""
     ctes, params = _claim_ctes(due, at, worker_id, running, queued, lease_ttls,
                                default_lease, started)
-    if then:
-        return f"WITH {ctes}, {then[0]} SELECT * FROM claimed", params + then[1]
     return f"WITH {ctes} SELECT * FROM claimed", params
 
 
@@ -127,30 +123,28 @@ def settle_and_claim(
     items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
     completed: str, ended: str, due: Compiled, at: datetime, queued: str,
     lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
-    then: tuple[str, list[Any]] | None = None,
 ) -> tuple[str, list[Any]]:
-    """PostgreSQL: `settle_succeeded` (with events) and `claim_returning` in one statement
-    (`then`: more CTEs reading `claimed`, as `claim_returning`'s).
+    """PostgreSQL: `settle_succeeded` (with events) and `claim_returning` in one statement.
 
     Its rows are the claimed runs, each with `settled_ids` and `settled_parents` (the
     settled runs and their parents, in the same order); one row of NULLs but those two
     when nothing was claimed."""
-    shape = (connection.vendor, len(items), tuple(lease_ttls), due.sql, then and then[0])
+    shape = (connection.vendor, len(items), tuple(lease_ttls), due.sql)
     sql = _SHAPES.get(shape)
     if sql is not None:  # the text of a shape seen before: only its parameters are new
         return sql, _settle_and_claim_params(items, worker_id, running, succeeded, completed,
                                              ended, due, at, queued, lease_ttls,
-                                             default_lease, started) + (then[1] if then else [])
+                                             default_lease, started)
     head, update, params = _succeed_parts(items, worker_id, running, succeeded, completed, at)
     settle, more = _succeed_ctes(head, update, ended, at)
     claim, claim_params = _claim_ctes(due, at, worker_id, running, queued, lease_ttls,
                                       default_lease, started)
-    sql = (f"{settle}, {claim}{', ' + then[0] if then else ''} SELECT claimed.*, "
+    sql = (f"{settle}, {claim} SELECT claimed.*, "
            f"s.settled_ids, s.settled_parents FROM (SELECT array_agg(id) AS settled_ids, "
            f"array_agg(parent_id) AS settled_parents FROM done) s LEFT JOIN claimed ON true")
     if len(_SHAPES) < 256:
         _SHAPES[shape] = sql
-    return sql, params + more + claim_params + (then[1] if then else [])
+    return sql, params + more + claim_params
 
 
 _SHAPES: dict[tuple[Any, ...], str] = {}

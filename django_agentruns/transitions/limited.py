@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 
 from ..db import is_postgres, retry_on_lock
@@ -30,7 +30,7 @@ from .claiming import _announce_started, _start
 from .due import claim_row, due_queued, recheck_order
 from .events import STARTED, append_events, lifecycle, now
 from .failover import move_to_open_keys
-from .fair import Weights, advance, compile_fair
+from .fair import FAIR_ORDER
 from .windows import (
     Admission,
     WindowUse,
@@ -63,11 +63,11 @@ def claim_limited(
     at: datetime | None = None,
     *,
     agents: frozenset[str] | None = None,
-    fair: Weights | None = None,
+    fair: bool = False,
 ) -> list[AgentRun]:
     """Take up to `limit` due runs of limited (or closed) keys for `worker_id`, never more
     of a key than its limit leaves room for, and none of a closed key; with `fair`, each
-    key's runs in fair order across fairness groups (transitions.fair)."""
+    key's runs in fair order (transitions.fair)."""
     at = at or now()
     if limit <= 0 or (agents is not None and not agents):
         return []
@@ -124,8 +124,6 @@ def claim_limited(
         write_entries(entries)
         if stuck:
             move_to_open_keys(stuck, at)  # picked up by the next claim, under their keys
-        if fair is not None and claimed:
-            advance(claimed, fair)
         append_events([lifecycle(r.pk, STARTED, r.attempt, worker=worker_id)
                        for r in claimed], at)
         _announce_started(claimed, worker_id)
@@ -135,20 +133,17 @@ def claim_limited(
 def _start_key(
     worker_id: str, key: str, queues: Sequence[str], room: int, scopes: ScopePolicy,
     lease_ttls: dict[str, float], default_ttl: float, at: datetime,
-    agents: frozenset[str] | None, admission: Admission | None, fair: Weights | None = None,
+    agents: frozenset[str] | None, admission: Admission | None, fair: bool = False,
 ) -> tuple[list[AgentRun], dict[int, tuple[int, float]], bool]:
-    """Start up to `room` due runs of `key`, in claim order (with `fair`, fair order across
-    fairness groups); with `admission`, only while their estimates fit the key's token and
+    """Start up to `room` due runs of `key`, in claim order (with `fair`, fair order:
+    transitions.fair); with `admission`, only while their estimates fit the key's token and
     cost windows (the reservations returned, and whether a window turned runs away)."""
     qs = due_queued(queues, at, scopes, agents).filter(limit_key=key)
-    if fair is not None:
-        fair_order = compile_fair(qs, connection.vendor, list(queues), room, fair,
-                                  ids_only=False, naive=False)
-        picked = list(AgentRun.objects.raw(fair_order.sql, fair_order.params))
-    else:
-        if is_postgres():
-            qs = qs.select_for_update(skip_locked=True, of=("self",))
-        picked = list(qs[:room])
+    if fair:
+        qs = qs.order_by(*FAIR_ORDER)
+    if is_postgres():
+        qs = qs.select_for_update(skip_locked=True, of=("self",))
+    picked = list(qs[:room])
     ids = [c["id"] for c in recheck_order([claim_row(r) for r in picked], scopes)]
     reserved: dict[int, tuple[int, float]] = {}
     refused = False
@@ -233,7 +228,7 @@ class LimitedClaim:
 
     def claim(self, worker_id: str, queues: Sequence[str], batch: int, scopes: ScopePolicy,
               ttls: dict[str, float], default_ttl: float,
-              agents: frozenset[str] | None, fair: Weights | None = None) -> list[AgentRun]:
+              agents: frozenset[str] | None, fair: bool = False) -> list[AgentRun]:
         now = time.monotonic()
         if now - self._read_at >= self.refresh:
             self._in_use = limits_in_use()
