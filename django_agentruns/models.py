@@ -48,8 +48,9 @@ class AgentRun(models.Model):
     limit_key = models.CharField(max_length=200, blank=True, default="")
     fair_key = models.CharField(max_length=200, blank=True, default="")  # its fairness group
     # Its virtual start, stamped at enqueue: the claim's order with fair shares on
-    # (transitions.fair). Kept when the run is requeued.
-    fair_vstart = models.FloatField(default=0.0)
+    # (transitions.fair). Kept when the run is requeued. A database default too: an INSERT
+    # that names no stamp (an older worker's, mid-deploy) still succeeds.
+    fair_vstart = models.FloatField(default=0.0, db_default=0.0)
     snooze_count = models.PositiveIntegerField(default=0)
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)

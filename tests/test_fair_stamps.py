@@ -146,3 +146,10 @@ def test_migration_0022_stamps_the_queued_runs_in_the_order_the_fair_claim_took_
     got = dict(AgentRun.objects.values_list("pk", "fair_vstart"))
     assert got == {a_old: 1, a_new: 2, b: 8.5, urgent: 1}
     assert [r.pk for r in claim(4)] == [urgent, a_old, a_new, b]
+
+
+def test_an_insert_that_names_no_stamp_still_succeeds() -> None:
+    """An older worker's INSERT, mid-deploy, knows no stamp: the database default fills it."""
+    with connection.cursor() as cursor:
+        pk = insert_queued(cursor, "A", 0, 0)
+    assert AgentRun.objects.get(pk=pk).fair_vstart == 0

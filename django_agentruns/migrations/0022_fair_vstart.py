@@ -42,7 +42,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name="agentrun",
             name="fair_vstart",
-            field=models.FloatField(default=0.0),
+            field=models.FloatField(default=0.0, db_default=0.0),
         ),
         migrations.RunPython(stamp_queued, migrations.RunPython.noop),
         migrations.AddIndex(
