@@ -122,7 +122,7 @@ class Defaults:
     FAIR_WEIGHTS: dict[str, float] | None = None
     """Weights of fairness groups (`fair_key`), e.g. {"tenant:big": 3}: within a queue, a
     group with due runs gets starts in proportion to its weight; a group not listed weighs
-    1."""
+    1. Weights apply at enqueue: a change reaches runs enqueued after it."""
     METRICS_TOKEN: str | None = None
     """Bearer token that may read `metrics/` of `django_agentruns.urls` without logging in
     (for a Prometheus scraper); None: only users with `view_agentrun` may."""

@@ -152,6 +152,9 @@ class AgentRun(models.Model):
                          name="agentruns_fair_order"),
             models.Index(fields=("queue", "fair_key", "priority", "fair_vstart"),
                          condition=Q(status="queued"), name="agentruns_fair_last"),
+            # ... and the highest stamp a queue's claims have started (its virtual now).
+            models.Index(fields=("queue", "fair_vstart"), condition=Q(status="running"),
+                         name="agentruns_fair_running"),
             models.Index(fields=("created_at",), name="agentruns_created"),
             # The overview's throughput chart and per-agent window: runs finished lately.
             models.Index(fields=("finished_at",), name="agentruns_finished"),

@@ -13,9 +13,10 @@ from django.core.management import call_command
 from django.db import connection
 from django.utils import timezone
 
-from django_agentruns import enqueue, enqueue_many, fork, transitions
+from django_agentruns import enqueue, enqueue_many, fork, retry, transitions
 from django_agentruns.models import AgentRun, FairGroup, Status
 from django_agentruns.runtime.reaper import reap
+from django_agentruns.transitions.fair import FairClaim
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SCOPES = transitions.ScopePolicy()
@@ -78,17 +79,59 @@ def test_a_delayed_run_is_stepped_over_until_due_then_goes_by_its_stamp() -> Non
     assert [r.pk for r in claim(1)] == [later.pk]  # stamp 0: first once due
 
 
+def test_a_new_group_starts_where_the_claims_have_reached() -> None:
+    flood("A", 20)  # stamps 0..19
+    claim(8)  # 0..7 running
+    (b,) = flood("B", 1)
+    assert stamps([b]) == [8]  # level with A's next, not ahead of A's running ones
+
+
+def test_a_run_that_cannot_start_does_not_pull_newcomers_ahead_of_a_flood() -> None:
+    (_later,) = flood("A", 1, run_after=timedelta(hours=1))  # stamp 0, not due
+    flood("A", 30)  # stamps 1..30
+    claim(8)
+    claim(8)
+    claim(8)  # 1..24 running
+    late = flood("B", 8)
+    assert stamps(late)[0] == 25  # level with A's next, not back at the delayed run's 0
+    assert [r.fair_key for r in claim(8)].count("B") <= 5  # in turns with A (B ties first)
+
+
 def test_the_reaper_raises_the_queue_clock_so_stamps_never_go_back() -> None:
     flood("A", 20)  # stamps 0..19
     claim(8)
-    claim(2)
+    claim(2)  # 0..9 running
     assert clock() == 0
     report = reap()
     assert report.clocks_raised >= 1
-    assert clock() == 10  # the frontier: the lowest stamp still queued
-    claim(10)  # the queue is empty now: no frontier to stamp from
+    assert clock() == 10  # the lowest due stamp (above the highest running: 9)
+    claim(10)
+    AgentRun.objects.filter(status=Status.RUNNING).update(
+        status=Status.SUCCEEDED, finished_at=timezone.now())  # the queue is idle now
     (late,) = flood("B", 1)
     assert stamps([late]) == [10]  # from the clock, not from 0
+
+
+def test_an_operators_retry_is_stamped_afresh() -> None:
+    (old,) = flood("A", 1)
+    AgentRun.objects.filter(pk=old.pk).update(status=Status.FAILED, fair_vstart=5000,
+                                              finished_at=timezone.now())
+    transitions.drop_idle_groups()  # the queue had no live run: its clock went
+    flood("B", 3)  # stamps 0, 1, 2 again
+    assert retry(old.pk)
+    assert stamps([old]) == [0]  # level with B's head, not 5,000 starts behind
+    assert old.pk in {r.pk for r in claim(2)}
+
+
+def test_fair_order_turns_off_when_the_last_keyed_group_goes() -> None:
+    flood("A", 1)
+    assert FairClaim(refresh=0).on()
+    AgentRun.objects.filter(fair_key="A").update(status=Status.SUCCEEDED,
+                                                 finished_at=timezone.now())
+    enqueue("tests.noop")  # the queue stays live: its "" row (the clock) stays
+    reap()
+    assert set(FairGroup.objects.values_list("key", flat=True)) == {""}
+    assert not FairClaim(refresh=0).on()
 
 
 def test_a_queue_without_fair_keys_gets_a_clock_once_fairness_is_on() -> None:
@@ -116,7 +159,8 @@ RUNS = AgentRun._meta.db_table
 
 
 def insert_queued(cursor: Any, fair_key: str, priority: int, minutes_ago: int) -> int:
-    """A queued run row as migration 0021 left the table (no stamp column yet)."""
+    """A queued run row as migration 0021 left the table (no stamp column yet; after 0022,
+    an INSERT that names no stamp)."""
     at = timezone.now() - timedelta(minutes=minutes_ago)
     cursor.execute(
         f"INSERT INTO {RUNS} (agent, queue, priority, scope, fired_seq, status, reason, "

@@ -46,7 +46,7 @@ from .batched import (
 )
 from .claiming import claim
 from .due import awaited, due_elsewhere, due_queued, lapsed
-from .enqueue import NewRun, insert_fork, insert_runs
+from .enqueue import NewRun, insert_runs
 from .events import (
     ABANDONED,
     CANCEL_REQUESTED,
@@ -66,6 +66,7 @@ from .events import (
     now,
 )
 from .fair import drop_idle_groups, raise_clocks
+from .forking import insert_fork
 from .handover import settle_and_claim
 from .limited import (
     claim_limited,

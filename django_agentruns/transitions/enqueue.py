@@ -12,12 +12,10 @@ from django.db import OperationalError, connection, transaction
 
 from .. import partitioning
 from ..conf import app_settings
-from ..exceptions import InvalidInputError
-from ..models import AgentLimit, AgentRun, RunCheckpoint, RunPayload, RunStep, Status
+from ..models import AgentLimit, AgentRun, RunPayload, Status
 from ..payloads import INPUT, keep
 from . import rawrows, rawsql
-from .events import FORKED, append_events, lifecycle
-from .fair import join_groups, next_stamp, stamp_base_sql, stamp_offsets
+from .fair import join_groups, stamp_base_sql, stamp_offsets
 from .windows import give_pattern_keys_rows
 
 
@@ -46,6 +44,7 @@ _PER_RUN = ("agent", "queue", "priority", "scope", "fired_seq", "input", "max_re
             "available_at", "dedupe_key", "limit_key", "agent_version", "fair_key")
 # Then each row's fair-share stride and offset in its group (transitions.fair.stamp_offsets).
 STRIDE_AT, OFFSET_AT = len(_PER_RUN), len(_PER_RUN) + 1
+QUEUE_AT, KEY_AT, PRIORITY_AT = (_PER_RUN.index(n) for n in ("queue", "fair_key", "priority"))
 EMPTY_INPUT = "{}"  # the default input's JSON text: stored as no payload row
 # A dedupe key taken by a run that finished before its holder could be read: insert again,
 # at most this many times (each round needs another run to finish at that very moment).
@@ -124,8 +123,11 @@ def store_failover_keys(placed: list[tuple[AgentRun | None, tuple[str, ...]]]) -
             AgentRun.objects.filter(pk=run.pk).update(limit_keys=list(keys))
 
 
-def _insert_rows(rows: Sequence[NewRun], at: datetime) -> list[tuple[int, str, str]]:
-    """INSERT `rows`; (id, agent, dedupe_key) of those inserted, in array order."""
+Inserted = tuple[int, str, str, float]  # id, agent, dedupe_key, fair_vstart
+
+
+def _insert_rows(rows: Sequence[NewRun], at: datetime) -> list[Inserted]:
+    """INSERT `rows`; (id, agent, dedupe_key, stamp) of those inserted, in array order."""
     at_text = _json_time(at)
     data = [[r.agent, r.queue, r.priority, r.scope, r.fired_seq, r.input_json, r.max_requeues,
              at_text if r.available_at is at else _json_time(r.available_at), r.dedupe_key,
@@ -140,18 +142,19 @@ def _insert_rows(rows: Sequence[NewRun], at: datetime) -> list[tuple[int, str, s
 
 def _stamped(data: list[list[Any]]) -> list[list[Any]]:
     """`data`'s rows with their fair-share stride and offset appended (transitions.fair)."""
-    groups = [(row[1], row[11], row[2]) for row in data]  # queue, fair_key, priority
+    groups = [(row[QUEUE_AT], row[KEY_AT], row[PRIORITY_AT]) for row in data]
     return [[*row, stride, offset]
             for row, (stride, offset) in zip(data, stamp_offsets(groups), strict=True)]
 
 
-def _place(new: Sequence[NewRun], pending: list[int], inserted: list[tuple[int, str, str]],
+def _place(new: Sequence[NewRun], pending: list[int], inserted: list[Inserted],
            at: datetime, runs: list[AgentRun | None]) -> list[int]:
     """Fill `runs` at the `pending` positions from what the INSERT returned, and each skipped
     row with the run holding its key; the positions still without a run (its holder
     finished meanwhile) are returned, to insert again."""
-    by_key = {(agent, key): pk for pk, agent, key in inserted if key}
-    keyless = iter(pk for pk, _, key in inserted if not key)
+    by_key = {(agent, key): pk for pk, agent, key, _ in inserted if key}
+    keyless = iter(pk for pk, _, key, _ in inserted if not key)
+    stamps = {pk: stamp for pk, _, _, stamp in inserted}
     fields = AgentRun._meta.concrete_fields
     names, alias = [f.attname for f in fields], connection.alias
     shared = {f.attname: f.get_default() for f in fields}
@@ -164,7 +167,7 @@ def _place(new: Sequence[NewRun], pending: list[int], inserted: list[tuple[int, 
         pk = by_key.get((r.agent, r.dedupe_key)) if r.dedupe_key else next(keyless)
         if pk is not None and pk not in taken:
             taken.add(pk)
-            values = {**shared, **r._asdict(), "id": pk,
+            values = {**shared, **r._asdict(), "id": pk, "fair_vstart": stamps[pk],
                       "limit_keys": list(r.limit_keys) if len(r.limit_keys) > 1 else None}
             runs[i] = run = AgentRun.from_db(alias, names, [values[n] for n in names])
             keep(run, INPUT, r.input)
@@ -199,9 +202,9 @@ def insert_inputs(inputs: Sequence[tuple[int, str]], at: datetime) -> None:
              json.dumps(inputs)])
 
 
-def _insert(rows: str, at: datetime) -> list[tuple[int, str, str]]:
-    """One INSERT of the JSON array `rows`; (id, agent, dedupe_key) of the rows inserted,
-    in array order."""
+def _insert(rows: str, at: datetime) -> list[Inserted]:
+    """One INSERT of the JSON array `rows`; (id, agent, dedupe_key, stamp) of the rows
+    inserted, in array order."""
     sql, fixed = _insert_statement(connection.vendor)
     created = connection.ops.adapt_datetimefield_value(at)
     params = [rows, *fixed, created, created] if connection.vendor == "postgresql" else \
@@ -210,7 +213,8 @@ def _insert(rows: str, at: datetime) -> list[tuple[int, str, str]]:
         try:
             with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
                 cursor.execute(sql, params)
-                found = sorted((pk, agent, key) for pk, agent, key in cursor.fetchall())
+                found = sorted((pk, agent, key, stamp)
+                               for pk, agent, key, stamp in cursor.fetchall())
             break
         except Exception as exc:
             # Partitioned history: the inputs' payload rows went past the partitions made
@@ -271,21 +275,23 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
                  for name in columns_of]
         # Each group's first stamp once (stamp_base_sql), then each row's offset from it.
         picks.append(f"base.b + (r->>{OFFSET_AT})::float8")
-        source = ("src JOIN base ON base.q = r->>1 AND base.k = r->>11 AND "
-                  "base.p = (r->>2)::int ORDER BY n")
+        source = (f"src JOIN base ON base.q = r->>{QUEUE_AT} AND base.k = r->>{KEY_AT} AND "
+                  f"base.p = (r->>{PRIORITY_AT})::int ORDER BY n")
     else:
         picks = [f"json_extract(value, '$[{_PER_RUN.index(name)}]')" for name in columns_of]
         # The SELECT reads the run table, so SQLite runs it to the end before inserting: a
         # row's stamp never sees another of the same statement.
         item = "json_extract(json_each.value, '$[{}]')".format
-        picks.append(f"{stamp_base_sql(vendor, item(1), item(11), item(2), item(STRIDE_AT))}"
-                     f" + {item(OFFSET_AT)}")
+        base = stamp_base_sql(vendor, item(QUEUE_AT), item(KEY_AT), item(PRIORITY_AT),
+                              item(STRIDE_AT))
+        picks.append(f"{base} + {item(OFFSET_AT)}")
         # WHERE true: SQLite needs a WHERE in an INSERT ... SELECT with an upsert clause.
         source = "json_each(%s) WHERE true ORDER BY key"
     columns = ", ".join(qn(str(fields[name].column))
                         for name in (*columns_of, "fair_vstart", *fixed, "created_at"))
     values = ", ".join([*picks, *["%s"] * (len(fixed) + 1)])
-    returning = f"{qn(str(AgentRun._meta.pk.column))}, {qn('agent')}, {qn('dedupe_key')}"
+    returning = (f"{qn(str(AgentRun._meta.pk.column))}, {qn('agent')}, {qn('dedupe_key')}, "
+                 f"{qn('fair_vstart')}")
     insert = (f"INSERT INTO {runs} (@id@{columns}) SELECT @id@{values} "
               f"FROM {source} ON CONFLICT DO NOTHING RETURNING {returning}")
     if vendor == "postgresql":
@@ -294,8 +300,8 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
                f"FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS rows(r, n)), "
                f"base AS MATERIALIZED (SELECT g.q, g.k, g.p, "
                f"{stamp_base_sql(vendor, 'g.q', 'g.k', 'g.p', 'g.s')} AS b FROM (SELECT "
-               f"DISTINCT r->>1 AS q, r->>11 AS k, (r->>2)::int AS p, (r->>{STRIDE_AT})::float8 "
-               f"AS s FROM src) g), "
+               f"DISTINCT r->>{QUEUE_AT} AS q, r->>{KEY_AT} AS k, (r->>{PRIORITY_AT})::int AS p, "
+               f"(r->>{STRIDE_AT})::float8 AS s FROM src) g), "
                f"ins AS ({insert.replace('@id@', 'id, ')}), "
                f"pay AS (INSERT INTO {qn(RunPayload._meta.db_table)} "
                f"(run_id, kind, value, created_at) SELECT ins.id, '{RunPayload.INPUT}', "
@@ -306,90 +312,3 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
         sql = insert.replace("@id@", "")
     return sql, tuple(fields[name].get_db_prep_save(value, connection)
                       for name, value in fixed.items())
-
-
-def insert_fork(
-    origin_id: int, number: int | None, input: Any, by: str, at: datetime, *,
-    replay: bool = False, agent: str | None = None, queue: str | None = None,
-    version: int | None = None, limit_key: str | None = None, fair_key: str | None = None,
-) -> AgentRun | None:
-    """Queue a new run of `origin_id`'s agent starting from its checkpoint `number` (None:
-    its last; with none saved, from the start), with `input` (None: the origin's),
-    `limit_key` and `fair_key` (None: the origin's: a fork is its tenant's work, in its
-    fairness group, which it joins like a new run).
-
-    One transaction: the new run, a copy of the ONE state it starts from (checkpoint N, as
-    its own checkpoint N: its numbers go on from N, as its `checkpoint_count` does, and a
-    fork of the fork can start from N again), and a `run.forked` event opening its
-    timeline. None of the origin's other history is copied, and nothing of the fork points
-    into the origin's rows, so purging the origin, or trimming its history past
-    `CHECKPOINT_HISTORY`, never breaks the fork. The origin and its timeline are not
-    touched. None: no such run; `InvalidInputError` for a checkpoint the run never reached
-    or no longer keeps (nothing written).
-
-    Steps: with `replay`, every step the origin completed is copied (the fork gets their
-    results without executing them, and records no usage for them); without, those
-    started before the checkpoint the fork starts from (it does not call them again).
-    `agent`: the fork runs that agent (on `queue`, at `version`), keeping the origin's
-    limit key.
-    """
-    with transaction.atomic():
-        origin = AgentRun.objects.filter(pk=origin_id).first()
-        if origin is None:
-            return None
-        n = origin.checkpoint_count if number is None else number
-        if n:
-            saved = origin.checkpoints.filter(number=n).exists()
-            if n > origin.checkpoint_count or not saved:
-                raise InvalidInputError(
-                    f"Run {origin_id} has no checkpoint {n}: it saved "
-                    f"{origin.checkpoint_count}" + ("" if n > origin.checkpoint_count else
-                                                    " and keeps only its latest ones "
-                                                    "(CHECKPOINT_HISTORY; a fork keeps the "
-                                                    "one it started from)"))
-        run = AgentRun(
-            agent=agent or origin.agent, queue=queue or origin.queue, priority=origin.priority,
-            limit_key=origin.limit_key if limit_key is None else limit_key,
-            fair_key=origin.fair_key if fair_key is None else fair_key,
-            agent_version=version or origin.agent_version,
-            scope=origin.scope, fired_seq=origin.fired_seq,
-            max_requeues=origin.max_requeues,
-            status=Status.QUEUED, available_at=at, created_at=at,
-            checkpoint_count=n, forked_from=origin, steps_copied=replay or bool(n))
-        run.fair_vstart = next_stamp(run.queue, run.fair_key, run.priority)
-        run.input = origin.input if input is None else input  # a payload row, saved with it
-        run.save(force_insert=True)
-        if run.fair_key:
-            join_groups([(run.queue, run.fair_key)])
-        if n:
-            table = connection.ops.quote_name(RunCheckpoint._meta.db_table)
-            with connection.cursor() as cursor:  # copied in the database: no state loaded
-                cursor.execute(
-                    f"INSERT INTO {table} (run_id, number, state, created_at) "
-                    f"SELECT %s, number, state, created_at FROM {table} "
-                    f"WHERE run_id = %s AND number = %s", [run.pk, origin_id, n])
-        _copy_steps(origin_id, run.pk, None if replay else n)
-        extra: dict[str, Any] = {"replay": True} if replay else {}
-        if run.agent != origin.agent:
-            extra["agent"] = run.agent
-        append_events([lifecycle(run.pk, FORKED, 0, origin=origin_id, checkpoint=n, by=by,
-                                 input_replaced=input is not None, **extra)], at)
-    return run
-
-
-def _copy_steps(origin_id: int, run_id: int, before: int | None) -> None:
-    """Copy the origin's done steps (those started before checkpoint `before`; None: all)
-    into the fork, in the database: the fork never reads the origin's again, so purging
-    the origin leaves it whole. A copy costs nothing: its usage is zero."""
-    if before == 0:
-        return
-    table = connection.ops.quote_name(RunStep._meta.db_table)
-    columns = ("name, occurrence, status, result, error, attempt, checkpoint, started_at, "
-               "finished_at")
-    condition = "" if before is None else " AND checkpoint < %s"
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {table} (run_id, replayed_from, input_tokens, output_tokens, cost, "
-            f"{columns}) SELECT %s, id, 0, 0, 0.0, {columns} FROM {table} "
-            f"WHERE run_id = %s AND status = %s{condition}",
-            [run_id, origin_id, RunStep.State.DONE, *([] if before is None else [before])])

@@ -3,21 +3,23 @@
 Weighted fair queueing per queue and priority. Enqueue stamps each run with a virtual
 start (`fair_vstart`): a group's next run (a queue, a priority and a `fair_key`; "" for
 runs without one) comes 1/weight after that group's last queued run, and never before the
-queue's frontier (the lowest stamp queued at that priority: the run the claim takes next).
-A claim with fair shares on is the ordinary claim in (priority, stamp, age) order, read
-from one index: nothing per group, nothing written but the runs it starts. A group that
-enqueues behind a flood starts at the frontier, beside the flood's head; an idle group
-comes back level, never owed a backlog (its last stamps are gone with its runs).
+queue's virtual now: where its claims have reached (`virtual_now_sql`: the highest stamp
+running, the lowest due one, the queue's clock). A claim with fair shares on is the
+ordinary claim in (priority, stamp, age) order, read from one index: nothing per group,
+nothing written but the runs it starts. A group that enqueues behind a flood starts level
+with the flood's next run; an idle group comes back level, never owed a backlog (its
+last stamps are gone with its runs).
 
 A requeued run (retry, snooze, wake, failover, a lapsed lease) keeps its stamp, so it
 comes back ahead of its group's backlog: a retry storm takes at most max_attempts times
-its share. When a queue has no queued run there is no frontier: enqueue then starts from
-the queue's clock (the "" group's `vtime`), which the reaper raises to the frontier on
-each pass, so stamps never go back by more than a pass's worth of starts.
+its share. An operator's retry of a finished run is stamped afresh. When a queue has no
+queued or running run, enqueue starts from the queue's clock (the "" group's `vtime`),
+which the reaper raises to the queue's virtual now on each pass, so stamps never go back
+by more than a pass's worth of starts.
 
-Only a worker that has seen a group row claims in stamp order (`FairClaim`): without one
-the claim is the ordinary statement in age order. Enqueue stamps every run either way,
-so turning fairness on finds the queued runs already stamped.
+Only a worker that has seen a keyed group's row claims in stamp order (`FairClaim`):
+without one the claim is the ordinary statement in age order. Enqueue stamps every run
+either way, so turning fairness on finds the queued runs already stamped.
 """
 
 from __future__ import annotations
@@ -54,19 +56,40 @@ def stamp_offsets(groups: Sequence[tuple[str, str, int]]) -> list[tuple[float, f
 
 def stamp_base_sql(vendor: str, queue: str, key: str, priority: str, stride: str) -> str:
     """SQL for the stamp of a group's first new run: its last queued stamp plus `stride`,
-    and at least the queue's frontier at that priority (else the queue's clock, else 0).
-    The arguments are SQL expressions; two index reads (`agentruns_fair_last`, and the
-    claim's `agentruns_fair_order`) and one of the groups' unique index."""
+    and at least the queue's virtual now (`virtual_now_sql`). The arguments are SQL
+    expressions, used in this order: queue, key, priority, stride, then
+    `virtual_now_sql`'s."""
+    runs = rawsql.qn(AgentRun._meta.db_table)
+    last = (f"COALESCE((SELECT x.fair_vstart FROM {runs} x WHERE x.status = '{Status.QUEUED}' "
+            f"AND x.queue = {queue} AND x.fair_key = {key} AND x.priority = {priority} "
+            f"ORDER BY x.fair_vstart DESC LIMIT 1) + {stride}, -1e300)")
+    return f"{_greatest(vendor)}({last}, {virtual_now_sql(vendor, queue, priority)})"
+
+
+def _greatest(vendor: str) -> str:
+    return "GREATEST" if vendor == "postgresql" else "MAX"
+
+
+def virtual_now_sql(vendor: str, queue: str, priority: str) -> str:
+    """SQL for a queue's virtual now: the stamp its claims have reached. The highest stamp
+    of its running runs (the claim starts runs in stamp order), the lowest of its due
+    queued runs at `priority` (the claim's next: workers may be stopped), and its clock
+    (what the reaper saw last: the queue may be idle), whichever is highest, and at least
+    0. A run that cannot start (a delayed run, a closed key's) keeps its low stamp out of
+    it. Three index reads (`agentruns_fair_running`, `agentruns_fair_order`, the groups'
+    unique index); the arguments as `stamp_base_sql`'s, used in the order queue, queue,
+    priority, queue."""
     runs, groups = rawsql.qn(AgentRun._meta.db_table), rawsql.qn(FairGroup._meta.db_table)
-    queued = f"'{Status.QUEUED}'"
-    last = (f"COALESCE((SELECT x.fair_vstart FROM {runs} x WHERE x.status = {queued} AND "
-            f"x.queue = {queue} AND x.fair_key = {key} AND x.priority = {priority} ORDER BY "
-            f"x.fair_vstart DESC LIMIT 1) + {stride}, -1e300)")
-    front = (f"COALESCE((SELECT y.fair_vstart FROM {runs} y WHERE y.status = {queued} AND "
-             f"y.queue = {queue} AND y.priority = {priority} ORDER BY y.fair_vstart LIMIT 1), "
-             f"(SELECT c.vtime FROM {groups} c WHERE c.queue = {queue} AND "
-             f"c.{rawsql.qn('key')} = ''), 0)")
-    return f"{'GREATEST' if vendor == 'postgresql' else 'MAX'}({last}, {front})"
+    now = "now()" if vendor == "postgresql" else "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
+    running = (f"(SELECT r.fair_vstart FROM {runs} r WHERE r.status = '{Status.RUNNING}' AND "
+               f"r.queue = {queue} ORDER BY r.fair_vstart DESC LIMIT 1)")
+    due = (f"(SELECT d.fair_vstart FROM {runs} d WHERE d.status = '{Status.QUEUED}' AND "
+           f"d.queue = {queue} AND d.priority = {priority} AND d.available_at <= {now} "
+           f"ORDER BY d.fair_vstart LIMIT 1)")
+    clock = (f"(SELECT c.vtime FROM {groups} c WHERE c.queue = {queue} AND "
+             f"c.{rawsql.qn('key')} = '')")
+    return (f"{_greatest(vendor)}(COALESCE({running}, 0), COALESCE({due}, 0), "
+            f"COALESCE({clock}, 0))")
 
 
 def next_stamp(queue: str, key: str, priority: int) -> float:
@@ -74,8 +97,8 @@ def next_stamp(queue: str, key: str, priority: int) -> float:
     base = stamp_base_sql(connection.vendor, "%s", "%s", "%s", "%s")
     stride = strides([key])[key]
     with connection.cursor() as cursor:
-        # Each argument appears in the base's SQL in this order: last, then front.
-        cursor.execute(f"SELECT {base}", [queue, key, priority, stride, queue, priority, queue])
+        cursor.execute(f"SELECT {base}",
+                       [queue, key, priority, stride, queue, queue, priority, queue])
         return float(cursor.fetchone()[0])
 
 
@@ -84,20 +107,26 @@ FAIR_ORDER = ("-priority", "fair_vstart", "available_at", "fired_seq", "id")
 
 
 def raise_clocks() -> int:
-    """Raise each queue's clock (its "" group's `vtime`) to its frontier, the lowest stamp
-    queued at its highest priority; with any group row, queues with queued runs get a ""
-    row first (a queue without fair keys still has stamps to keep from going back).
-    Called by the reaper's pass; how many clocks moved."""
+    """Raise each queue's clock (its "" group's `vtime`) to its virtual now (at its
+    highest priority with a queued run). With fair shares on (a keyed group exists),
+    queues with queued runs get a "" row first: a queue without fair keys has stamps to
+    keep from going back too. Called by the reaper's pass; how many clocks moved."""
     runs, groups = rawsql.qn(AgentRun._meta.db_table), rawsql.qn(FairGroup._meta.db_table)
-    key, queued = rawsql.qn("key"), Status.QUEUED
-    front = (f"(SELECT r.fair_vstart FROM {runs} r WHERE r.status = %s AND r.queue = "
-             f"{groups}.queue ORDER BY r.priority DESC, r.fair_vstart LIMIT 1)")
+    key, queued, vendor = rawsql.qn("key"), f"'{Status.QUEUED}'", connection.vendor
+    top = (f"COALESCE((SELECT t.priority FROM {runs} t WHERE t.status = {queued} AND "
+           f"t.queue = {groups}.queue ORDER BY t.priority DESC LIMIT 1), 0)")
+    now = virtual_now_sql(vendor, f"{groups}.queue", top)
+    # The queues with a queued run, one index probe each (a loose scan of the claim's index).
+    queues = (f"WITH RECURSIVE qs(queue) AS (SELECT MIN(queue) FROM {runs} WHERE status = "
+              f"{queued} UNION ALL SELECT (SELECT MIN(n.queue) FROM {runs} n WHERE "
+              f"n.status = {queued} AND n.queue > qs.queue) FROM qs WHERE qs.queue IS NOT "
+              f"NULL) ")
     with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(f"INSERT INTO {groups} (queue, {key}, vtime) SELECT DISTINCT r.queue, "
-                       f"'', 0 FROM {runs} r WHERE r.status = %s AND EXISTS (SELECT 1 FROM "
-                       f"{groups}) ON CONFLICT DO NOTHING", [queued])
-        cursor.execute(f"UPDATE {groups} SET vtime = {front} WHERE {key} = '' AND {front} > "
-                       f"vtime", [queued, queued])
+        cursor.execute(f"{queues}INSERT INTO {groups} (queue, {key}, vtime) SELECT qs.queue, "
+                       f"'', 0 FROM qs WHERE qs.queue IS NOT NULL AND EXISTS (SELECT 1 FROM "
+                       f"{groups} g WHERE g.{key} <> '') ON CONFLICT DO NOTHING", [])
+        cursor.execute(f"UPDATE {groups} SET vtime = {now} WHERE {key} = '' AND {now} > vtime",
+                       [])
         return int(cursor.rowcount)
 
 
@@ -169,9 +198,10 @@ def drop_idle_groups(limit: int = 500) -> int:
 
 
 class FairClaim:
-    """A worker's view of whether any fairness group exists (read at most once per
-    `refresh` seconds): until one does, its claims are the ordinary statement in age
-    order. A group seen a moment late only delays fairness, never a run (both orders take
+    """A worker's view of whether any keyed fairness group exists (read at most once per
+    `refresh` seconds; a queue's "" row alone is only its clock): until one does, its
+    claims are the ordinary statement in age order. A group seen a moment late only
+    delays fairness, never a run (both orders take
     every due run)."""
 
     def __init__(self, refresh: float = 1.0) -> None:
@@ -183,6 +213,6 @@ class FairClaim:
         """Whether to claim in stamp order (fair shares) rather than age order."""
         now = time.monotonic()
         if now - self._read_at >= self.refresh:
-            self._on = FairGroup.objects.exists()
+            self._on = FairGroup.objects.exclude(key="").exists()
             self._read_at = now
         return self._on

@@ -15,7 +15,7 @@ from ..outcomes import CancelResult
 from ..signals import send_after_commit
 from . import children
 from .events import CANCEL_REQUESTED, CANCELLED, RETRIED, STARTED, append_events, lifecycle, now
-from .fair import join_groups
+from .fair import join_groups, next_stamp
 
 
 @retry_on_lock()
@@ -87,9 +87,13 @@ def operator_retry(
     at = at or now()
     with transaction.atomic():
         row = AgentRun.objects.filter(pk=run_id).values(
-            "status", "attempt", "reason", "agent", "dedupe_key", "queue", "fair_key").first()
+            "status", "attempt", "reason", "agent", "dedupe_key", "queue", "fair_key",
+            "priority").first()
         if row is None:
             return None
+        # A fresh fair-share stamp: its old one may be far below (or, its queue's clock
+        # gone while it was finished, far above) where the queue's claims are now.
+        stamp = next_stamp(row["queue"], row["fair_key"], row["priority"])
         try:
             with transaction.atomic():  # a savepoint: the unique index may refuse the row
                 updated = AgentRun.objects.filter(
@@ -97,7 +101,7 @@ def operator_retry(
                     status=Status.QUEUED, reason=Reason.NONE, requeue_count=0,
                     available_at=at, claimed_by="", lease_expires=None, finished_at=None,
                     cancel_requested_at=None, cancel_reason="", snooze_count=0,
-                    **({} if budget is None else {"budget": budget}))
+                    fair_vstart=stamp, **({} if budget is None else {"budget": budget}))
         except IntegrityError:
             holder = AgentRun.objects.holding_key(row["agent"], row["dedupe_key"]) \
                 .values_list("pk", flat=True).first()
