@@ -152,9 +152,10 @@ class AgentRun(models.Model):
                          name="agentruns_fair_order"),
             models.Index(fields=("queue", "fair_key", "priority", "fair_vstart"),
                          condition=Q(status="queued"), name="agentruns_fair_last"),
-            # ... and the highest stamp a queue's claims have started (its virtual now).
-            models.Index(fields=("queue", "fair_vstart"), condition=Q(status="running"),
-                         name="agentruns_fair_running"),
+            # ... and the highest stamp a queue's claims have started (its virtual now);
+            # keyed runs only, so a claim without fair keys inserts nothing into it.
+            models.Index(fields=("queue", "fair_vstart"), name="agentruns_fair_running",
+                         condition=Q(status="running") & ~Q(fair_key="")),
             models.Index(fields=("created_at",), name="agentruns_created"),
             # The overview's throughput chart and per-agent window: runs finished lately.
             models.Index(fields=("finished_at",), name="agentruns_finished"),

@@ -61,7 +61,8 @@ class Migration(migrations.Migration):
         ),
         migrations.AddIndex(
             model_name="agentrun",
-            index=models.Index(condition=models.Q(("status", "running")),
+            index=models.Index(condition=models.Q(("status", "running"),
+                                                  models.Q(("fair_key", ""), _negated=True)),
                                fields=["queue", "fair_vstart"], name="agentruns_fair_running"),
         ),
     ]

@@ -72,7 +72,8 @@ def _greatest(vendor: str) -> str:
 
 def virtual_now_sql(vendor: str, queue: str, priority: str) -> str:
     """SQL for a queue's virtual now: the stamp its claims have reached. The highest stamp
-    of its running runs (the claim starts runs in stamp order), the lowest of its due
+    of its running keyed runs (the claim starts runs in stamp order; unkeyed ones are left
+    out of that index so that a drain without fair keys pays nothing for it), the lowest of its due
     queued runs at `priority` (the claim's next: workers may be stopped), and its clock
     (what the reaper saw last: the queue may be idle), whichever is highest, and at least
     0. A run that cannot start (a delayed run, a closed key's) keeps its low stamp out of
@@ -82,7 +83,7 @@ def virtual_now_sql(vendor: str, queue: str, priority: str) -> str:
     runs, groups = rawsql.qn(AgentRun._meta.db_table), rawsql.qn(FairGroup._meta.db_table)
     now = "now()" if vendor == "postgresql" else "strftime('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
     running = (f"(SELECT r.fair_vstart FROM {runs} r WHERE r.status = '{Status.RUNNING}' AND "
-               f"r.queue = {queue} ORDER BY r.fair_vstart DESC LIMIT 1)")
+               f"r.fair_key <> '' AND r.queue = {queue} ORDER BY r.fair_vstart DESC LIMIT 1)")
     due = (f"(SELECT d.fair_vstart FROM {runs} d WHERE d.status = '{Status.QUEUED}' AND "
            f"d.queue = {queue} AND d.priority = {priority} AND d.available_at <= {now} "
            f"ORDER BY d.fair_vstart LIMIT 1)")
