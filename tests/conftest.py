@@ -151,6 +151,15 @@ def _release_pooled_test_database(request: pytest.FixtureRequest) -> Iterator[No
     pgb.PgBouncer.kill_on(int(port), str(connection.settings_dict["NAME"]))
 
 
+@pytest.fixture(autouse=True)
+def _fair_view_afresh() -> None:
+    """Each test's enqueues read afresh whether fair shares are on: the process's view
+    (transitions.fair.stamping) would otherwise carry an earlier test's groups."""
+    from django_agentruns.transitions import fair
+
+    fair.forget_view()
+
+
 @pytest.fixture
 def fake_provider() -> Iterator[fakeprovider.FakeProvider]:
     """A scripted OpenAI-compatible server (tests/fakeprovider.py), stopped after the test;

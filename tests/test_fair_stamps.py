@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_agentruns import enqueue, enqueue_many, fork, retry, transitions
@@ -135,13 +136,28 @@ def test_fair_order_turns_off_when_the_last_keyed_group_goes() -> None:
 
 
 def test_a_queue_without_fair_keys_gets_a_clock_once_fairness_is_on() -> None:
-    enqueue_many([{"agent": "tests.noop", "queue": "plain"} for _ in range(5)])
+    (before,) = enqueue_many([{"agent": "tests.noop", "queue": "plain"}])
     reap()
     assert not FairGroup.objects.exists()  # fairness off: the reaper adds nothing
     flood("A", 1)
-    claim(3, queue="plain")
+    plain = enqueue_many([{"agent": "tests.noop", "queue": "plain"} for _ in range(5)])
+    # Unstamped before, stamped once fairness is on (after the group's last: 0).
+    assert stamps([before, *plain]) == [0, 1, 2, 3, 4, 5]
+    claim(4, queue="plain")
     reap()
-    assert clock("plain") == 3
+    assert clock("plain") == 4
+
+
+def test_without_fair_shares_enqueue_writes_no_stamp_and_turning_them_on_keeps_age_order(
+) -> None:
+    old = enqueue_many([{"agent": "tests.noop"} for _ in range(3)])
+    with CaptureQueriesContext(connection) as plain:
+        old.append(enqueue("tests.noop"))
+    insert = plain.captured_queries[-1]["sql"].split("RETURNING")[0]
+    assert "fair_vstart" not in insert  # the plain statement: the column's default
+    assert stamps(old) == [0, 0, 0, 0]
+    (a,) = flood("A", 1)
+    assert [r.pk for r in claim(5)] == [*(r.pk for r in old), a.pk]  # the old ones first
 
 
 def test_a_fork_is_stamped_as_a_new_run_of_its_group() -> None:

@@ -15,7 +15,7 @@ from ..conf import app_settings
 from ..models import AgentLimit, AgentRun, RunPayload, Status
 from ..payloads import INPUT, keep
 from . import rawrows, rawsql
-from .fair import join_groups, stamp_base_sql, stamp_offsets
+from .fair import join_groups, stamp_base_sql, stamp_offsets, stamping
 from .windows import give_pattern_keys_rows
 
 
@@ -133,11 +133,12 @@ def _insert_rows(rows: Sequence[NewRun], at: datetime) -> list[Inserted]:
              at_text if r.available_at is at else _json_time(r.available_at), r.dedupe_key,
              r.limit_key, r.agent_version, r.fair_key]
             for r in rows]
+    stamped = stamping(r.fair_key for r in rows)
     # Escaping at most doubles a row's text: below half the cap, one statement surely does.
     if sum(len(r.input_json) + 1000 for r in rows) * 2 <= MAX_STATEMENT_BYTES:
-        return _insert(json.dumps(_stamped(data)), at)
+        return _insert(json.dumps(_stamped(data) if stamped else data), at, stamped)
     with transaction.atomic():  # each chunk's stamps follow those of the chunks before it
-        return [row for chunk in _chunks(data) for row in _insert(chunk, at)]
+        return [row for chunk in _chunks(data, stamped) for row in _insert(chunk, at, stamped)]
 
 
 def _stamped(data: list[list[Any]]) -> list[list[Any]]:
@@ -202,10 +203,11 @@ def insert_inputs(inputs: Sequence[tuple[int, str]], at: datetime) -> None:
              json.dumps(inputs)])
 
 
-def _insert(rows: str, at: datetime) -> list[Inserted]:
-    """One INSERT of the JSON array `rows`; (id, agent, dedupe_key, stamp) of the rows
-    inserted, in array order."""
-    sql, fixed = _insert_statement(connection.vendor)
+def _insert(rows: str, at: datetime, stamped: bool) -> list[Inserted]:
+    """One INSERT of the JSON array `rows` (`stamped`: with their fair-share strides and
+    offsets, whose stamps it writes); (id, agent, dedupe_key, stamp) of the rows inserted,
+    in array order."""
+    sql, fixed = _insert_statement(connection.vendor, stamped)
     created = connection.ops.adapt_datetimefield_value(at)
     params = [rows, *fixed, created, created] if connection.vendor == "postgresql" else \
         [*fixed, created, rows]
@@ -228,9 +230,9 @@ def _insert(rows: str, at: datetime) -> list[Inserted]:
     return found
 
 
-def _chunks(rows: list[list[Any]]) -> list[str]:
+def _chunks(rows: list[list[Any]], stamped: bool) -> list[str]:
     """`rows` as JSON arrays of at most MAX_STATEMENT_BYTES each (a larger row alone), each
-    chunk's rows stamped on their own."""
+    chunk's rows stamped on their own (if `stamped`)."""
     chunks: list[list[list[Any]]] = []
     chunk: list[list[Any]] = []
     size = 0
@@ -242,7 +244,7 @@ def _chunks(rows: list[list[Any]]) -> list[str]:
         chunk.append(row)
         size += length + 1
     chunks.append(chunk)
-    return [json.dumps(_stamped(c)) for c in chunks]
+    return [json.dumps(_stamped(c) if stamped else c) for c in chunks]
 
 
 def _json_time(value: datetime) -> str:
@@ -251,14 +253,15 @@ def _json_time(value: datetime) -> str:
 
 
 @functools.cache
-def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
+def _insert_statement(vendor: str, stamped: bool) -> tuple[str, tuple[Any, ...]]:
     """insert_runs' INSERT, and the values of its fixed columns: status 'queued' and every
     other NOT NULL column at its (constant) model default. Then created_at and the rows
     are the parameters; nullable columns are left NULL.
 
     On PostgreSQL the same statement writes the input payload rows (the input is no
     column: `RunPayload`): the ids are drawn from the run table's sequence in array order
-    before the INSERT, so each inserted row's input is found by its id."""
+    before the INSERT, so each inserted row's input is found by its id. `stamped`: it
+    writes each run's fair-share stamp too (transitions.fair); else the column's default."""
     fields = {f.attname: f for f in AgentRun._meta.concrete_fields}
     columns_of = [name for name in _PER_RUN if name != "input"]
     fixed = {name: Status.QUEUED if name == "status" else f.get_default()
@@ -273,22 +276,25 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
         picks = [f"(r->>{_PER_RUN.index(name)})::"
                  f"{str(fields[name].db_type(connection)).split('(')[0]}"
                  for name in columns_of]
-        # Each group's first stamp once (stamp_base_sql), then each row's offset from it.
-        picks.append(f"base.b + (r->>{OFFSET_AT})::float8")
-        source = (f"src JOIN base ON base.q = r->>{QUEUE_AT} AND base.k = r->>{KEY_AT} AND "
-                  f"base.p = (r->>{PRIORITY_AT})::int ORDER BY n")
+        source = "src ORDER BY n"
+        if stamped:  # each group's first stamp once (stamp_base_sql), then each row's offset
+            picks.append(f"base.b + (r->>{OFFSET_AT})::float8")
+            source = (f"src JOIN base ON base.q = r->>{QUEUE_AT} AND base.k = r->>{KEY_AT} "
+                      f"AND base.p = (r->>{PRIORITY_AT})::int ORDER BY n")
     else:
         picks = [f"json_extract(value, '$[{_PER_RUN.index(name)}]')" for name in columns_of]
         # The SELECT reads the run table, so SQLite runs it to the end before inserting: a
         # row's stamp never sees another of the same statement.
         item = "json_extract(json_each.value, '$[{}]')".format
-        base = stamp_base_sql(vendor, item(QUEUE_AT), item(KEY_AT), item(PRIORITY_AT),
-                              item(STRIDE_AT))
-        picks.append(f"{base} + {item(OFFSET_AT)}")
+        if stamped:
+            base = stamp_base_sql(vendor, item(QUEUE_AT), item(KEY_AT), item(PRIORITY_AT),
+                                  item(STRIDE_AT))
+            picks.append(f"{base} + {item(OFFSET_AT)}")
         # WHERE true: SQLite needs a WHERE in an INSERT ... SELECT with an upsert clause.
         source = "json_each(%s) WHERE true ORDER BY key"
     columns = ", ".join(qn(str(fields[name].column))
-                        for name in (*columns_of, "fair_vstart", *fixed, "created_at"))
+                        for name in (*columns_of, *(["fair_vstart"] if stamped else []), *fixed,
+                                     "created_at"))
     values = ", ".join([*picks, *["%s"] * (len(fixed) + 1)])
     returning = (f"{qn(str(AgentRun._meta.pk.column))}, {qn('agent')}, {qn('dedupe_key')}, "
                  f"{qn('fair_vstart')}")
@@ -298,11 +304,11 @@ def _insert_statement(vendor: str) -> tuple[str, tuple[Any, ...]]:
         sequence = f"(SELECT pg_get_serial_sequence('{AgentRun._meta.db_table}', 'id'))"
         sql = (f"WITH src AS MATERIALIZED (SELECT nextval({sequence}::regclass) AS id, r, n "
                f"FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS rows(r, n)), "
-               f"base AS MATERIALIZED (SELECT g.q, g.k, g.p, "
-               f"{stamp_base_sql(vendor, 'g.q', 'g.k', 'g.p', 'g.s')} AS b FROM (SELECT "
-               f"DISTINCT r->>{QUEUE_AT} AS q, r->>{KEY_AT} AS k, (r->>{PRIORITY_AT})::int AS p, "
-               f"(r->>{STRIDE_AT})::float8 AS s FROM src) g), "
-               f"ins AS ({insert.replace('@id@', 'id, ')}), "
+               + (f"base AS MATERIALIZED (SELECT g.q, g.k, g.p, "
+                  f"{stamp_base_sql(vendor, 'g.q', 'g.k', 'g.p', 'g.s')} AS b FROM (SELECT "
+                  f"DISTINCT r->>{QUEUE_AT} AS q, r->>{KEY_AT} AS k, (r->>{PRIORITY_AT})::int "
+                  f"AS p, (r->>{STRIDE_AT})::float8 AS s FROM src) g), " if stamped else "")
+               + f"ins AS ({insert.replace('@id@', 'id, ')}), "
                f"pay AS (INSERT INTO {qn(RunPayload._meta.db_table)} "
                f"(run_id, kind, value, created_at) SELECT ins.id, '{RunPayload.INPUT}', "
                f"(src.r->>{at_input})::jsonb, %s FROM ins JOIN src ON src.id = ins.id "

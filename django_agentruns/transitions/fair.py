@@ -18,8 +18,9 @@ which the reaper raises to the queue's virtual now on each pass, so stamps never
 by more than a pass's worth of starts.
 
 Only a worker that has seen a keyed group's row claims in stamp order (`FairClaim`):
-without one the claim is the ordinary statement in age order. Enqueue stamps every run
-either way, so turning fairness on finds the queued runs already stamped.
+without one the claim is the ordinary statement in age order. Likewise enqueue stamps
+only while fair shares are on (`stamping`): runs queued before they were turned on keep
+stamp 0 and go first, oldest first.
 """
 
 from __future__ import annotations
@@ -217,3 +218,26 @@ class FairClaim:
             self._on = FairGroup.objects.exclude(key="").exists()
             self._read_at = now
         return self._on
+
+    def seen_on(self) -> None:
+        """This process just made a keyed group live: fair shares are on, no read needed."""
+        self._on, self._read_at = True, time.monotonic()
+
+
+_enqueue_view = FairClaim()
+
+
+def forget_view() -> None:
+    """Read whether fair shares are on afresh at the next enqueue (a test's database was
+    emptied under the process's view)."""
+    _enqueue_view._read_at = float("-inf")
+
+
+def stamping(keys: Iterable[str]) -> bool:
+    """Whether an enqueue of runs with these fair keys stamps them: when one has a key, or
+    a keyed group exists (this process's view, read at most once a second). Without fair
+    shares, enqueue's statement is the plain one: nothing to pay."""
+    if any(keys):
+        _enqueue_view.seen_on()
+        return True
+    return _enqueue_view.on()
