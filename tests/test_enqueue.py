@@ -24,6 +24,7 @@ from django_agentruns import (
 )
 from django_agentruns.models import AgentRun, RunEvent, Status
 from django_agentruns.registry import all_agents, unregister
+from django_agentruns.transitions import fair
 
 pytestmark = pytest.mark.django_db
 
@@ -166,7 +167,9 @@ def test_enqueue_many_keeps_the_request_order(custom_agent: str) -> None:
 def test_enqueue_in_autocommit_is_one_statement_in_no_transaction_of_its_own() -> None:
     """One INSERT is atomic by itself: no BEGIN and COMMIT round trips around it. It
     writes the input's payload row too on PostgreSQL; SQLite needs a second INSERT for it,
-    so an input other than {} opens a transaction there."""
+    so an input other than {} opens a transaction there. (Whether fair shares are on is
+    read at most every few seconds per process: read here first, as a running app has.)"""
+    fair.stamping([])
     with mock.patch.object(transaction.Atomic, "__enter__", autospec=True,
                            side_effect=transaction.Atomic.__enter__) as opened, \
             CaptureQueriesContext(connection) as queries:

@@ -20,6 +20,7 @@ from django_agentruns.db import CHANNEL, probe_channel
 from django_agentruns.models import AgentRun, Status
 from django_agentruns.runtime import wakeups as notify
 from django_agentruns.runtime.wakeups import Listener
+from django_agentruns.transitions import fair
 from tests import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -87,6 +88,7 @@ def test_enqueue_notifies_on_commit_only(listener: Any) -> None:
 @pytest.mark.postgres_only
 def test_enqueue_in_autocommit_notifies_once(listener: Any) -> None:
     assert connection.get_autocommit()
+    fair.stamping([])  # read at most every few seconds per process: read here first
     with CaptureQueriesContext(connection) as queries:
         enqueue("tests.noop", queue="q-autocommit")
     assert len(queries) == 1  # the INSERT: no pg_notify() round trip

@@ -224,7 +224,8 @@ class FairClaim:
         self._on, self._read_at = True, time.monotonic()
 
 
-_enqueue_view = FairClaim()
+ENQUEUE_REFRESH = 5.0  # seconds an enqueueing process trusts its view of fair shares
+_enqueue_view = FairClaim(ENQUEUE_REFRESH)
 
 
 def forget_view() -> None:
@@ -235,8 +236,9 @@ def forget_view() -> None:
 
 def stamping(keys: Iterable[str]) -> bool:
     """Whether an enqueue of runs with these fair keys stamps them: when one has a key, or
-    a keyed group exists (this process's view, read at most once a second). Without fair
-    shares, enqueue's statement is the plain one: nothing to pay."""
+    a keyed group exists (this process's view, read at most once per ENQUEUE_REFRESH; a
+    run enqueued unstamped meanwhile just goes first). Without fair shares, enqueue's
+    statement is the plain one: nothing to pay."""
     if any(keys):
         _enqueue_view.seen_on()
         return True
