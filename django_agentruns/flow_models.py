@@ -78,10 +78,10 @@ class KeyWindowEntry(models.Model):
 
 
 class FairGroup(models.Model):
-    """A fairness group of a queue: its row turns workers' fair order on while one of its
-    runs lives (transitions.fair). The order itself is in the runs' stamps (`fair_vstart`);
-    `vtime` is used by the queue's "" group only, as the queue's clock: the frontier the
-    reaper saw last, where enqueue starts when the queue has no queued run.
+    """A fairness group of a queue: a keyed group's row turns fair order on while one of
+    its runs lives (transitions.fair). The order itself is in the runs' stamps
+    (`fair_vstart`); `vtime` is used by the queue's "" group only, as the queue's clock:
+    the virtual now the reaper saw last, where enqueue starts when the queue is idle.
     """
 
     id = models.BigAutoField(primary_key=True)

@@ -29,7 +29,7 @@ class ReapReport:
     parents_resumed: list[int] = field(default_factory=list)  # children all done, parent not
     chunks_pruned: int = 0  # live-output rows (SQLite) of finished runs, left by a crash
     groups_dropped: int = 0  # fairness groups with no queued, waiting or running run
-    clocks_raised: int = 0  # queues whose fair-share clock moved up to their frontier
+    clocks_raised: int = 0  # queues whose fair-share clock moved up to their virtual now
 
     @property
     def total(self) -> int:
