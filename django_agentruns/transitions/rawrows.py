@@ -116,6 +116,19 @@ def runs_from(cursor: Any, rows: list[Any] | None = None,
     return runs
 
 
+def run_of(alias: str, names: list[str], values: dict[str, Any]) -> AgentRun:
+    """A run as `AgentRun.from_db(alias, names, ...)` would build it from `values` (every
+    field's, by attname), without Model.__init__'s setattr per field when nobody listens
+    to its signals."""
+    if pre_init.has_listeners(AgentRun) or post_init.has_listeners(AgentRun):
+        return AgentRun.from_db(alias, names, [values[n] for n in names])
+    run = AgentRun.__new__(AgentRun)
+    run.__dict__.update({n: values[n] for n in names})
+    run._state = state = ModelState()
+    state.adding, state.db = False, alias
+    return run
+
+
 @functools.lru_cache(maxsize=8)
 def _row_shape(columns: tuple[str, ...]) -> tuple[
         list[str], list[int], list[int], list[tuple[int, tuple[list[Any], Any]]]]:
