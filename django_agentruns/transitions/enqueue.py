@@ -183,6 +183,7 @@ def _place(new: Sequence[NewRun], pending: list[int], inserted: list[Inserted],
     stamps = {pk: stamp for pk, _, _, stamp in inserted}
     names, constant, per_run = _new_row_shape()
     alias = connection.alias
+    make = rawrows.run_maker(alias, names)
     shared = {**constant, "created_at": at}
     taken: set[int] = set()
     again = []
@@ -195,7 +196,7 @@ def _place(new: Sequence[NewRun], pending: list[int], inserted: list[Inserted],
             values = dict(zip(per_run, r, strict=True))
             values.update(shared, id=pk, fair_vstart=stamps[pk],
                           limit_keys=list(r.limit_keys) if len(r.limit_keys) > 1 else None)
-            runs[i] = run = rawrows.run_of(alias, names, values)
+            runs[i] = run = make(values)
             keep(run, INPUT, r.input)
             if r.input_json != EMPTY_INPUT:
                 inputs.append((pk, r.input_json))
