@@ -58,8 +58,9 @@ class RunPayload(models.Model):
     TRACEBACK = "traceback"
 
     id = models.BigAutoField(primary_key=True)
+    # No index of its own: `agentruns_payload_kind` leads with the run.
     run = models.ForeignKey("django_agentruns.AgentRun", on_delete=models.CASCADE,
-                            related_name="+")
+                            related_name="+", db_index=False)
     kind = models.CharField(max_length=20)
     value = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)

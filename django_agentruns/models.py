@@ -78,14 +78,16 @@ class AgentRun(models.Model):
     # for a child run its parent and the key of the `ctx.spawn` that made it.
     wait_key = models.CharField(max_length=210, blank=True, default="")
     wait_until = models.DateTimeField(null=True, blank=True)
+    # Its index holds only child runs (`agentruns_parent`): a new run inserts nothing there.
     parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL,
-                               related_name="children")
+                               related_name="children", db_index=False)
     spawn_key = models.CharField(max_length=200, blank=True, default="")
     dedupe_key = models.CharField(
         max_length=255, blank=True, default="",
         help_text=_("While the run is unfinished, enqueueing its agent with this key returns it."))
     forked_from = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="forks",
+        db_index=False,  # indexed for forks only (`agentruns_forked_from`)
         help_text=_("The run this one was forked from (`fork`), starting at one of its "
                   "checkpoints."))
     steps_copied = models.BooleanField(
@@ -156,6 +158,12 @@ class AgentRun(models.Model):
             # keyed runs only, so a claim without fair keys inserts nothing into it.
             models.Index(fields=("queue", "fair_vstart"), name="agentruns_fair_running",
                          condition=Q(status="running") & ~Q(fair_key="")),
+            # A run's children and forks: partial, so the runs that are neither (nearly all,
+            # and every new run enqueue inserts) cost these indexes nothing.
+            models.Index(fields=("parent",), condition=Q(parent__isnull=False),
+                         name="agentruns_parent"),
+            models.Index(fields=("forked_from",), condition=Q(forked_from__isnull=False),
+                         name="agentruns_forked_from"),
             models.Index(fields=("created_at",), name="agentruns_created"),
             # The overview's throughput chart and per-agent window: runs finished lately.
             models.Index(fields=("finished_at",), name="agentruns_finished"),

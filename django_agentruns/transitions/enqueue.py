@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from django.db import OperationalError, connection, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connection, connections, transaction
 
 from .. import partitioning
 from ..conf import app_settings
@@ -136,9 +136,34 @@ def _insert_rows(rows: Sequence[NewRun], at: datetime) -> list[Inserted]:
     stamped = stamping(r.fair_key for r in rows)
     # Escaping at most doubles a row's text: below half the cap, one statement surely does.
     if sum(len(r.input_json) + 1000 for r in rows) * 2 <= MAX_STATEMENT_BYTES:
-        return _insert(json.dumps(_stamped(data) if stamped else data), at, stamped)
+        shape, extra = _shape(rows, stamped)
+        if shape == ONE_INPUT:  # the input travels as its own parameter, not twice
+            data[0][_PER_RUN.index("input")] = None
+        return _insert(json.dumps(_stamped(data) if stamped else data), at, shape, extra)
     with transaction.atomic():  # each chunk's stamps follow those of the chunks before it
-        return [row for chunk in _chunks(data, stamped) for row in _insert(chunk, at, stamped)]
+        shape = STAMPED if stamped else DRAWN
+        return [row for chunk in _chunks(data, stamped) for row in _insert(chunk, at, shape)]
+
+
+# The INSERT's shapes on PostgreSQL (`_insert_statement`); elsewhere one statement does all.
+PLAIN = "plain"  # no input to write and no stamps: the INSERT alone
+ONE_INPUT = "one"  # one run with an input: its payload row from the INSERT's RETURNING
+DRAWN = "drawn"  # ids drawn first, so each inserted row's input is found by its id
+STAMPED = "stamped"  # DRAWN, and each run's fair-share stamp
+
+
+def _shape(rows: Sequence[NewRun], stamped: bool) -> tuple[str, list[str]]:
+    """The INSERT's shape for `rows`, and the parameters it takes after the others: the
+    cheapest statement that writes what these rows need (a run's default input is no row,
+    so most enqueues need no payload part at all)."""
+    if stamped:
+        return STAMPED, []
+    inputs = [r.input_json for r in rows if r.input_json != EMPTY_INPUT]
+    if not inputs:
+        return PLAIN, []
+    if len(rows) == 1:
+        return ONE_INPUT, inputs
+    return DRAWN, []
 
 
 def _stamped(data: list[list[Any]]) -> list[list[Any]]:
@@ -156,10 +181,10 @@ def _place(new: Sequence[NewRun], pending: list[int], inserted: list[Inserted],
     by_key = {(agent, key): pk for pk, agent, key, _ in inserted if key}
     keyless = iter(pk for pk, _, key, _ in inserted if not key)
     stamps = {pk: stamp for pk, _, _, stamp in inserted}
-    fields = AgentRun._meta.concrete_fields
-    names, alias = [f.attname for f in fields], connection.alias
-    shared = {f.attname: f.get_default() for f in fields}
-    shared.update(status=Status.QUEUED, created_at=at, forked_from_id=None)
+    names, constant, per_run = _new_row_shape()
+    alias = connection.alias
+    make = rawrows.run_maker(alias, names)
+    shared = {**constant, "created_at": at}
     taken: set[int] = set()
     again = []
     inputs: list[tuple[int, str]] = []  # SQLite: (id, input JSON) of the runs inserted
@@ -168,9 +193,10 @@ def _place(new: Sequence[NewRun], pending: list[int], inserted: list[Inserted],
         pk = by_key.get((r.agent, r.dedupe_key)) if r.dedupe_key else next(keyless)
         if pk is not None and pk not in taken:
             taken.add(pk)
-            values = {**shared, **r._asdict(), "id": pk, "fair_vstart": stamps[pk],
-                      "limit_keys": list(r.limit_keys) if len(r.limit_keys) > 1 else None}
-            runs[i] = run = AgentRun.from_db(alias, names, [values[n] for n in names])
+            values = dict(zip(per_run, r, strict=True))
+            values.update(shared, id=pk, fair_vstart=stamps[pk],
+                          limit_keys=list(r.limit_keys) if len(r.limit_keys) > 1 else None)
+            runs[i] = run = make(values)
             keep(run, INPUT, r.input)
             if r.input_json != EMPTY_INPUT:
                 inputs.append((pk, r.input_json))
@@ -191,6 +217,23 @@ def _place(new: Sequence[NewRun], pending: list[int], inserted: list[Inserted],
     return again
 
 
+@functools.cache
+def _new_row_shape() -> tuple[list[str], dict[str, Any], tuple[str, ...]]:
+    """For the runs `_place` builds: the model's attnames in order, the values every new
+    run has (its fields' constant defaults, status queued; created_at is the call's), and
+    NewRun's fields that are the model's, in NewRun's order."""
+    fields = AgentRun._meta.concrete_fields
+    names = [f.attname for f in fields]
+    per_run = tuple(n if n in names else "" for n in NewRun._fields)
+    constant = {f.attname: f.get_default() for f in fields
+                if not (f.has_default() and callable(f.default)) and f.attname not in per_run}
+    constant.update(status=Status.QUEUED, forked_from_id=None)
+    missing = [n for n in names if n not in constant and n not in per_run
+               and n not in ("id", "created_at", "fair_vstart", "limit_keys")]
+    assert not missing, f"new runs' fields without a value: {missing}"
+    return names, constant, per_run
+
+
 def insert_inputs(inputs: Sequence[tuple[int, str]], at: datetime) -> None:
     """The input payload rows of new runs ((id, input JSON text)), in one INSERT."""
     table = connection.ops.quote_name(RunPayload._meta.db_table)
@@ -203,26 +246,32 @@ def insert_inputs(inputs: Sequence[tuple[int, str]], at: datetime) -> None:
              json.dumps(inputs)])
 
 
-def _insert(rows: str, at: datetime, stamped: bool) -> list[Inserted]:
-    """One INSERT of the JSON array `rows` (`stamped`: with their fair-share strides and
-    offsets, whose stamps it writes); (id, agent, dedupe_key, stamp) of the rows inserted,
-    in array order."""
-    sql, fixed = _insert_statement(connection.vendor, stamped)
-    created = connection.ops.adapt_datetimefield_value(at)
-    params = [rows, *fixed, created, created] if connection.vendor == "postgresql" else \
-        [*fixed, created, rows]
+def _insert(rows: str, at: datetime, shape: str, extra: Sequence[str] = ()) -> list[Inserted]:
+    """One INSERT of the JSON array `rows` in `shape` (STAMPED: with their fair-share
+    strides and offsets, whose stamps it writes; ONE_INPUT: `extra` holds the input);
+    (id, agent, dedupe_key, stamp) of the rows inserted, in array order."""
+    db = connections[DEFAULT_DB_ALIAS]
+    postgres = db.vendor == "postgresql"
+    sql, fixed = _insert_statement(db.vendor, shape if postgres else
+                                   STAMPED if shape == STAMPED else PLAIN)
+    created = db.ops.adapt_datetimefield_value(at)
+    if not postgres or shape == PLAIN:
+        params = [*fixed, created, rows]
+    elif shape == ONE_INPUT:
+        params = [*fixed, created, rows, *extra, created]
+    else:
+        params = [rows, *fixed, created, created]
     for tries_left in (1, 0):
         try:
             with rawrows.cursor(prepared=bool(app_settings.PREPARED_STATEMENTS)) as cursor:
                 cursor.execute(sql, params)
-                found = sorted((pk, agent, key, stamp)
-                               for pk, agent, key, stamp in cursor.fetchall())
+                found = sorted(cursor.fetchall())
             break
         except Exception as exc:
             # Partitioned history: the inputs' payload rows went past the partitions made
             # so far (no worker ran `ensure` lately). Outside a transaction, make them and
             # insert again; inside one, the caller's transaction is already aborted.
-            if not tries_left or connection.in_atomic_block or not partitioning.no_partition(exc):
+            if not tries_left or db.in_atomic_block or not partitioning.no_partition(exc):
                 raise
             partitioning.make_room()
     if found:
@@ -253,15 +302,18 @@ def _json_time(value: datetime) -> str:
 
 
 @functools.cache
-def _insert_statement(vendor: str, stamped: bool) -> tuple[str, tuple[Any, ...]]:
-    """insert_runs' INSERT, and the values of its fixed columns: status 'queued' and every
-    other NOT NULL column at its (constant) model default. Then created_at and the rows
-    are the parameters; nullable columns are left NULL.
+def _insert_statement(vendor: str, shape: str) -> tuple[str, tuple[Any, ...]]:
+    """insert_runs' INSERT in `shape`, and the values of its fixed columns: status 'queued'
+    and every other NOT NULL column at its (constant) model default. Nullable columns are
+    left NULL. Elsewhere than on PostgreSQL the shape is PLAIN or STAMPED.
 
-    On PostgreSQL the same statement writes the input payload rows (the input is no
-    column: `RunPayload`): the ids are drawn from the run table's sequence in array order
-    before the INSERT, so each inserted row's input is found by its id. `stamped`: it
-    writes each run's fair-share stamp too (transitions.fair); else the column's default."""
+    The input is no column (`RunPayload`); on PostgreSQL the statement writes the input
+    payload rows too. PLAIN (no run has one): the INSERT alone. ONE_INPUT: one run, its
+    input a parameter of its own, its row made from the INSERT's RETURNING. DRAWN: the ids
+    are drawn from the run table's sequence in array order before the INSERT, so each
+    inserted row's input is found by its id. STAMPED: DRAWN, and it writes each run's
+    fair-share stamp (transitions.fair); the other shapes leave the column's default."""
+    stamped = shape == STAMPED
     fields = {f.attname: f for f in AgentRun._meta.concrete_fields}
     columns_of = [name for name in _PER_RUN if name != "input"]
     fixed = {name: Status.QUEUED if name == "status" else f.get_default()
@@ -271,12 +323,13 @@ def _insert_statement(vendor: str, stamped: bool) -> tuple[str, tuple[Any, ...]]
     qn = connection.ops.quote_name
     runs = qn(AgentRun._meta.db_table)
     at_input = _PER_RUN.index("input")
+    rows = "jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS rows(r, n)"
     if vendor == "postgresql":
         # Cast to the column's type without its length: a value too long is an error, not cut.
         picks = [f"(r->>{_PER_RUN.index(name)})::"
                  f"{str(fields[name].db_type(connection)).split('(')[0]}"
                  for name in columns_of]
-        source = "src ORDER BY n"
+        source = "src ORDER BY n" if shape in (DRAWN, STAMPED) else f"{rows} ORDER BY n"
         if stamped:  # each group's first stamp once (stamp_base_sql), then each row's offset
             picks.append(f"base.b + (r->>{OFFSET_AT})::float8")
             source = (f"src JOIN base ON base.q = r->>{QUEUE_AT} AND base.k = r->>{KEY_AT} "
@@ -298,23 +351,27 @@ def _insert_statement(vendor: str, stamped: bool) -> tuple[str, tuple[Any, ...]]
     values = ", ".join([*picks, *["%s"] * (len(fixed) + 1)])
     returning = (f"{qn(str(AgentRun._meta.pk.column))}, {qn('agent')}, {qn('dedupe_key')}, "
                  f"{qn('fair_vstart')}")
-    insert = (f"INSERT INTO {runs} (@id@{columns}) SELECT @id@{values} "
+    drawn = shape in (DRAWN, STAMPED) and vendor == "postgresql"
+    id_ = "id, " if drawn else ""
+    insert = (f"INSERT INTO {runs} ({id_}{columns}) SELECT {id_}{values} "
               f"FROM {source} ON CONFLICT DO NOTHING RETURNING {returning}")
-    if vendor == "postgresql":
+    payloads = (f"INSERT INTO {qn(RunPayload._meta.db_table)} (run_id, kind, value, "
+                f"created_at) SELECT ins.id, '{RunPayload.INPUT}', ")
+    if drawn:
         sequence = f"(SELECT pg_get_serial_sequence('{AgentRun._meta.db_table}', 'id'))"
         sql = (f"WITH src AS MATERIALIZED (SELECT nextval({sequence}::regclass) AS id, r, n "
-               f"FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS rows(r, n)), "
+               f"FROM {rows}), "
                + (f"base AS MATERIALIZED (SELECT g.q, g.k, g.p, "
                   f"{stamp_base_sql(vendor, 'g.q', 'g.k', 'g.p', 'g.s')} AS b FROM (SELECT "
                   f"DISTINCT r->>{QUEUE_AT} AS q, r->>{KEY_AT} AS k, (r->>{PRIORITY_AT})::int "
                   f"AS p, (r->>{STRIDE_AT})::float8 AS s FROM src) g), " if stamped else "")
-               + f"ins AS ({insert.replace('@id@', 'id, ')}), "
-               f"pay AS (INSERT INTO {qn(RunPayload._meta.db_table)} "
-               f"(run_id, kind, value, created_at) SELECT ins.id, '{RunPayload.INPUT}', "
-               f"(src.r->>{at_input})::jsonb, %s FROM ins JOIN src ON src.id = ins.id "
-               f"WHERE src.r->>{at_input} <> '{EMPTY_INPUT}') "
+               + f"ins AS ({insert}), "
+               f"pay AS ({payloads}(src.r->>{at_input})::jsonb, %s FROM ins JOIN src ON "
+               f"src.id = ins.id WHERE src.r->>{at_input} <> '{EMPTY_INPUT}') "
                f"SELECT * FROM ins")
+    elif shape == ONE_INPUT and vendor == "postgresql":
+        sql = f"WITH ins AS ({insert}), pay AS ({payloads}%s::jsonb, %s FROM ins) SELECT * FROM ins"
     else:
-        sql = insert.replace("@id@", "")
+        sql = insert
     return sql, tuple(fields[name].get_db_prep_save(value, connection)
                       for name, value in fixed.items())
