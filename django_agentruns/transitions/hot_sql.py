@@ -141,10 +141,10 @@ def settle_and_claim(
            queued, started)
     kept = _SHAPES.get(key)
     if kept is None or kept[0] is not due:
+        if len(_SHAPES) >= 256:
+            _SHAPES.clear()  # a worker sends a few shapes: this many is another's churn
         kept = _SHAPES[key] = (due, *_inlined(items, worker_id, running, succeeded, completed,
                                                 ended, due, queued, lease_ttls, started))
-        if len(_SHAPES) > 256:
-            _SHAPES.pop(next(iter(_SHAPES)))
     _, sql, slots = kept
     params: list[Any] = []
     for run_id, attempt, output, event_id in items:
