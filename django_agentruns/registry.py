@@ -6,6 +6,7 @@ Agents are registered at import; the app config imports every installed app's
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import re
@@ -72,8 +73,9 @@ class AgentSpec:
     estimate: Estimate | None = None  # reserved in its key's token/cost windows at claim
     fair_key: FairKey = None  # its runs' fairness group, or f(input) -> group
 
-    @property
+    @functools.cached_property
     def is_async(self) -> bool:
+        """Read per attempt (twice a run): inspect's answer is kept, `func` never changes."""
         return inspect.iscoroutinefunction(self.func)
 
     def effective_queue(self) -> str:

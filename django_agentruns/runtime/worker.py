@@ -282,7 +282,9 @@ class Worker:
 
     def _start(self, run: AgentRun) -> None:
         spec = self._agents.get(run.agent) or find_agent(run.agent)
-        ttl = spec.effective_lease_ttl() if spec else float(app_settings.LEASE_TTL)
+        # The lease the claim just gave it (no setting read per run).
+        ttl = self._ttls.get(run.agent) or \
+            (spec.effective_lease_ttl() if spec else float(app_settings.LEASE_TTL))
         ref = AttemptRef(run.pk, run.attempt, self.worker_id, ttl, agent=run.agent)
         control = self.executor.control(ref, spec.timeout if spec else None,
                                         run.checkpoint_count)

@@ -128,6 +128,7 @@ class Attempt:
                 traceback=describe(error).traceback))
         with _ended_lock:
             _ended[(self.run_id, self.attempt)] = self
+        _listen()
 
     def announce(self, status: compat.TaskResultStatus) -> None:
         """Send `task_finished` with the status the stored outcome reads as."""
@@ -175,5 +176,17 @@ def _settled(signal: Any, run_id: int, agent: str, attempt: int, **kwargs: Any) 
         ended.announce(compat.TaskResultStatus[status])
 
 
-for _signal in SETTLED_AS:
-    _signal.connect(_settled, dispatch_uid="django_agentruns.tasks.runner")
+_listening = False
+
+
+def _listen() -> None:
+    """Connect `_settled` to the settle signals, at the first task attempt that ends in
+    this process: until then no attempt of a task waits for one, and a worker that imports
+    this module (any project with the tasks backend) but runs only agents would pay a
+    receiver's call on every run's settle."""
+    global _listening
+    if _listening:
+        return
+    for signal in SETTLED_AS:
+        signal.connect(_settled, dispatch_uid="django_agentruns.tasks.runner")
+    _listening = True

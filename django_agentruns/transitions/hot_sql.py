@@ -6,15 +6,17 @@ nothing here executes a statement or decides a status.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
+from enum import Enum
 from typing import Any
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connections
 
 from ..models import AgentRun, RunEvent
 from . import payload_sql
-from .rawsql import Compiled, prep, qn, values_rows
+from .rawsql import SENTINEL_TIME, Compiled, prep, qn, values_rows
 
 
 def settle_succeeded(
@@ -128,13 +130,91 @@ def settle_and_claim(
 
     Its rows are the claimed runs, each with `settled_ids` and `settled_parents` (the
     settled runs and their parents, in the same order); one row of NULLs but those two
-    when nothing was claimed."""
-    shape = (connection.vendor, len(items), tuple(lease_ttls), due.sql)
-    sql = _SHAPES.get(shape)
-    if sql is not None:  # the text of a shape seen before: only its parameters are new
-        return sql, _settle_and_claim_params(items, worker_id, running, succeeded, completed,
-                                             ended, due, at, queued, lease_ttls,
-                                             default_lease, started)
+    when nothing was claimed.
+
+    What is the same for every statement of a worker (statuses, its id, the events'
+    payloads, its queues and agents) is in the text as literals, built once per shape:
+    only the successes and the times are parameters (some 11 at concurrency 1, not 28),
+    so psycopg adapts a third as many values per statement, and a claim's text stays
+    within psycopg's cache of parsed queries for longer batches."""
+    key = (id(due), len(items), tuple(lease_ttls), worker_id, running, succeeded, completed, ended,
+           queued, started)
+    kept = _SHAPES.get(key)
+    if kept is None or kept[0] is not due:
+        if len(_SHAPES) >= 256:
+            _SHAPES.clear()  # a worker sends a few shapes: this many is another's churn
+        kept = _SHAPES[key] = (due, *_inlined(items, worker_id, running, succeeded, completed,
+                                                ended, due, queued, lease_ttls, started))
+    _, sql, slots = kept
+    params: list[Any] = []
+    for run_id, attempt, output, event_id in items:
+        params += [run_id, attempt, payload_sql.output_param(output), event_id]
+    leases = [default_lease, *lease_ttls.values()]
+    params += [at if slot < 0 else leases[slot] for slot in slots]
+    return sql, params
+
+
+# By the shape's constants: (the due query it was built with, its text, its slots).
+_SHAPES: dict[tuple[Any, ...], tuple[Compiled, str, list[int]]] = {}
+
+
+def _inlined(
+    items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
+    completed: str, ended: str, due: Compiled, queued: str, lease_ttls: dict[str, datetime],
+    started: str,
+) -> tuple[str, list[int]]:
+    """The statement's text with every constant parameter a literal, and what each of the
+    remaining parameters after the successes' is: -1 the time, 0 the default lease, k the
+    lease of the k-th agent of `lease_ttls`.
+
+    Built as `_full` builds it, with stand-in times (told apart by value) for the time and
+    the leases."""
+    at = SENTINEL_TIME
+    stand_ins = [at + timedelta(microseconds=k + 1) for k in range(len(lease_ttls) + 1)]
+    sql, params = _full(items, worker_id, running, succeeded, completed, ended, due, at,
+                        queued, dict(zip(lease_ttls, stand_ins[1:], strict=True)),
+                        stand_ins[0], started)
+    db = connections[DEFAULT_DB_ALIAS]
+    db.ensure_connection()
+    parts = re.split(r"(%%|%s)", sql)
+    text: list[str] = []
+    slots: list[int] = []
+    position = 0
+    for part in parts:
+        if part != "%s":
+            text.append(part)
+            continue
+        value = params[position]
+        if position < 4 * len(items):  # the successes' own values
+            text.append(part)
+        elif value == at:
+            text.append(part)
+            slots.append(-1)
+        elif value in stand_ins:
+            text.append(part)
+            slots.append(stand_ins.index(value))
+        else:
+            text.append(_literal(value, db.connection))
+        position += 1
+    return "".join(text), slots
+
+
+def _literal(value: Any, raw: Any) -> str:
+    """A constant as SQL text, quoted by psycopg; a `%` doubled, as the text is still
+    read for placeholders (a worker id may hold one)."""
+    from psycopg import sql as pgsql  # PostgreSQL only: psycopg need not be installed
+
+    if isinstance(value, Enum):
+        value = value.value
+    return pgsql.Literal(value).as_string(raw).replace("%", "%%")
+
+
+def _full(
+    items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
+    completed: str, ended: str, due: Compiled, at: datetime, queued: str,
+    lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
+) -> tuple[str, list[Any]]:
+    """The statement with every value a parameter."""
     head, update, params = _succeed_parts(items, worker_id, running, succeeded, completed, at)
     settle, more = _succeed_ctes(head, update, ended, at)
     claim, claim_params = _claim_ctes(due, at, worker_id, running, queued, lease_ttls,
@@ -142,29 +222,4 @@ def settle_and_claim(
     sql = (f"{settle}, {claim} SELECT claimed.*, "
            f"s.settled_ids, s.settled_parents FROM (SELECT array_agg(id) AS settled_ids, "
            f"array_agg(parent_id) AS settled_parents FROM done) s LEFT JOIN claimed ON true")
-    if len(_SHAPES) < 256:
-        _SHAPES[shape] = sql
     return sql, params + more + claim_params
-
-
-_SHAPES: dict[tuple[Any, ...], str] = {}
-
-def _settle_and_claim_params(
-    items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
-    completed: str, ended: str, due: Compiled, at: datetime, queued: str,
-    lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
-) -> list[Any]:
-    """`settle_and_claim`'s parameters in its text's order, without building the text (a
-    worker sends the same few shapes run after run)."""
-    params: list[Any] = []
-    for run_id, attempt, output, event_id in items:
-        params += [run_id, attempt, payload_sql.output_param(output),
-                   prep(RunEvent, "event_id", event_id)]
-    params += [succeeded, completed, prep(AgentRun, "finished_at", at), running, worker_id,
-               ended, prep(RunEvent, "payload", {}), prep(RunEvent, "created_at", at),
-               prep(RunEvent, "created_at", at), *due.bind(at), running, worker_id]
-    for agent, until in lease_ttls.items():
-        params += [agent, until]
-    params += [default_lease, at, queued, started,
-               prep(RunEvent, "payload", {"worker": worker_id}), at]
-    return params
