@@ -57,6 +57,7 @@ def run_latency(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path
                         plan.latency_seconds, plan.worker_warmup, logs)
         for p in ("p50", "p95", "p99"):
             results.add(f"lat_{p}", engine, lat[p])
+        results.pool("lat_p99_all", engine, lat["values"], 99)
         note("latency", engine, f"p50 {lat['p50']:.1f}  p95 {lat['p95']:.1f}  "
              f"p99 {lat['p99']:.1f} ms  ({lat['n']} samples, {lat['missing']} missing, "
              f"load {os.getloadavg()[0]:.2f})")
