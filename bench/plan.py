@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.engines import Engine
 from bench.harness import Target, client, start_workers, stop_workers
@@ -24,6 +25,10 @@ class Plan:
     bulk_batch: int
     latency_rate: float
     latency_seconds: float
+    """The latency trial: `latency_rate` runs/s for `latency_seconds` measured, 300 samples
+    (FULL) a trial, and a p99 of every repetition's samples together (900 at 3): one stray
+    sample moved the p99 of 200. The rate stays low: at 40/s a peer's worker on a loaded
+    machine fell behind, and its "latency" became a queue's wait."""
     io_runs: int
     io_serial_runs: int
     io_cap: float
@@ -44,7 +49,7 @@ class Plan:
 
 
 FULL = Plan(reps=3, drain_runs=5000, drain_cap=15.0, enqueue_one_runs=500, bulk_runs=2000,
-            bulk_batch=1000, latency_rate=20.0, latency_seconds=10.0, io_runs=1000,
+            bulk_batch=1000, latency_rate=20.0, latency_seconds=15.0, io_runs=1000,
             io_serial_runs=70, io_cap=7.0, io_concurrency=(50, 100, 200), sqlite=True)
 QUICK = Plan(reps=1, drain_runs=1000, drain_cap=3.0, enqueue_one_runs=150, bulk_runs=1000,
              bulk_batch=500, latency_rate=20.0, latency_seconds=3.0, io_runs=300,
@@ -55,7 +60,7 @@ QUICK = Plan(reps=1, drain_runs=1000, drain_cap=3.0, enqueue_one_runs=150, bulk_
 
 
 def latency(target: Target, engine: Engine, rate: float, seconds: float, warmup: float,
-            logs: Path) -> dict[str, float]:
+            logs: Path) -> dict[str, Any]:
     """Open-loop producer at `rate`/s against one idle worker; each agent writes its start
     time, the producer its enqueue time, so both ends are measured the same way."""
     starts = logs / f"latency-{engine.key}-{time.monotonic_ns()}.txt"
@@ -83,7 +88,8 @@ def latency(target: Target, engine: Engine, rate: float, seconds: float, warmup:
     if not values:
         raise RuntimeError(f"{engine.key}: no latency samples")
     return {"p50": percentile(values, 50), "p95": percentile(values, 95),
-            "p99": percentile(values, 99), "n": len(values), "missing": expected - len(values)}
+            "p99": percentile(values, 99), "n": len(values), "missing": expected - len(values),
+            "values": values}
 
 
 def percentile(values: Sequence[float], p: float) -> float:

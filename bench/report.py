@@ -114,7 +114,9 @@ def report(results: Results, plan: Plan, info: dict[str, str], load: tuple[str, 
         "per transaction (ours `enqueue_many`, procrastinate `batch_defer`, django-tasks-db a "
         "loop of `enqueue()` in one transaction: it has no bulk API)",
         f"- latency: one idle worker (concurrency 1), an open-loop producer at "
-        f"{plan.latency_rate:g} runs/s for {plan.latency_seconds:g} s after 1 s of warm-up; "
+        f"{plan.latency_rate:g} runs/s for {plan.latency_seconds:g} s after 1 s of warm-up "
+        f"({plan.latency_rate * plan.latency_seconds:,.0f} samples a trial, and a p99 of "
+        f"all repetitions' samples together); "
         "the agent writes its start time, the producer its enqueue time",
         f"- I/O-bound: {plan.io_runs:,} runs ({plan.io_serial_runs} for django-tasks-db, "
         f"which runs one task at a time) of a 100 ms sleep, one worker process, concurrency "

@@ -12,11 +12,12 @@ See bench/README.md for what each workload measures and how.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,13 +49,25 @@ def rotate(rep: int) -> list[Engine]:
     return [*ENGINES[k:], *ENGINES[:k]]
 
 
+def run_latency(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
+                note: Callable[[str, Engine, str], None]) -> None:
+    """The enqueue-to-start latency rows, every engine (`--only latency`: these alone)."""
+    for engine in rotate(rep):
+        lat = run_trial(admin, f"latency {engine.key}", latency, engine, plan.latency_rate,
+                        plan.latency_seconds, plan.worker_warmup, logs)
+        for p in ("p50", "p95", "p99"):
+            results.add(f"lat_{p}", engine, lat[p])
+        results.pool("lat_p99_all", engine, lat["values"], 99)
+        note("latency", engine, f"p50 {lat['p50']:.1f}  p95 {lat['p95']:.1f}  "
+             f"p99 {lat['p99']:.1f} ms  ({lat['n']} samples, {lat['missing']} missing, "
+             f"load {os.getloadavg()[0]:.2f})")
+
+
 def run_rep(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
             sqlite_template: Path | None, started: float) -> None:
     order = rotate(rep)
 
-    def note(workload: str, engine: Engine, text: str) -> None:
-        log(f"[rep {rep + 1}/{plan.reps} {time.monotonic() - started:6.0f}s] "
-            f"{workload:<14} {engine.key:<13} {text}")
+    note = functools.partial(_note, rep, plan, started)
 
     c = plan.drain_concurrency
     for key, processes, concurrency in (("drain1", 1, 1), ("drain4", 4, 1), ("drain1c", 1, c),
@@ -86,13 +99,7 @@ def run_rep(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
                          plan.bulk_runs, plan.bulk_batch)
         results.add("enq_bulk", engine, rate)
         note("enqueue bulk", engine, f"{rate:8.1f} runs/s")
-    for engine in order:
-        lat = run_trial(admin, f"latency {engine.key}", latency, engine, plan.latency_rate,
-                        plan.latency_seconds, plan.worker_warmup, logs)
-        for p in ("p50", "p95", "p99"):
-            results.add(f"lat_{p}", engine, lat[p])
-        note("latency", engine, f"p50 {lat['p50']:.1f}  p95 {lat['p95']:.1f}  "
-             f"p99 {lat['p99']:.1f} ms  ({lat['n']} samples, {lat['missing']} missing)")
+    run_latency(rep, plan, admin, results, logs, note)
     from bench import pooler
 
     if pooler.available():  # skipped, with a note, without pgbouncer
@@ -152,16 +159,23 @@ def run_rep(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
     llm.run_llm(rep, plan, admin, results, logs, started)
 
 
+def _note(rep: int, plan: Plan, started: float, workload: str, engine: Engine,
+          text: str) -> None:
+    log(f"[rep {rep + 1}/{plan.reps} {time.monotonic() - started:6.0f}s] "
+        f"{workload:<14} {engine.key:<13} {text}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run of about 2 minutes")
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 quick)")
     parser.add_argument("--no-sqlite", action="store_true", help="skip the SQLite extra rows")
-    parser.add_argument("--only", choices=["llm", "fair", "history"], default=None,
+    parser.add_argument("--only", choices=["llm", "fair", "history", "latency"], default=None,
                         help="llm: only the LLM-shaped rows (bench/llm.py): their section of "
                              "the output is replaced, the rest kept; fair: fair shares "
                              "(bench/fair.py), printed and written to bench/fair_results.md; "
                              "history: the long-horizon history bench (bench/history.py), "
+                             "printed only; latency: the enqueue-to-start latency rows, "
                              "printed only")
     parser.add_argument("--events", type=int, default=1_000_000,
                         help="history: events to fill (measured at 1M and at this many)")
@@ -208,6 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 text = fair.run_fair(plan.reps, admin, logs)
                 (args.output.parent / "fair_results.md").write_text(text + "\n")
                 print(text)
+                return 0
+            if args.only == "latency":
+                for rep in range(plan.reps):
+                    run_latency(rep, plan, admin, results, logs, functools.partial(
+                        _note, rep, plan, started))
+                print(table(results, plan))
                 return 0
             for rep in range(plan.reps):
                 if args.only == "llm":

@@ -27,6 +27,8 @@ ROWS: list[tuple[str, str, str, str]] = [
     ("lat_p50", "enqueue→start latency p50, idle worker, {rate:g}/s (ms)", LOWER, "ms"),
     ("lat_p95", "enqueue→start latency p95 (ms)", LOWER, "ms"),
     ("lat_p99", "enqueue→start latency p99 (ms)", LOWER, "ms"),
+    ("lat_p99_all", "enqueue→start latency p99 of every repetition's samples together (ms)",
+     LOWER, "ms"),
     ("lat_pgb_p50", "enqueue→start latency p50 through PgBouncer (transaction mode), "
      "LISTEN_DATABASE direct, ours only (ms)", LOWER, "ms"),
     ("lat_pgb_p99", "enqueue→start latency p99 through PgBouncer, LISTEN_DATABASE direct "
@@ -62,6 +64,9 @@ class Results:
         self.io_rss: dict[tuple[str, str], dict[int, list[float]]] = defaultdict(
             lambda: defaultdict(list))
         self.cpu: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        # Rows of pooled samples (`pool`): key -> engine -> every repetition's samples.
+        self.samples: dict[str, dict[str, list[float]]] = defaultdict(
+            lambda: defaultdict(list))
         self.capped: set[str] = set()
         self.incomplete: set[str] = set()
         # The concurrency the first repetition's sweep found best, kept for the others.
@@ -75,6 +80,14 @@ class Results:
 
     def add(self, key: str, engine: Engine, value: float) -> None:
         self.values[key][engine.key].append(value)
+
+    def pool(self, key: str, engine: Engine, samples: list[float], p: float) -> None:
+        """Row `key`: the p-th percentile of every repetition's `samples` so far, together."""
+        from bench.plan import percentile
+
+        pooled = self.samples[key][engine.key]
+        pooled.extend(samples)
+        self.values[key][engine.key] = [percentile(pooled, p)]
 
     def best_concurrency(self, kind: str, engine: Engine) -> int | None:
         if (kind, engine.key) in self.chosen:

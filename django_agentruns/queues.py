@@ -68,10 +68,15 @@ class PausedSet:
         self._names: frozenset[str] = frozenset()
         self._read_at = float("-inf")
 
-    def active(self, queues: Sequence[str]) -> list[str]:
-        """`queues` less the paused ones, in order."""
+    def active(self, queues: Sequence[str], *, fresh: bool = True) -> list[str]:
+        """`queues` less the paused ones, in order; `fresh=False` trusts the view as it
+        is, however old (a worker's claim that a new run woke: it reads after)."""
+        if fresh:
+            self.read_if_due()
+        return [q for q in queues if q not in self._names]
+
+    def read_if_due(self) -> None:
         now = time.monotonic()
         if now - self._read_at >= self.refresh:
             self._names = frozenset(PausedQueue.objects.values_list("name", flat=True))
             self._read_at = now
-        return [q for q in queues if q not in self._names]

@@ -21,8 +21,8 @@ class Live:
     control: AttemptControl
     last_renewed: float
     refilled: bool = False
-    """Its success was settled with a claim that took a run for its slot: its end need
-    not wake the claim loop."""
+    """Its success was settled by the claim loop, with a claim that took a run for its
+    slot or ending on the loop's thread: its end need not wake the claim loop."""
 
 
 class LiveAttempts:

@@ -21,13 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 
 from django.db import close_old_connections, connection
-from django.utils import timezone
 
 from .. import transitions
 from ..conf import app_settings
 from ..db import close_all_connections
 from ..models import AgentRun
-from ..ops import visibility
 from ..outcomes import AttemptRef, Settlement, StopReason
 from ..payloads import load_inputs
 from ..queries import load_states
@@ -38,7 +36,7 @@ from ..transitions.fair import FairClaim
 from ..transitions.limited import LimitedClaim
 from . import usage
 from .attempt_store import AttemptStore
-from .chores import Chores
+from .chores import LATE, Chores
 from .executor import Executor, extra
 from .handover import Handed, Handover
 from .late import Deferred
@@ -48,7 +46,7 @@ from .running import Live, LiveAttempts
 from .stop_signals import StopSignals
 from .ticker import Ticker
 from .wakeups import Listener
-from .worker_outcome import ContentionTimeout, WorkerStats, make_worker_id
+from .worker_outcome import ContentionTimeout, WorkerStats, make_worker_id, work_pending
 
 logger = logging.getLogger("django_agentruns.worker")
 
@@ -93,7 +91,6 @@ class Worker:
         self.keeper = LeaseKeeper(self.worker_id, self.live, on_tick=self.presence.tick)
         self._listener_stop = threading.Event()
         self._listener: Listener | None = None
-        self.chores = Chores(self.worker_id, self.reap_interval, self._reaped)
         self._last_lapsed_scan = 0.0
         self._limited = LimitedClaim(LAPSED_SCAN_INTERVAL)  # flow control
         self._fair = FairClaim(LAPSED_SCAN_INTERVAL)  # fair shares, once a group exists
@@ -111,6 +108,9 @@ class Worker:
         # Paused queues are left out of claims; this worker takes part in ticking schedules
         self._paused = PausedSet()
         self._ticker = Ticker(self._agents, self.queues)
+        # The loop's work besides claiming, and the views its claims use, kept fresh.
+        self.chores = Chores(self.worker_id, self.reap_interval, self._reaped, self._ticker,
+                             (self._paused.read_if_due, self._fair.on, self._limited.in_use))
 
     @staticmethod
     def connections() -> int:
@@ -168,13 +168,24 @@ class Worker:
         errors = 0
         contention_wait = CONTENTION_START
         contention_since: float | None = None
+        # A woken pass claims first, on its views as they are; the loop's other work
+        # (`chores`, the lapsed-lease scan) waits for a pass that starts no run, not straight
+        # after one that did (its Python work would hold the GIL the new attempt's thread
+        # needs). Fresh passes do it first: the first, after an idle wait timed out, a
+        # catch-up, a late one. docs/performance.md, "Start latency".
+        fresh_next, started = True, False
         while not self.stopping.is_set():
+            fresh = fresh_next or self.chores.late() or self._lapsed_due(LATE)
+            fresh_next = False
             self._wake.clear()
             try:
                 close_old_connections()
-                self.chores.tick()
-                self._ticker.tick()
-                claimed = self._claim()
+                if fresh:
+                    self.chores.tick()
+                claimed = self._claim(fresh)
+                if not (fresh or claimed or started):
+                    fresh_next = bool(self.chores.tick()) or self._lapsed_due()
+                started = bool(claimed)
                 errors = 0
             except Exception:
                 # The worker survives its database: log, back off, try again.
@@ -185,13 +196,14 @@ class Worker:
                                  wait, extra={"worker_id": self.worker_id})
                 close_all_connections()
                 self.stopping.wait(wait)
+                fresh_next = True
                 continue
-            if claimed:
+            if claimed or fresh_next:
                 contention_wait, contention_since = CONTENTION_START, None
                 if self.busy < self.concurrency:
-                    continue  # claim again at once if slots remain
+                    continue  # claim again at once if slots remain (or duties left some)
             elif self.burst and self.busy == 0:
-                if not self._work_pending():
+                if not work_pending(self.queues, self._scopes, self._known, self.worker_id):
                     return
                 # Contention is not idleness: another worker holds what is due.
                 now = time.monotonic()
@@ -205,33 +217,39 @@ class Worker:
             # Wake for the next schedule tick too
             tick = self._ticker.seconds_to_next()
             idle = self.poll_interval if tick is None else min(self.poll_interval, tick)
-            self._wake.wait(idle if self.busy < self.concurrency else tick)
+            fresh_next = not self._wake.wait(idle if self.busy < self.concurrency else tick)
+            started = False  # its attempts had the wait to start
 
-    def _claim(self) -> int:
+    def _lapsed_due(self, after: float = LAPSED_SCAN_INTERVAL) -> bool:
+        """Lapsed leases are looked for at most once a second: one statement less per claim."""
+        return time.monotonic() - self._last_lapsed_scan >= after
+
+    def _claim(self, fresh: bool = True) -> int:
+        """Settle the successes handed over and claim; `fresh=False`: the claim trusts its
+        views as they are and skips the lapsed-lease scan (see `_serve`)."""
         assert self.handover is not None
         taken = self.handover.take()  # successes: settled with this claim
         try:
-            return self._settle_and_claim(taken)
+            return self._settle_and_claim(taken, fresh)
         finally:
             self.handover.release()
 
-    def _settle_and_claim(self, taken: list[Handed]) -> int:
+    def _settle_and_claim(self, taken: list[Handed], fresh: bool) -> int:
         assert self.handover is not None
         # The slots of the successes settled here are free once the statement has run.
         free = self.concurrency - self.busy + len(taken)
-        queues = self._paused.active(self.queues)
+        queues = self._paused.active(self.queues, fresh=fresh)
         if not taken and (free <= 0 or not queues):
             return 0
-        # Lapsed leases are looked for at most once a second: one statement less per claim.
         now = time.monotonic()
-        include_lapsed = now - self._last_lapsed_scan >= LAPSED_SCAN_INTERVAL
+        include_lapsed = fresh and self._lapsed_due()
         batch = min(free, int(app_settings.CLAIM_BATCH)) if queues else 0
-        fair = self._fair.on()
+        fair = self._fair.on(fresh=fresh)
         try:
             # Flow control: runs of keys with a limits row first, never past their limit.
             limited = self._limited.claim(self.worker_id, queues, batch, self._scopes,
                                           self._ttls, float(app_settings.LEASE_TTL),
-                                          self._known, fair)
+                                          self._known, fair, fresh=fresh)
             settled, claimed = transitions.settle_and_claim(
                 self.worker_id, [(h.write.ref, h.write.output) for h in taken], queues,
                 batch - len(limited), self._scopes, self._ttls, float(app_settings.LEASE_TTL),
@@ -249,31 +267,18 @@ class Worker:
         try:
             for run in runs:
                 self._start(run)
-            if taken and len(runs) >= len(taken):
-                for handed in taken:  # their slots are taken again: their ends wake nobody
-                    live = self.live.get(handed.write.ref.run_id)
-                    # That attempt's, not a later one of the same run just started.
-                    if live is not None and live.run.attempt == handed.write.ref.attempt:
-                        live.refilled = True
+            for handed in taken:
+                # Its end wakes nobody if a run took its slot, or if it ends on this
+                # thread (`then`): this loop looks at the slot next, as the claim did.
+                live = self.live.get(handed.write.ref.run_id)
+                # That attempt's, not a later one of the same run just started.
+                if live is not None and live.run.attempt == handed.write.ref.attempt and (
+                        len(runs) >= len(taken) or handed.then is not None):
+                    live.refilled = True
         finally:  # committed: their attempts wait for the answer, whatever happened since
             self.handover.settled(taken, settled)
         self.stats.claimed += len(runs)
         return len(runs)
-
-    def _work_pending(self) -> bool:
-        # Not every queued, due run: one behind a dead letter or a backoff is not waiting
-        # on another worker, nor one of an agent this worker lacks (a worker that has it
-        # takes it); waiting for those would end in ContentionTimeout.
-        at = timezone.now()
-        if transitions.awaited(self.queues, at, self._scopes, self._known).exists():
-            return True
-        left = visibility.count_due_elsewhere(self.queues, self._known, at)
-        if left:
-            logger.warning("leaving %s due runs of agents this worker does not have (%s): "
-                           "a worker that has them will claim them", sum(left.values()),
-                           ", ".join(sorted({agent for _, agent in left})),
-                           extra={"worker_id": self.worker_id})
-        return False
 
     def _reaped(self, count: int) -> None:
         self.stats.reaped += count

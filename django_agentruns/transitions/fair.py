@@ -211,10 +211,11 @@ class FairClaim:
         self._read_at = float("-inf")
         self._on = False
 
-    def on(self) -> bool:
-        """Whether to claim in stamp order (fair shares) rather than age order."""
+    def on(self, *, fresh: bool = True) -> bool:
+        """Whether to claim in stamp order (fair shares) rather than age order;
+        `fresh=False` trusts the view as it is, however old."""
         now = time.monotonic()
-        if now - self._read_at >= self.refresh:
+        if fresh and now - self._read_at >= self.refresh:
             self._on = FairGroup.objects.exclude(key="").exists()
             self._read_at = now
         return self._on

@@ -226,14 +226,20 @@ class LimitedClaim:
     def seed(self) -> None:
         seed_settings_limits()
 
-    def claim(self, worker_id: str, queues: Sequence[str], batch: int, scopes: ScopePolicy,
-              ttls: dict[str, float], default_ttl: float,
-              agents: frozenset[str] | None, fair: bool = False) -> list[AgentRun]:
+    def in_use(self, *, fresh: bool = True) -> bool:
         now = time.monotonic()
-        if now - self._read_at >= self.refresh:
+        if fresh and now - self._read_at >= self.refresh:
             self._in_use = limits_in_use()
             self._read_at = now
-        if not self._in_use or batch <= 0:
+        return self._in_use
+
+    def claim(self, worker_id: str, queues: Sequence[str], batch: int, scopes: ScopePolicy,
+              ttls: dict[str, float], default_ttl: float,
+              agents: frozenset[str] | None, fair: bool = False, *,
+              fresh: bool = True) -> list[AgentRun]:
+        """`claim_limited`, if any key has a row; `fresh=False` trusts the view of that as
+        it is, however old."""
+        if not self.in_use(fresh=fresh) or batch <= 0:
             return []
         return claim_limited(worker_id, queues, batch, scopes, ttls, default_ttl,
                              agents=agents, fair=fair)
