@@ -103,3 +103,28 @@ def test_purge_and_erase_delete_the_runs_payloads(db: None) -> None:
     erase(runs[2].pk)
     assert not RunPayload.objects.exists()
     assert AgentRun.objects.filter(status=Status.FAILED).count() == 0
+
+
+def test_a_new_run_enters_no_index_of_a_parent_or_origin_it_lacks(db: None) -> None:
+    """Migration 0024: the parent and fork-origin indexes hold only runs that have one, and
+    the payload table's run lookups use `agentruns_payload_kind` (which leads with the
+    run), not an index of their own: a new run writes three index entries fewer."""
+    with connection.cursor() as cursor:
+        runs = connection.introspection.get_constraints(cursor, RUNS)
+        payloads = connection.introspection.get_constraints(cursor, RunPayload._meta.db_table)
+    on_column = {name: c["columns"] for name, c in runs.items() if c["index"]}
+    assert on_column["agentruns_parent"] == ["parent_id"]
+    assert on_column["agentruns_forked_from"] == ["forked_from_id"]
+    # No other index of the run table is on either column alone (Django's full ones).
+    assert sorted(n for n, cols in on_column.items()
+                  if cols in (["parent_id"], ["forked_from_id"])) == [
+        "agentruns_forked_from", "agentruns_parent"]
+    payload_indexes = [c["columns"] for c in payloads.values()
+                       if c["index"] and not c["primary_key"]]
+    assert ["run_id"] not in payload_indexes
+    assert any(cols[:1] == ["run_id"] for cols in payload_indexes)
+    if connection.vendor == "postgresql":  # partial: a run without a parent is not in it
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = %s",
+                           ["agentruns_parent"])
+            assert "WHERE (parent_id IS NOT NULL)" in cursor.fetchone()[0]
