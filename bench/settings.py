@@ -60,7 +60,9 @@ AGENTRUNS = {"POLL_INTERVAL": 1.0,
              # bench/fair.py: weights of the fairness groups of its runs (JSON)
              "FAIR_WEIGHTS": env.json("BENCH_FAIR_WEIGHTS", default={}),
              # bench/history.py: the partitioned layout's span (run ids per partition).
-             "HISTORY_PARTITION": env.int("BENCH_HISTORY_PARTITION", default=0) or None}
+             "HISTORY_PARTITION": env.int("BENCH_HISTORY_PARTITION", default=0) or None,
+             # Experiments: any other setting, as JSON ({"CLAIM_BATCH": 64}).
+             **env.json("BENCH_AGENTRUNS", default={})}
 
 # django-tasks-db: the database backend of Django's task framework.
 TASKS = {"default": {"BACKEND": "django_tasks_db.DatabaseBackend"}}

@@ -57,7 +57,8 @@ class KeyWindowEntry(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     key = models.CharField(max_length=200)
-    run = models.ForeignKey("django_agentruns.AgentRun", on_delete=models.CASCADE, related_name="+")
+    run = models.ForeignKey("django_agentruns.AgentRun", on_delete=models.CASCADE, related_name="+",
+                            db_index=False)  # agentruns_window_run leads with it
     attempt = models.PositiveIntegerField()
     started_at = models.DateTimeField()
     reserved_tokens = models.BigIntegerField(default=0)
@@ -106,7 +107,7 @@ class RunUsage(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     run = models.ForeignKey("django_agentruns.AgentRun", on_delete=models.CASCADE,
-                            related_name="usage_records")
+                            related_name="usage_records", db_index=False)  # agentruns_usage_key
     attempt = models.PositiveIntegerField()
     seq = models.PositiveIntegerField(help_text="The call's number within its attempt, from 1.")
     input_tokens = models.BigIntegerField(default=0)

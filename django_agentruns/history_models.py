@@ -28,7 +28,7 @@ class StreamChunk(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     run = models.ForeignKey("django_agentruns.AgentRun", on_delete=models.CASCADE,
-                            related_name="+")
+                            related_name="+", db_index=False)  # agentruns_chunk_run
     attempt = models.PositiveIntegerField()
     channel = models.CharField(max_length=100)
     first = models.PositiveIntegerField(help_text=_("Index of its first chunk in the attempt."))
@@ -88,7 +88,7 @@ class RunStep(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     run = models.ForeignKey("django_agentruns.AgentRun", on_delete=models.CASCADE,
-                            related_name="steps")
+                            related_name="steps", db_index=False)  # agentruns_step_occurrence
     name = models.CharField(max_length=200)
     occurrence = models.PositiveIntegerField(help_text=_("1, 2, 3... per name, in call order."))
     status = models.CharField(max_length=16, choices=State.choices, default=State.STARTED)

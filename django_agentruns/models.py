@@ -260,7 +260,9 @@ class AgentRun(models.Model):
 
 class RunEvent(models.Model):
     id = models.BigAutoField(primary_key=True)
-    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="events")
+    # agentruns_event_run_seq leads with the run: no index of its own (0025)
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="events",
+                            db_index=False)
     seq = models.PositiveIntegerField(help_text=_("Position in the run's stream, from 1."))
     event_id = models.UUIDField(unique=True, help_text=_("Deterministic: a re-emit adds nothing."))
     type = models.CharField(max_length=100)
@@ -322,7 +324,8 @@ class RunWait(models.Model):
         RUNS = "runs", "Child runs"
 
     id = models.BigAutoField(primary_key=True)
-    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="waits")
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="waits",
+                            db_index=False)  # agentruns_wait_run_key leads with it
     key = models.CharField(max_length=210)
     kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.INPUT)
     prompt = models.JSONField(null=True, blank=True, help_text=_("For whoever answers."))
@@ -356,7 +359,8 @@ class RunCheckpoint(models.Model):
     """
 
     id = models.BigAutoField(primary_key=True)
-    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="checkpoints")
+    run = models.ForeignKey(AgentRun, on_delete=models.CASCADE, related_name="checkpoints",
+                            db_index=False)  # agentruns_checkpoint_number leads with it
     number = models.PositiveIntegerField(help_text=_("From 1, in the order saved."))
     state = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)

@@ -210,7 +210,12 @@ def insert_new_events(
     retry re-emitting) and any that would take its run's stream past its cap (`caps`, one
     per event; None: no cap). Of a run's several, only the last may be a retry's (the
     others are new: lifecycle ids), so no seq is skipped. Returns the (run id, event id)
-    of each one it added."""
+    of each one it added.
+
+    The stored-id check is a scalar subquery, not `NOT EXISTS`: PostgreSQL turns the
+    latter into an anti-join, and while the events table is young (or its statistics
+    stale) it picks a hash anti-join that reads the whole table for every batch. A scalar
+    subquery stays one index probe per event, whatever the statistics say."""
     table = qn(RunEvent._meta.db_table)
     caps = caps or [None] * len(events)
     counts: dict[int, int] = {}
@@ -222,8 +227,8 @@ def insert_new_events(
     sql = (f"WITH v AS {json_rows(_NEW_EVENT)} "
            f"INSERT INTO {table} (run_id, seq, event_id, type, payload, attempt, created_at) "
            f"SELECT v.run_id, {last} + v.k, v.event_id, v.type, v.payload, v.attempt, %s "
-           f"FROM v WHERE NOT EXISTS (SELECT 1 FROM {table} x WHERE x.run_id = v.run_id "
-           f"AND x.event_id = v.event_id) "
+           f"FROM v WHERE (SELECT 1 FROM {table} x WHERE x.run_id = v.run_id "
+           f"AND x.event_id = v.event_id LIMIT 1) IS NULL "
            f"AND (v.cap IS NULL OR {last} + v.k <= v.cap) RETURNING run_id, event_id")
     return sql, [json_values(rows, [t for _, t in _NEW_EVENT]),
                  prep(RunEvent, "created_at", at)]
