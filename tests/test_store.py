@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 from django.db import DatabaseError, connection, transaction
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_agentruns import enqueue, transitions
+from django_agentruns.exceptions import LimitExceeded
 from django_agentruns.models import AgentRun, RunCheckpoint, RunEvent, Status
 from django_agentruns.runtime.attempt_store import AttemptStore
 from django_agentruns.transitions import (
@@ -29,7 +31,7 @@ from django_agentruns.transitions import (
     Write,
     apply_writes,
 )
-from django_agentruns.transitions.batched import Result
+from django_agentruns.transitions.batched import Result, stands_alone
 from tests import helpers
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -143,6 +145,62 @@ def test_apply_writes_refuses_to_run_outside_a_transaction() -> None:
     (ref,) = claimed(1)
     with pytest.raises(RuntimeError, match="inside"):
         apply_writes([RenewWrite(ref)])
+
+
+def test_emits_alone_commit_in_one_statement_each_fenced_on_its_own() -> None:
+    """PostgreSQL: emits alone, one per run (an LLM-shaped agent's commonest batch), renew
+    and append in one statement with no transaction around it, each answered as in a
+    transaction. SQLite keeps the transaction."""
+    ok, lost, cancelled, replayed = claimed(4)
+    reclaim(lost)
+    AgentRun.objects.filter(pk=cancelled.run_id).update(cancel_requested_at=timezone.now())
+    first = emit(replayed, 1)
+    with transaction.atomic():
+        apply_writes([first])
+    leases = dict(AgentRun.objects.values_list("pk", "lease_expires"))
+    writes: list[Write] = [emit(ok, 1), emit(lost, 1), emit(cancelled, 1), first]
+    if connection.vendor != "postgresql":
+        assert not stands_alone(writes)
+        with pytest.raises(RuntimeError, match="inside"):
+            apply_writes(writes)
+        return
+    assert stands_alone(writes)
+    assert not stands_alone([emit(ok, 2), emit(ok, 3)])  # two of a run: rounds, in order
+    assert not stands_alone([EmitWrite(ok, uuid.uuid4(), "out", {}, despite_cancel=True)])
+    with CaptureQueriesContext(connection) as queries:
+        results = apply_writes(writes)
+    assert results == [Renewal.OK, Renewal.LOST, Renewal.CANCEL_REQUESTED, Renewal.OK]
+    # The statement; one read telling the two fences that failed apart; one finding the
+    # replay's event stored (not refused by a cap). A batch of new events that all hold:
+    # the statement alone (below).
+    assert len(queries) == 3, [q["sql"][:80] for q in queries]
+    assert not any(q["sql"].upper().startswith(("BEGIN", "SAVEPOINT")) for q in queries)
+    started = (1, transitions.STARTED)
+    assert [(s, t) for s, t, _ in story(ok)] == [started, (2, "step")]
+    assert [(s, t) for s, t, _ in story(replayed)] == [started, (2, "step")]
+    for ref in (lost, cancelled):
+        assert [(s, t) for s, t, _ in story(ref)] == [started]
+    with CaptureQueriesContext(connection) as queries:
+        assert apply_writes([emit(ok, 2), emit(replayed, 2)]) == [Renewal.OK, Renewal.OK]
+    assert len(queries) == 1
+    after = dict(AgentRun.objects.values_list("pk", "lease_expires"))
+    assert after[ok.run_id] > leases[ok.run_id]  # renewed
+    assert after[lost.run_id] == leases[lost.run_id]
+    assert after[cancelled.run_id] == leases[cancelled.run_id]
+
+
+@pytest.mark.postgres_only
+def test_an_emit_alone_past_its_cap_fails_and_its_batch_mates_stay_written() -> None:
+    """The batch committed as it ran: its other emits are written, and the store's retry
+    of each alone adds nothing twice; the refused emit raises, as `emit` does."""
+    capped, other = claimed(2)
+    over = EmitWrite(capped, uuid.uuid4(), "step", {}, max_events=1)  # `started` fills it
+    mate = emit(other, 1)
+    with pytest.raises(LimitExceeded):
+        apply_writes([over, mate])
+    assert apply_writes([mate]) == [Renewal.OK]
+    assert [t for _, t, _ in story(other)] == [transitions.STARTED, "step"]
+    assert [t for _, t, _ in story(capped)] == [transitions.STARTED]
 
 
 # --------------------------------------------------------------------------- the store

@@ -205,7 +205,7 @@ class AttemptStore:
             try:
                 connection.ensure_connection()
                 opened = connection.connection
-                if batched.only_successes(writes):
+                if batched.stands_alone(writes):
                     results = self._apply(writes)  # a statement of its own (see apply_writes)
                 else:
                     with transaction.atomic():

@@ -20,7 +20,6 @@ import functools
 import operator
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -46,87 +45,34 @@ from .steps import (
     start_step,
     unpacked,
 )
+from .writes import (
+    CheckpointWrite,
+    EmitWrite,
+    Event,
+    RenewWrite,
+    Result,
+    SettleWrite,
+    SucceedWrite,
+    UsageWrite,
+    Write,
+)
 
-
-@dataclass(frozen=True)
-class RenewWrite:
-    """A heartbeat: extend the lease; `Renewal` says whether the attempt may go on."""
-
-    ref: AttemptRef
-
-
-@dataclass(frozen=True)
-class EmitWrite:
-    """Renew, then append one event unless its id is stored already (as `emit`)."""
-
-    ref: AttemptRef
-    event_id: uuid.UUID
-    type: str
-    payload: dict[str, Any]
-    max_events: int | None = None
-    despite_cancel: bool = False
-    """Appended while a cancel request stands (still fenced by the lease), answering
-    CANCEL_REQUESTED all the same: live output the attempt streamed before it stopped."""
-
-
-@dataclass(frozen=True)
-class CheckpointWrite:
-    """Save resume state as checkpoint number `count`, renewing the lease (as `checkpoint`)."""
-
-    ref: AttemptRef
-    state: Any
-    count: int
-    max_events: int | None = None
-
-
-@dataclass(frozen=True)
-class SucceedWrite:
-    """The attempt's success with its output (as `settle_succeeded`)."""
-
-    ref: AttemptRef
-    output: Any
-
-
-@dataclass(frozen=True)
-class SettleWrite:
-    """Any other end of the attempt: `settle` is its transition (`settle_failed`,
-    `settle_cancelled`, `abandon`, `interrupt` with their arguments bound), run in the
-    batch's transaction. Rare next to the others, so each runs on its own."""
-
-    ref: AttemptRef
-    settle: Callable[[], Settlement]
-
-
-@dataclass(frozen=True)
-class UsageWrite:
-    """A model call's tokens and cost added to the run's totals, with a `run.usage` event
-    and a renewal (as `record_usage`); answers the run's totals after it."""
-
-    ref: AttemptRef
-    input_tokens: int
-    output_tokens: int
-    cost: float
-    model: str
-    max_events: int | None = None
-    seq: int | None = None  # the call's number in its attempt: a retried write adds nothing
-
-
-Write = (RenewWrite | EmitWrite | CheckpointWrite | SucceedWrite | SettleWrite | UsageWrite
-         | StepStartWrite | StepEndWrite | CarriedEnd)
-Result = Renewal | Settlement | UsageTotals | StepStart
-Event = tuple[int, str, dict[str, Any], int, uuid.UUID]
+__all__ = ["CheckpointWrite", "EmitWrite", "Event", "RenewWrite", "Result", "SettleWrite",
+           "SucceedWrite", "UsageWrite", "Write", "apply_writes", "stands_alone"]
 
 
 def apply_writes(writes: Sequence[Write], at: datetime | None = None) -> list[Result]:
     """Apply `writes` in the current transaction; one result per write, in order.
 
     Must run inside `transaction.atomic()` (the caller commits them together), unless the
-    writes are successes alone (`only_successes`): those commit in a statement of their
-    own, one on PostgreSQL, as a worker's successes did before the store. The effect
-    is that of applying them one after another: writes to distinct runs are applied
-    together, and a second write to a run starts a new round after the first.
+    writes stand alone (`stands_alone`): successes alone, or on PostgreSQL emits alone (one
+    per run), commit in a statement of their own. The effect is that of applying them one
+    after another: writes to distinct runs are applied together, and a second write to a
+    run starts a new round after the first.
     """
     if not connection.in_atomic_block:
+        if only_emits(writes):
+            return _emits_alone([w for w in writes if isinstance(w, EmitWrite)], at or now())
         if not only_successes(writes):
             raise RuntimeError("apply_writes runs inside the caller's transaction")
         # Successes alone (a no-op agent's only write): settle_succeeded_many's own
@@ -150,6 +96,49 @@ def apply_writes(writes: Sequence[Write], at: datetime | None = None) -> list[Re
     done = [results[i] for i in answers]
     assert all(r is not None for r in results), "every write has its result"
     return [r for r in done if r is not None]
+
+
+def stands_alone(writes: Sequence[Write]) -> bool:
+    """Whether `writes` commit in a statement of their own, outside a transaction: the
+    store then sends no BEGIN and no COMMIT for them (two round trips of four)."""
+    return only_successes(writes) or only_emits(writes)
+
+
+def only_emits(writes: Sequence[Write]) -> bool:
+    """Whether `writes` are PostgreSQL emits alone, one per run, none despite a cancel:
+    the LLM-shaped agent's commonest batch, written by `_emits_alone`."""
+    return bool(writes) and connection.vendor == "postgresql" \
+        and all(isinstance(w, EmitWrite) and not w.despite_cancel for w in writes) \
+        and len({w.ref.run_id for w in writes}) == len(writes)
+
+
+def _emits_alone(writes: Sequence[EmitWrite], at: datetime) -> list[Result]:
+    """One statement renews every fence that holds and appends those runs' events; what
+    answers each write is what `_apply_round` would (a past-cap emit raises, a replay is
+    fine, a fence that failed is told apart by `_missed`)."""
+    sql, params = rawsql.fenced_emits(
+        [(w.ref.run_id, w.ref.attempt, w.ref.worker_id, w.ref.lease_until(at), w.event_id,
+          w.type, w.payload, w.max_events) for w in writes], Status.RUNNING, at)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        returned = cursor.fetchall()
+    done = {row[0] for row in returned}
+    added = {_uuid(row[1]) for row in returned if row[1] is not None}
+    missed = _missed([w.ref for w in writes if w.ref.run_id not in done])
+    _refuse_over_cap([w for w in writes if w.ref.run_id in done and w.event_id not in added])
+    return [Renewal.OK if w.ref.run_id in done else missed[w.ref.run_id] for w in writes]
+
+
+def _missed(refs: Sequence[AttemptRef]) -> dict[int, Renewal]:
+    """Why each fenced UPDATE matched no row of these: the fence holds but a cancel was
+    requested (rare), or the attempt lost the run."""
+    if not refs:
+        return {}
+    fenced = dict(AgentRun.objects.filter(functools.reduce(
+        operator.or_, [r.guard() for r in refs])).values_list("pk", "cancel_requested_at"))
+    return {r.run_id: Renewal.LOST if r.run_id not in fenced
+            else Renewal.CANCEL_REQUESTED if fenced[r.run_id] is not None else Renewal.OK
+            for r in refs}
 
 
 def only_successes(writes: Sequence[Write]) -> bool:
@@ -317,23 +306,15 @@ def _fenced(writes: Sequence[Write], positions: list[int], results: list[Result 
         returned = cursor.fetchall()
     done = {row[0] for row in returned}
     cancelled = {row[0] for row in returned if despite_cancel and row[1] is not None}
-    missed = [r for r in refs.values() if r.run_id not in done]
     # Rare: a cancel request (the fence holds) or a lost lease (it does not); with
-    # `below`, a value not below the stored one (the fence holds, no cancel request).
-    fenced = {row[0]: row[1] for row in AgentRun.objects.filter(
-        functools.reduce(operator.or_, [r.guard() for r in missed])).values_list(
-            "pk", "cancel_requested_at")} if missed else {}
+    # `below`, a value not below the stored one (the fence holds, no cancel request: OK,
+    # the UPDATE was not needed).
+    missed = _missed([r for r in refs.values() if r.run_id not in done])
     for i, ref in refs.items():
         if ref.run_id in cancelled:
             results[i] = Renewal.CANCEL_REQUESTED
-        elif ref.run_id in done:
-            results[i] = Renewal.OK
-        elif ref.run_id not in fenced:
-            results[i] = Renewal.LOST
-        elif fenced[ref.run_id] is not None:
-            results[i] = Renewal.CANCEL_REQUESTED
         else:
-            results[i] = Renewal.OK  # only with `below`: the UPDATE was not needed
+            results[i] = Renewal.OK if ref.run_id in done else missed[ref.run_id]
     return [i for i in positions if refs[i].run_id in done]
 
 

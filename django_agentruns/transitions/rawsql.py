@@ -234,6 +234,37 @@ def insert_new_events(
                  prep(RunEvent, "created_at", at)]
 
 
+_EMIT = (*_FENCE, ("lease", "timestamptz"), ("event_id", "uuid"), ("type", "varchar"),
+         ("payload", "jsonb"), ("cap", "integer"))
+
+
+def fenced_emits(
+    items: Sequence[tuple[Any, ...]], running: str, at: datetime,
+) -> tuple[str, list[Any]]:
+    """PostgreSQL, one statement (no transaction around it): renew each (run_id, attempt,
+    worker, lease, event_id, type, payload, cap) row's lease where its fence holds and its
+    run has no cancel request, and append its event to those runs, as `fenced_update` and
+    `insert_new_events` do in two (one event per run). Returns (run id, event id added or
+    NULL) for each run whose fence held."""
+    table, events = qn(AgentRun._meta.db_table), qn(RunEvent._meta.db_table)
+    last = f"COALESCE((SELECT MAX(e.seq) FROM {events} e WHERE e.run_id = v.run_id), 0)"
+    sql = (f"WITH v AS {json_rows(_EMIT)}, "
+           f"fenced AS (UPDATE {table} SET {qn(_column('lease_expires'))} = v.lease FROM v "
+           f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
+           f"AND {table}.status = %s AND {table}.claimed_by = v.run_worker "
+           f"AND {table}.cancel_requested_at IS NULL RETURNING {table}.id), "
+           f"added AS (INSERT INTO {events} (run_id, seq, event_id, type, payload, attempt, "
+           f"created_at) SELECT v.run_id, {last} + 1, v.event_id, v.type, v.payload, "
+           f"v.run_attempt, %s FROM v JOIN fenced ON fenced.id = v.run_id "
+           f"WHERE (SELECT 1 FROM {events} x WHERE x.run_id = v.run_id "
+           f"AND x.event_id = v.event_id LIMIT 1) IS NULL "
+           f"AND (v.cap IS NULL OR {last} + 1 <= v.cap) RETURNING run_id, event_id) "
+           f"SELECT fenced.id, added.event_id FROM fenced "
+           f"LEFT JOIN added ON added.run_id = fenced.id")
+    return sql, [json_values(items, [t for _, t in _EMIT]), running,
+                 prep(RunEvent, "created_at", at)]
+
+
 _CHECKPOINT = (("run_id", "bigint"), ("number", "integer"), ("state", "jsonb"))
 
 
