@@ -186,11 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="history: the layouts to measure, one after the other")
     parser.add_argument("--span", type=int, default=50_000,
                         help="history: HISTORY_PARTITION of the partitioned layout")
+    parser.add_argument("--calls", type=int, default=200,
+                        help="history: enqueue and claim calls per probe (its p99 is the "
+                             "calls/100-th slowest: more calls, a steadier p99)")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.only == "history":
         history.main(args.events, [int(n) for n in args.at.split(",") if n],
-                     span=args.span, layouts=tuple(args.layouts.split(",")))
+                     span=args.span, calls=args.calls, layouts=tuple(args.layouts.split(",")))
         return 0
     plan = QUICK if args.quick else FULL
     if args.reps is not None:
