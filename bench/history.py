@@ -286,6 +286,11 @@ def run_layout(layout: str, points: list[int], span: int, calls: int) -> LayoutR
 def main(events: int, points: list[int] | None = None, span: int = 50_000,
          calls: int = 200, layouts: tuple[str, ...] = LAYOUTS) -> list[LayoutResult]:
     points = sorted({p for p in (points or [1_000_000]) if 0 < p < events} | {events})
+    runs = points[-1] // EVENTS_PER_RUN
+    if "partitioned" in layouts and span * 2 > runs:
+        raise SystemExit(f"refused: --span {span:,} is over half the {runs:,} runs the fill "
+                         "makes; the drop needs a whole span of purged runs below the "
+                         "newest (pass a smaller --span or more --events)")
     needed, free = check_disk(points[-1])
     print(f"history bench: {points[-1]:,} events, about {needed / 2**30:.1f} GiB of disk "
           f"needed per layout (one at a time); {free / 2**30:.1f} GiB free", flush=True)
