@@ -168,6 +168,27 @@ def json_values(rows: Sequence[Sequence[Any]], types: Sequence[str]) -> str:
 _FENCE = (("run_id", "bigint"), ("run_attempt", "integer"), ("run_worker", "varchar"))
 
 
+def _fence(table: str) -> str:
+    """The rows of `v` (`_FENCE` columns first) whose attempt still holds its run; the
+    running status is the statement's first parameter."""
+    return (f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
+            f"AND {table}.status = %s AND {table}.claimed_by = v.run_worker ")
+
+
+def _last_seq(events: str) -> str:
+    """The highest seq stored for `v`'s run (0 for none)."""
+    return f"COALESCE((SELECT MAX(e.seq) FROM {events} e WHERE e.run_id = v.run_id), 0)"
+
+
+def _not_stored(events: str) -> str:
+    """`v`'s event id is not stored for its run. A scalar subquery, not `NOT EXISTS`:
+    PostgreSQL turns the latter into an anti-join, and while the events table is young (or
+    its statistics stale) it picks a hash anti-join that reads the whole table for every
+    batch. A scalar subquery stays one index probe per event, whatever the statistics say."""
+    return (f"(SELECT 1 FROM {events} x WHERE x.run_id = v.run_id "
+            f"AND x.event_id = v.event_id LIMIT 1) IS NULL")
+
+
 def fenced_update(
     items: Sequence[tuple[Any, ...]], running: str, fields: Sequence[tuple[str, str]],
     *, below: str | None = None, despite_cancel: bool = False,
@@ -191,9 +212,7 @@ def fenced_update(
         guard = f"AND {table}.cancel_requested_at IS NULL {guard}"
         returning = f"{table}.id"
     sql = (f"WITH v AS {json_rows(columns)} UPDATE {table} SET {sets} FROM v "
-           f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
-           f"AND {table}.status = %s AND {table}.claimed_by = v.run_worker "
-           f"{guard}RETURNING {returning}")
+           f"{_fence(table)}{guard}RETURNING {returning}")
     return sql, [json_values(items, [t for _, t in columns]), running]
 
 
@@ -210,12 +229,7 @@ def insert_new_events(
     retry re-emitting) and any that would take its run's stream past its cap (`caps`, one
     per event; None: no cap). Of a run's several, only the last may be a retry's (the
     others are new: lifecycle ids), so no seq is skipped. Returns the (run id, event id)
-    of each one it added.
-
-    The stored-id check is a scalar subquery, not `NOT EXISTS`: PostgreSQL turns the
-    latter into an anti-join, and while the events table is young (or its statistics
-    stale) it picks a hash anti-join that reads the whole table for every batch. A scalar
-    subquery stays one index probe per event, whatever the statistics say."""
+    of each one it added (the stored-id check: `_not_stored`)."""
     table = qn(RunEvent._meta.db_table)
     caps = caps or [None] * len(events)
     counts: dict[int, int] = {}
@@ -223,12 +237,11 @@ def insert_new_events(
     for (run_id, type_, payload, attempt, event_id), cap in zip(events, caps, strict=True):
         k = counts[run_id] = counts.get(run_id, 0) + 1
         rows.append((run_id, event_id, type_, payload, attempt, cap, k))
-    last = f"COALESCE((SELECT MAX(e.seq) FROM {table} e WHERE e.run_id = v.run_id), 0)"
+    last = _last_seq(table)
     sql = (f"WITH v AS {json_rows(_NEW_EVENT)} "
            f"INSERT INTO {table} (run_id, seq, event_id, type, payload, attempt, created_at) "
            f"SELECT v.run_id, {last} + v.k, v.event_id, v.type, v.payload, v.attempt, %s "
-           f"FROM v WHERE (SELECT 1 FROM {table} x WHERE x.run_id = v.run_id "
-           f"AND x.event_id = v.event_id LIMIT 1) IS NULL "
+           f"FROM v WHERE {_not_stored(table)} "
            f"AND (v.cap IS NULL OR {last} + v.k <= v.cap) RETURNING run_id, event_id")
     return sql, [json_values(rows, [t for _, t in _NEW_EVENT]),
                  prep(RunEvent, "created_at", at)]
@@ -247,17 +260,14 @@ def fenced_emits(
     `insert_new_events` do in two (one event per run). Returns (run id, event id added or
     NULL) for each run whose fence held."""
     table, events = qn(AgentRun._meta.db_table), qn(RunEvent._meta.db_table)
-    last = f"COALESCE((SELECT MAX(e.seq) FROM {events} e WHERE e.run_id = v.run_id), 0)"
+    last = _last_seq(events)
     sql = (f"WITH v AS {json_rows(_EMIT)}, "
            f"fenced AS (UPDATE {table} SET {qn(_column('lease_expires'))} = v.lease FROM v "
-           f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
-           f"AND {table}.status = %s AND {table}.claimed_by = v.run_worker "
-           f"AND {table}.cancel_requested_at IS NULL RETURNING {table}.id), "
+           f"{_fence(table)}AND {table}.cancel_requested_at IS NULL RETURNING {table}.id), "
            f"added AS (INSERT INTO {events} (run_id, seq, event_id, type, payload, attempt, "
            f"created_at) SELECT v.run_id, {last} + 1, v.event_id, v.type, v.payload, "
            f"v.run_attempt, %s FROM v JOIN fenced ON fenced.id = v.run_id "
-           f"WHERE (SELECT 1 FROM {events} x WHERE x.run_id = v.run_id "
-           f"AND x.event_id = v.event_id LIMIT 1) IS NULL "
+           f"WHERE {_not_stored(events)} "
            f"AND (v.cap IS NULL OR {last} + 1 <= v.cap) RETURNING run_id, event_id) "
            f"SELECT fenced.id, added.event_id FROM fenced "
            f"LEFT JOIN added ON added.run_id = fenced.id")
