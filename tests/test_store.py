@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import DatabaseError, connection, transaction
 from django.test.utils import CaptureQueriesContext
@@ -18,6 +19,7 @@ from django.utils import timezone
 from django_agentruns import enqueue, transitions
 from django_agentruns.exceptions import LimitExceeded
 from django_agentruns.models import AgentRun, RunCheckpoint, RunEvent, Status
+from django_agentruns.outcomes import DeliverResult
 from django_agentruns.runtime.attempt_store import AttemptStore
 from django_agentruns.transitions import (
     AttemptRef,
@@ -201,6 +203,51 @@ def test_an_emit_alone_past_its_cap_fails_and_its_batch_mates_stay_written() -> 
     assert apply_writes([mate]) == [Renewal.OK]
     assert [t for _, t, _ in story(other)] == [transitions.STARTED, "step"]
     assert [t for _, t, _ in story(capped)] == [transitions.STARTED]
+
+
+@pytest.mark.postgres_only
+def test_an_event_appended_while_emits_alone_wait_is_kept_before_theirs() -> None:
+    """Emits alone compute each seq from their statement's snapshot. A payload delivered
+    to the run (its row locked, its event appended) while the statement waits on that lock
+    collides with that seq: the batch is written again in a transaction, and both events
+    are kept, in order (the chaos suite met this as an IntegrityError)."""
+    (ref,) = claimed(1)
+    mine = emit(ref, 1)
+    results: list[Result] = []
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            results.extend(apply_writes([mine]))
+        except BaseException as error:  # the assertion below shows it
+            errors.append(error)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=write)
+    with transaction.atomic():
+        stored = transitions.waiting.deliver(ref.run_id, "early", {"x": 1}, by="test")
+        assert stored is DeliverResult.STORED
+        thread.start()
+        helpers.wait_until(lambda: waiting_on_a_lock("^WITH v"),
+                           message="the emits' statement to wait on the row lock")
+    thread.join(20)
+    assert not errors, errors
+    assert results == [Renewal.OK]
+    assert [(s, t) for s, t, _ in story(ref)] == [
+        (1, transitions.STARTED), (2, "run.delivered"), (3, "step")]
+
+
+def waiting_on_a_lock(query: str) -> bool:
+    """Whether a session of this database waits on a lock running `query` (a regex); asked
+    on a connection of its own (a transaction sees pg_stat_activity as it first read it)."""
+    params = dict(connection.get_connection_params())
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    with psycopg.connect(**params, autocommit=True) as admin:
+        return admin.execute("SELECT 1 FROM pg_stat_activity WHERE datname = "
+                             "current_database() AND wait_event_type = 'Lock' "
+                             "AND query ~ %s", [query]).fetchone() is not None
 
 
 # --------------------------------------------------------------------------- the store

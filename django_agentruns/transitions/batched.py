@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
 
 from ..conf import SETTING_NAME
 from ..exceptions import LimitExceeded
@@ -115,13 +115,22 @@ def only_emits(writes: Sequence[Write]) -> bool:
 def _emits_alone(writes: Sequence[EmitWrite], at: datetime) -> list[Result]:
     """One statement renews every fence that holds and appends those runs' events; what
     answers each write is what `_apply_round` would (a past-cap emit raises, a replay is
-    fine, a fence that failed is told apart by `_missed`)."""
+    fine, a fence that failed is told apart by `_missed`).
+
+    The statement computes each seq from its own snapshot. An event another transaction
+    appended while the statement waited on a run's row lock (a delivery, a cancel request)
+    collides with that seq: nothing was written, and the batch is written again in a
+    transaction, whose second statement sees that event."""
     sql, params = rawsql.fenced_emits(
         [(w.ref.run_id, w.ref.attempt, w.ref.worker_id, w.ref.lease_until(at), w.event_id,
           w.type, w.payload, w.max_events) for w in writes], Status.RUNNING, at)
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        returned = cursor.fetchall()
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            returned = cursor.fetchall()
+    except IntegrityError:
+        with transaction.atomic():
+            return apply_writes(writes, at)
     done = {row[0] for row in returned}
     added = {_uuid(row[1]) for row in returned if row[1] is not None}
     missed = _missed([w.ref for w in writes if w.ref.run_id not in done])
