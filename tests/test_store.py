@@ -146,49 +146,70 @@ def test_an_emit_retried_with_the_same_id_adds_nothing() -> None:
 def test_apply_writes_refuses_to_run_outside_a_transaction() -> None:
     (ref,) = claimed(1)
     with pytest.raises(RuntimeError, match="inside"):
-        apply_writes([RenewWrite(ref)])
+        apply_writes([RenewWrite(ref), RenewWrite(ref)])  # two of a run never stand alone
 
 
-def test_emits_alone_commit_in_one_statement_each_fenced_on_its_own() -> None:
-    """PostgreSQL: emits alone, one per run (an LLM-shaped agent's commonest batch), renew
-    and append in one statement with no transaction around it, each answered as in a
-    transaction. SQLite keeps the transaction."""
-    ok, lost, cancelled, replayed = claimed(4)
+def test_emits_checkpoints_and_renewals_alone_commit_in_one_statement(settings: Any) -> None:
+    """PostgreSQL: emits, checkpoints and renewals alone, one per run (an agent's
+    commonest batches), renew, save and append in one statement with no transaction
+    around it. A write the statement did not wholly make (a fence that failed, a cancel
+    request, a replay) is written again in a transaction, which answers it as a batch in a
+    transaction does. SQLite keeps the transaction."""
+    settings.AGENTRUNS = {**settings.AGENTRUNS, "CHECKPOINT_HISTORY": 2}
+    ok, pointed, renewed, lost, cancelled, replayed, pointed_again = claimed(7)
     reclaim(lost)
     AgentRun.objects.filter(pk=cancelled.run_id).update(cancel_requested_at=timezone.now())
     first = emit(replayed, 1)
     with transaction.atomic():
-        apply_writes([first])
+        apply_writes([first, CheckpointWrite(pointed_again, {"n": 1}, 1)])
     leases = dict(AgentRun.objects.values_list("pk", "lease_expires"))
-    writes: list[Write] = [emit(ok, 1), emit(lost, 1), emit(cancelled, 1), first]
+    clean: list[Write] = [emit(ok, 1), CheckpointWrite(pointed, {"n": 1}, 1),
+                          RenewWrite(renewed)]
     if connection.vendor != "postgresql":
-        assert not stands_alone(writes)
+        assert not stands_alone(clean)
         with pytest.raises(RuntimeError, match="inside"):
-            apply_writes(writes)
+            apply_writes(clean)
         return
-    assert stands_alone(writes)
+    assert stands_alone(clean)
     assert not stands_alone([emit(ok, 2), emit(ok, 3)])  # two of a run: rounds, in order
     assert not stands_alone([EmitWrite(ok, uuid.uuid4(), "out", {}, despite_cancel=True)])
     with CaptureQueriesContext(connection) as queries:
-        results = apply_writes(writes)
-    assert results == [Renewal.OK, Renewal.LOST, Renewal.CANCEL_REQUESTED, Renewal.OK]
-    # The statement; one read telling the two fences that failed apart; one finding the
-    # replay's event stored (not refused by a cap). A batch of new events that all hold:
-    # the statement alone (below).
-    assert len(queries) == 3, [q["sql"][:80] for q in queries]
-    assert not any(q["sql"].upper().startswith(("BEGIN", "SAVEPOINT")) for q in queries)
+        assert apply_writes(clean) == [Renewal.OK] * 3
+    assert len(queries) == 1, [q["sql"][:80] for q in queries]
     started = (1, transitions.STARTED)
     assert [(s, t) for s, t, _ in story(ok)] == [started, (2, "step")]
-    assert [(s, t) for s, t, _ in story(replayed)] == [started, (2, "step")]
+    assert [(s, t, p) for s, t, p in story(pointed)][1:] == [
+        (2, transitions.CHECKPOINT, {"count": 1})]
+    assert AgentRun.objects.get(pk=pointed.run_id).checkpoint_state == {"n": 1}
+    assert [(s, t) for s, t, _ in story(renewed)] == [started]
+    after = dict(AgentRun.objects.values_list("pk", "lease_expires"))
+    assert all(after[r.run_id] > leases[r.run_id] for r in (ok, pointed, renewed))
+
+    # Checkpoints past CHECKPOINT_HISTORY trim the oldest states, in the same statement.
+    for number in (2, 3):
+        assert apply_writes([CheckpointWrite(pointed, {"n": number}, number)]) == [Renewal.OK]
+    assert sorted(RunCheckpoint.objects.filter(run_id=pointed.run_id)
+                  .values_list("number", flat=True)) == [2, 3]
+    assert AgentRun.objects.get(pk=pointed.run_id).checkpoint_state == {"n": 3}
+
+    rare: list[Write] = [emit(lost, 1), emit(cancelled, 1), first,
+                         CheckpointWrite(pointed_again, {"n": 1}, 1), RenewWrite(lost)]
+    leases = dict(AgentRun.objects.values_list("pk", "lease_expires"))
+    with CaptureQueriesContext(connection) as queries:
+        results = apply_writes(rare[:4])
+    assert results == [Renewal.LOST, Renewal.CANCEL_REQUESTED, Renewal.OK, Renewal.OK]
+    assert queries[0]["sql"].startswith("WITH v")  # the statement, then the transaction
+    assert any(q["sql"].upper().startswith("BEGIN") for q in queries[1:])
     for ref in (lost, cancelled):
         assert [(s, t) for s, t, _ in story(ref)] == [started]
-    with CaptureQueriesContext(connection) as queries:
-        assert apply_writes([emit(ok, 2), emit(replayed, 2)]) == [Renewal.OK, Renewal.OK]
-    assert len(queries) == 1
+    assert [(s, t) for s, t, _ in story(replayed)] == [started, (2, "step")]
+    assert [t for _, t, _ in story(pointed_again)] == [transitions.STARTED,
+                                                       transitions.CHECKPOINT]
     after = dict(AgentRun.objects.values_list("pk", "lease_expires"))
-    assert after[ok.run_id] > leases[ok.run_id]  # renewed
+    assert after[pointed_again.run_id] > leases[pointed_again.run_id]  # a replay renews
     assert after[lost.run_id] == leases[lost.run_id]
     assert after[cancelled.run_id] == leases[cancelled.run_id]
+    assert apply_writes([rare[4]]) == [Renewal.LOST]
 
 
 @pytest.mark.postgres_only

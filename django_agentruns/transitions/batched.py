@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import functools
 import operator
-import uuid
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import IntegrityError, connection, transaction
+from django.db import connection, transaction
 
 from ..conf import SETTING_NAME
 from ..exceptions import LimitExceeded
 from ..models import AgentRun, Reason, RunEvent, Status
 from ..outcomes import AttemptRef, Renewal, Settlement, StepStart, UsageTotals
 from . import hot_sql, rawsql
+from .alone import event_uuid, one_statement, write_alone
 from .attempts import checkpoint, emit, renew, trim_history
 from .children import parents_settled
 from .events import CHECKPOINT, SUCCEEDED, lifecycle, lifecycle_event_id, now
@@ -65,14 +65,15 @@ def apply_writes(writes: Sequence[Write], at: datetime | None = None) -> list[Re
     """Apply `writes` in the current transaction; one result per write, in order.
 
     Must run inside `transaction.atomic()` (the caller commits them together), unless the
-    writes stand alone (`stands_alone`): successes alone, or on PostgreSQL emits alone (one
-    per run), commit in a statement of their own. The effect is that of applying them one
-    after another: writes to distinct runs are applied together, and a second write to a
-    run starts a new round after the first.
+    writes stand alone (`stands_alone`): successes alone, or on PostgreSQL emits,
+    checkpoints and renewals alone (one per run), commit in a statement of their own
+    (`alone`). The effect is that of applying them one after another: writes to distinct
+    runs are applied together, and a second write to a run starts a new round after the
+    first.
     """
     if not connection.in_atomic_block:
-        if only_emits(writes):
-            return _emits_alone([w for w in writes if isinstance(w, EmitWrite)], at or now())
+        if one_statement(writes):
+            return write_alone(writes, at or now(), _in_transaction)
         if not only_successes(writes):
             raise RuntimeError("apply_writes runs inside the caller's transaction")
         # Successes alone (a no-op agent's only write): settle_succeeded_many's own
@@ -80,7 +81,11 @@ def apply_writes(writes: Sequence[Write], at: datetime | None = None) -> list[Re
         items = [(w.ref, w.output) for w in writes if isinstance(w, SucceedWrite)]
         settled = settle_succeeded_many(items[0][0].worker_id, items, at)
         return [settled[ref] for ref, _ in items]
-    at = at or now()
+    return _in_rounds(writes, at or now())
+
+
+def _in_rounds(writes: Sequence[Write], at: datetime) -> list[Result]:
+    """`apply_writes` in the caller's transaction: round after round of distinct runs."""
     # A carried step end goes just before the write carrying it, in the same round.
     flat, carried, answers = unpacked(writes)
     results: list[Result | None] = [None] * len(flat)
@@ -98,44 +103,17 @@ def apply_writes(writes: Sequence[Write], at: datetime | None = None) -> list[Re
     return [r for r in done if r is not None]
 
 
+def _in_transaction(writes: Sequence[Write], at: datetime) -> list[Result]:
+    """The writes in rounds, in a transaction of their own: `alone`'s way back for the
+    writes its statement did not wholly make."""
+    with transaction.atomic():
+        return _in_rounds(writes, at)
+
+
 def stands_alone(writes: Sequence[Write]) -> bool:
     """Whether `writes` commit in a statement of their own, outside a transaction: the
     store then sends no BEGIN and no COMMIT for them (two round trips of four)."""
-    return only_successes(writes) or only_emits(writes)
-
-
-def only_emits(writes: Sequence[Write]) -> bool:
-    """Whether `writes` are PostgreSQL emits alone, one per run, none despite a cancel:
-    the LLM-shaped agent's commonest batch, written by `_emits_alone`."""
-    return bool(writes) and connection.vendor == "postgresql" \
-        and all(isinstance(w, EmitWrite) and not w.despite_cancel for w in writes) \
-        and len({w.ref.run_id for w in writes}) == len(writes)
-
-
-def _emits_alone(writes: Sequence[EmitWrite], at: datetime) -> list[Result]:
-    """One statement renews every fence that holds and appends those runs' events; what
-    answers each write is what `_apply_round` would (a past-cap emit raises, a replay is
-    fine, a fence that failed is told apart by `_missed`).
-
-    The statement computes each seq from its own snapshot. An event another transaction
-    appended while the statement waited on a run's row lock (a delivery, a cancel request)
-    collides with that seq: nothing was written, and the batch is written again in a
-    transaction, whose second statement sees that event."""
-    sql, params = rawsql.fenced_emits(
-        [(w.ref.run_id, w.ref.attempt, w.ref.worker_id, w.ref.lease_until(at), w.event_id,
-          w.type, w.payload, w.max_events) for w in writes], Status.RUNNING, at)
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            returned = cursor.fetchall()
-    except IntegrityError:
-        with transaction.atomic():
-            return apply_writes(writes, at)
-    done = {row[0] for row in returned}
-    added = {_uuid(row[1]) for row in returned if row[1] is not None}
-    missed = _missed([w.ref for w in writes if w.ref.run_id not in done])
-    _refuse_over_cap([w for w in writes if w.ref.run_id in done and w.event_id not in added])
-    return [Renewal.OK if w.ref.run_id in done else missed[w.ref.run_id] for w in writes]
+    return only_successes(writes) or one_statement(writes)
 
 
 def _missed(refs: Sequence[AttemptRef]) -> dict[int, Renewal]:
@@ -223,7 +201,7 @@ def _apply_round(writes: Sequence[Write], positions: list[int],
                                                caps + [None] * len(ended))
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
-            added = {_uuid(row[1]) for row in cursor.fetchall()}
+            added = {event_uuid(row[1]) for row in cursor.fetchall()}
         _refuse_over_cap([w for w in emits.values() if w.event_id not in added])
     for i in positions:
         write = writes[i]
@@ -275,11 +253,6 @@ def _refuse_over_cap(missing: list[EmitWrite]) -> None:
                 f"run {write.ref.run_id} holds {write.max_events} events, the most "
                 f"{SETTING_NAME}['MAX_EVENTS_PER_RUN'] allows; the event {write.type!r} "
                 f"was not recorded")
-
-
-def _uuid(value: Any) -> uuid.UUID:
-    """An event id as RETURNING gives it: a UUID (PostgreSQL) or its hex (SQLite)."""
-    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
 
 
 def _despite_cancel(write: Write) -> bool:

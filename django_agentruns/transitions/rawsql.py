@@ -247,32 +247,46 @@ def insert_new_events(
                  prep(RunEvent, "created_at", at)]
 
 
-_EMIT = (*_FENCE, ("lease", "timestamptz"), ("event_id", "uuid"), ("type", "varchar"),
-         ("payload", "jsonb"), ("cap", "integer"))
+_ALONE = (*_FENCE, ("lease", "timestamptz"), ("number", "integer"), ("state", "jsonb"),
+          ("event_id", "uuid"), ("type", "varchar"), ("payload", "jsonb"), ("cap", "integer"))
 
 
-def fenced_emits(
-    items: Sequence[tuple[Any, ...]], running: str, at: datetime,
+def fenced_alone(
+    items: Sequence[tuple[Any, ...]], running: str, at: datetime, keep: int | None,
 ) -> tuple[str, list[Any]]:
-    """PostgreSQL, one statement (no transaction around it): renew each (run_id, attempt,
-    worker, lease, event_id, type, payload, cap) row's lease where its fence holds and its
-    run has no cancel request, and append its event to those runs, as `fenced_update` and
-    `insert_new_events` do in two (one event per run). Returns (run id, event id added or
-    NULL) for each run whose fence held."""
+    """PostgreSQL, one statement (no transaction around it), one row a run: (run_id,
+    attempt, worker, lease, number, state, event_id, type, payload, cap). Renew each
+    row's lease where its fence holds and its run has no cancel request; a checkpoint's
+    (`number` set) only where the run's count is below its number, and then its state is
+    saved, the states past the latest `keep` trimmed (None: all kept), as `fenced_update`,
+    `insert_checkpoints` and `trim_history` do; an event (`type` set) is appended to the
+    runs renewed, as `insert_new_events` does. Returns (run id, event id added or NULL)
+    for each run renewed."""
     table, events = qn(AgentRun._meta.db_table), qn(RunEvent._meta.db_table)
+    states = qn(RunCheckpoint._meta.db_table)
+    count = qn(_column("checkpoint_count"))
     last = _last_seq(events)
-    sql = (f"WITH v AS {json_rows(_EMIT)}, "
-           f"fenced AS (UPDATE {table} SET {qn(_column('lease_expires'))} = v.lease FROM v "
-           f"{_fence(table)}AND {table}.cancel_requested_at IS NULL RETURNING {table}.id), "
+    renewed = "FROM v JOIN fenced ON fenced.id = v.run_id"
+    trim = (f"trimmed AS (DELETE FROM {states} c USING v JOIN fenced ON fenced.id = v.run_id "
+            f"WHERE c.run_id = v.run_id AND v.number > %s AND c.number <= v.number - %s), "
+            if keep is not None else "")
+    sql = (f"WITH v AS {json_rows(_ALONE)}, "
+           f"fenced AS (UPDATE {table} SET {qn(_column('lease_expires'))} = v.lease, "
+           f"{count} = COALESCE(v.number, {table}.{count}) FROM v "
+           f"{_fence(table)}AND {table}.cancel_requested_at IS NULL "
+           f"AND (v.number IS NULL OR {table}.{count} < v.number) RETURNING {table}.id), "
+           f"saved AS (INSERT INTO {states} (run_id, number, state, created_at) "
+           f"SELECT v.run_id, v.number, v.state, %s {renewed} WHERE v.number IS NOT NULL), "
+           f"{trim}"
            f"added AS (INSERT INTO {events} (run_id, seq, event_id, type, payload, attempt, "
            f"created_at) SELECT v.run_id, {last} + 1, v.event_id, v.type, v.payload, "
-           f"v.run_attempt, %s FROM v JOIN fenced ON fenced.id = v.run_id "
-           f"WHERE {_not_stored(events)} "
+           f"v.run_attempt, %s {renewed} WHERE v.type IS NOT NULL AND {_not_stored(events)} "
            f"AND (v.cap IS NULL OR {last} + 1 <= v.cap) RETURNING run_id, event_id) "
            f"SELECT fenced.id, added.event_id FROM fenced "
            f"LEFT JOIN added ON added.run_id = fenced.id")
-    return sql, [json_values(items, [t for _, t in _EMIT]), running,
-                 prep(RunEvent, "created_at", at)]
+    created = prep(RunEvent, "created_at", at)
+    return sql, [json_values(items, [t for _, t in _ALONE]), running, created,
+                 *([keep, keep] if keep is not None else []), created]
 
 
 _CHECKPOINT = (("run_id", "bigint"), ("number", "integer"), ("state", "jsonb"))
