@@ -323,6 +323,32 @@ def test_threads_and_coroutines_commit_every_write_on_at_most_writers_connection
     assert store.batches == len(gated.batches) < store.writes
 
 
+@pytest.mark.postgres_only  # on SQLite the held batch holds the write lock: writers take turns
+def test_a_spare_writer_takes_a_batch_only_when_a_full_one_waits() -> None:
+    """While one writer's batch is in flight, the writes queued meanwhile wait for it
+    (they go together after), until a full batch waits: then a spare writer takes it."""
+    held, *refs = claimed(9)
+    gated = Gated()
+    store = AttemptStore(2, max_batch=4, apply=gated)
+    try:
+        first = store.submit(RenewWrite(held))
+        helpers.wait_until(lambda: gated.batches, message="the first batch to start")
+        # Three of a full four: the spare leaves them queued (else a batch under four).
+        futures = [store.submit(emit(ref, 1)) for ref in refs[:3]]
+        futures.append(store.submit(emit(refs[3], 1)))  # four: the spare takes them
+        helpers.wait_until(lambda: len(gated.batches) == 2,
+                           message="the spare writer to take the full batch")
+        assert [f.result(20) for f in futures] == [Renewal.OK] * 4
+        futures = [store.submit(emit(ref, 1)) for ref in refs[4:7]]  # three: they wait
+        gated.gate.set()
+        assert first.result(20) is Renewal.OK
+        assert [f.result(20) for f in futures] == [Renewal.OK] * 3
+    finally:
+        store.close()
+    assert gated.batches == [1, 4, 3]
+    assert len(gated.connections) == 2
+
+
 def test_a_lost_lease_in_a_batch_costs_only_its_own_write() -> None:
     keep, ref1, lost, ref2, ref3 = claimed(5)
     gated = Gated()

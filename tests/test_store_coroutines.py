@@ -137,15 +137,15 @@ def test_a_cancelled_acall_not_yet_taken_is_not_written() -> None:
 
 @pytest.mark.postgres_only  # on SQLite the held batch holds the write lock: writers take turns
 def test_writes_of_one_run_wait_for_its_write_in_flight_on_another_writer() -> None:
-    """Two writers: the idle one takes the other runs' writes at once, but never a write
+    """Two writers: the spare takes a full batch of the writes waiting, but never a write
     of the run the busy one holds, so an attempt's writes commit in submission order."""
     busy, other = claimed(2)
     gated = Gated()
-    store = AttemptStore(2, apply=gated)
+    store = AttemptStore(2, max_batch=2, apply=gated)
     first = store.submit(emit(busy, 1))
     helpers.wait_until(lambda: gated.batches, message="the first batch to start")
     second, third = store.submit(emit(busy, 2)), store.submit(emit(other, 1))
-    assert third.result(20) is Renewal.OK, "the idle writer took the other run's write"
+    assert third.result(20) is Renewal.OK, "the spare writer took the other run's write"
     assert not second.done()
     assert store.waiting == 1
     gated.gate.set()

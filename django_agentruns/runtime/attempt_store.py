@@ -1,13 +1,15 @@
 """The worker's attempt store: every write its attempts make, on a few connections.
 
 Attempts hold no database connection. Their writes (events, checkpoints, renewals,
-successes; `transitions.batched`) queue here, and `WRITER_CONNECTIONS` writer threads,
-each with its own connection, take every write waiting and commit them in one transaction
-(group commit, as databases do it for their log): no timer, so a lone write goes at once
-and a burst costs one commit. A caller's `call()` / `await acall()` returns once its write
-has committed, so every guarantee of the single-write path stands. Each write keeps its
-own fence: a lost lease is that write's result (`LOST`), never the batch's failure. On
-SQLite the writers' IMMEDIATE transactions take turns on the file's one write lock.
+successes; `transitions.batched`) queue here, and a writer thread, with its own
+connection, takes every write waiting and commits them in one transaction (group commit,
+as databases do it for their log): no timer, so a lone write goes at once and a burst
+costs one commit. The other `WRITER_CONNECTIONS` - 1 writers are spares: each takes a
+batch while another is in flight only once a full batch waits (a burst). A caller's
+`call()` / `await acall()` returns once its write has committed, so every guarantee of the
+single-write path stands. Each write keeps its own fence: a lost lease is that write's
+result (`LOST`), never the batch's failure. On SQLite the writers' IMMEDIATE transactions
+take turns on the file's one write lock.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class AttemptStore:
         self._cond = threading.Condition()
         self._queue: list[_Queued] = []
         self._busy: set[int] = set()  # runs with a write in a writer's hands
+        self._writing = 0  # writers with a batch in hand
         self.wrappers: list[BaseDatabaseWrapper] = []  # each writer's connection (tests)
         self._closed = False
         self.batches = 0  # transactions committed, for tests and the benchmark
@@ -150,26 +153,35 @@ class AttemptStore:
         try:
             while True:
                 with self._cond:
-                    while not (batch := self._take()):
+                    while not (batch := self._take(spare=self._writing > 0)):
                         if self._closed and not self._queue:
                             return  # closed, and nothing left to write
                         self._cond.wait()
+                    self._writing += 1
                 try:
                     wanted = [q for q in batch if q.wanted()]
                     if wanted:
                         _deliver(self._write(wanted))
                 finally:
                     with self._cond:
+                        self._writing -= 1
                         self._busy.difference_update(q.write.ref.run_id for q in batch)
                         self._cond.notify_all()
         finally:
             connection.close()
 
-    def _take(self) -> list[_Queued]:
+    def _take(self, spare: bool = False) -> list[_Queued]:
         """The next batch, under the lock: queued writes in order, up to `max_batch`, but
         none of a run another writer is writing (nor any after one left behind), so one
         attempt's writes commit in the order they were submitted, and no two writers
-        wait on each other's row locks."""
+        wait on each other's row locks.
+
+        A `spare` writer (another one has a batch in hand) takes one only when a full batch
+        waits: the writes queued meanwhile go together once the batch in flight commits
+        (fewer, bigger transactions, and fewer threads wanting the GIL and the CPU), and
+        a burst still gets every writer."""
+        if spare and len(self._queue) < self._max_batch:
+            return []
         taken: list[_Queued] = []
         rest: list[_Queued] = []
         held = set(self._busy)
