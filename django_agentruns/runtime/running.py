@@ -3,8 +3,12 @@ keeper and stop sequence, each of which only ever sees a consistent snapshot."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..models import AgentRun
 from ..registry import AgentSpec
@@ -53,3 +57,17 @@ class LiveAttempts:
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_run)
+
+
+Starting = tuple[Live, Coroutine[Any, Any, None]]
+"""An async attempt set up, and its coroutine, not yet on the executor's loop."""
+
+
+def spawn(started: Sequence[Starting],
+          done: Callable[[Live, asyncio.Future[None]], None]) -> None:
+    """On the executor's loop: a task for each attempt's coroutine, `done(live, task)` at
+    its end. The claim loop hands a whole claim's attempts over in one call, one wake-up
+    of the loop, where a hand-over each cost a wake-up and a thread-safe future each."""
+    loop = asyncio.get_running_loop()
+    for live, coroutine in started:
+        loop.create_task(coroutine).add_done_callback(functools.partial(done, live))

@@ -42,7 +42,7 @@ from .handover import Handed, Handover
 from .late import Deferred
 from .lease_keeper import LeaseKeeper
 from .presence import Presence
-from .running import Live, LiveAttempts
+from .running import Live, LiveAttempts, Starting, spawn
 from .stop_signals import StopSignals
 from .ticker import Ticker
 from .wakeups import Listener
@@ -265,8 +265,7 @@ class Worker:
         if include_lapsed and len(limited) < batch:  # else the claim did not look
             self._last_lapsed_scan = now
         try:
-            for run in runs:
-                self._start(run)
+            self._start_all(runs)
             for handed in taken:
                 # Its end wakes nobody if a run took its slot, or if it ends on this
                 # thread (`then`): this loop looks at the slot next, as the claim did.
@@ -285,7 +284,21 @@ class Worker:
 
     # ----------------------------------------------------------------- attempts
 
-    def _start(self, run: AgentRun) -> None:
+    def _start_all(self, runs: Sequence[AgentRun]) -> None:
+        """Start the claimed runs: sync agents' each on a thread, async agents' coroutines
+        on the executor's loop, handed over together (`running.spawn`)."""
+        started: list[Starting] = []
+        try:
+            for run in runs:
+                if (attempt := self._start(run)) is not None:
+                    started.append(attempt)
+        finally:
+            if started:
+                self.executor.ensure_loop().call_soon_threadsafe(spawn, started,
+                                                                 self._attempt_done)
+
+    def _start(self, run: AgentRun) -> Starting | None:
+        """Set up an attempt of `run`: a sync agent's starts; an async agent's is returned."""
         spec = self._agents.get(run.agent) or find_agent(run.agent)
         # The lease the claim just gave it (no setting read per run).
         ttl = self._ttls.get(run.agent) or \
@@ -298,14 +311,12 @@ class Worker:
         self.live.add(live)
         logger.info("run %s %s attempt %s started", run.pk, run.agent, run.attempt,
                     extra=extra(ref, run.agent))
-        future: Future[None]
         if spec is not None and spec.is_async:
             # A coroutine on the executor's loop: no thread, no connection of its own.
-            future = asyncio.run_coroutine_threadsafe(self._aattempt(live, spec),
-                                                      self.executor.ensure_loop())
-        else:
-            future = self._pool.submit(self._attempt, live)
+            return live, self._aattempt(live, spec)
+        future = self._pool.submit(self._attempt, live)
         future.add_done_callback(functools.partial(self._attempt_done, live))
+        return None
 
     def _attempt(self, live: Live) -> None:
         result: Settlement | Deferred | None = None
@@ -338,7 +349,7 @@ class Worker:
         if not live.refilled:
             self._wake.set()
 
-    def _attempt_done(self, live: Live, future: Future[None]) -> None:
+    def _attempt_done(self, live: Live, future: Future[None] | asyncio.Future[None]) -> None:
         """Log what escaped an attempt (nothing should): a pool future is never read."""
         if error := None if future.cancelled() else future.exception():
             logger.error("run %s: attempt thread raised", live.run.pk, exc_info=error,

@@ -1,0 +1,59 @@
+"""Async attempts start on the executor's loop, a claim's together: one hand-over (one
+wake-up of the loop) per claim, not one per run."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, cast
+
+import pytest
+
+from django_agentruns import enqueue
+from django_agentruns.models import AgentRun, Status
+from django_agentruns.runtime import running, worker
+from django_agentruns.runtime.running import Live, Starting
+from django_agentruns.runtime.worker import Worker
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_a_claims_async_attempts_reach_the_loop_in_one_hand_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    handed: list[int] = []
+
+    def counting(started: Sequence[Starting], done: Any) -> None:
+        handed.append(len(started))
+        running.spawn(started, done)
+
+    monkeypatch.setattr(worker, "spawn", counting)
+    ids = [enqueue("tests.async_steps", {"steps": 2, "sleep": 0.2}).pk for _ in range(8)]
+    Worker(concurrency=8, burst=True, reap_interval=0).run(install_signals=False)
+    assert set(AgentRun.objects.filter(pk__in=ids).values_list("status", flat=True)) \
+        == {Status.SUCCEEDED}
+    assert sum(handed) == 8
+    assert handed[0] == 8, handed  # the first claim took all eight: one hand-over
+
+
+def test_an_error_escaping_an_attempts_coroutine_reaches_its_done_callback() -> None:
+    """`spawn` gives each attempt's end (its task) to `done`: the worker logs what escaped
+    (nothing should), as it does for a thread's."""
+    ended: list[tuple[object, asyncio.Future[None]]] = []
+
+    async def fine() -> None:
+        return None
+
+    async def broken() -> None:
+        raise RuntimeError("escaped")
+
+    async def main() -> None:
+        first, second = cast(Live, object()), cast(Live, object())
+        running.spawn([(first, fine()), (second, broken())],
+                      lambda live, task: ended.append((live, task)))
+        while len(ended) < 2:
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert [task.exception() is None for _, task in ended] == [True, False]
+    assert str(ended[1][1].exception()) == "escaped"
