@@ -66,8 +66,8 @@ Starting = tuple[Live, Coroutine[Any, Any, None]]
 def spawn(started: Sequence[Starting],
           done: Callable[[Live, asyncio.Future[None]], None]) -> None:
     """On the executor's loop: a task for each attempt's coroutine, `done(live, task)` at
-    its end. The claim loop hands a whole claim's attempts over in one call, one wake-up
-    of the loop, where a hand-over each cost a wake-up and a thread-safe future each."""
+    its end. The claim loop hands a whole claim's attempts over in one call (one wake-up
+    of the loop), where each run's hand-over cost a wake-up and a thread-safe future."""
     loop = asyncio.get_running_loop()
     for live, coroutine in started:
         loop.create_task(coroutine).add_done_callback(functools.partial(done, live))
