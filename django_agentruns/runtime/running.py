@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from ..models import AgentRun
 from ..registry import AgentSpec
-from .executor import AttemptControl
+from .executor import AttemptControl, extra
+
+logger = logging.getLogger("django_agentruns.worker")
 
 
 @dataclass
@@ -71,3 +75,11 @@ def spawn(started: Sequence[Starting],
     loop = asyncio.get_running_loop()
     for live, coroutine in started:
         loop.create_task(coroutine).add_done_callback(functools.partial(done, live))
+
+
+def attempt_done(live: Live, future: Future[None] | asyncio.Future[None]) -> None:
+    """Log what escaped an attempt (nothing should): its thread's future or its task is
+    never read otherwise."""
+    if error := None if future.cancelled() else future.exception():
+        logger.error("run %s: attempt thread raised", live.run.pk, exc_info=error,
+                     extra=extra(live.control.ref, live.run.agent))

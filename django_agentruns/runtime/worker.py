@@ -11,13 +11,12 @@ So a worker's connections are bounded whatever its concurrency (`connections()`)
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 
 from django.db import close_old_connections, connection
@@ -42,7 +41,7 @@ from .handover import Handed, Handover
 from .late import Deferred
 from .lease_keeper import LeaseKeeper
 from .presence import Presence
-from .running import Live, LiveAttempts, Starting, spawn
+from .running import Live, LiveAttempts, Starting, attempt_done, spawn
 from .stop_signals import StopSignals
 from .ticker import Ticker
 from .wakeups import Listener
@@ -295,7 +294,7 @@ class Worker:
         finally:
             if started:
                 self.executor.ensure_loop().call_soon_threadsafe(spawn, started,
-                                                                 self._attempt_done)
+                                                                 attempt_done)
 
     def _start(self, run: AgentRun) -> Starting | None:
         """Set up an attempt of `run`: a sync agent's starts; an async agent's is returned."""
@@ -315,7 +314,7 @@ class Worker:
             # A coroutine on the executor's loop: no thread, no connection of its own.
             return live, self._aattempt(live, spec)
         future = self._pool.submit(self._attempt, live)
-        future.add_done_callback(functools.partial(self._attempt_done, live))
+        future.add_done_callback(functools.partial(attempt_done, live))
         return None
 
     def _attempt(self, live: Live) -> None:
@@ -348,12 +347,6 @@ class Worker:
         self.live.discard(live)
         if not live.refilled:
             self._wake.set()
-
-    def _attempt_done(self, live: Live, future: Future[None] | asyncio.Future[None]) -> None:
-        """Log what escaped an attempt (nothing should): a pool future is never read."""
-        if error := None if future.cancelled() else future.exception():
-            logger.error("run %s: attempt thread raised", live.run.pk, exc_info=error,
-                         extra=extra(live.control.ref, live.run.agent))
 
     # ----------------------------------------------------------------- graceful stop
 

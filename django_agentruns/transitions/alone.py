@@ -12,10 +12,10 @@ from typing import Any
 
 from django.db import IntegrityError, connection
 
-from ..conf import app_settings
 from ..models import Status
 from ..outcomes import Renewal
 from . import rawsql
+from .attempts import checkpoints_kept
 from .events import CHECKPOINT, lifecycle
 from .writes import CheckpointWrite, EmitWrite, RenewWrite, Result, Write
 
@@ -42,9 +42,8 @@ def write_alone(writes: Sequence[Write], at: datetime, fallback: Fallback) -> li
     appended while the statement waited on a run's row lock (a delivery, a cancel request)
     collides with that seq: nothing was written, and the whole batch goes to `fallback`,
     whose statements come after that event."""
-    keep = None if app_settings.CHECKPOINT_HISTORY is None \
-        else max(int(app_settings.CHECKPOINT_HISTORY), 1)
-    sql, params = rawsql.fenced_alone([_row(w, at) for w in writes], Status.RUNNING, at, keep)
+    sql, params = rawsql.fenced_alone([_row(w, at) for w in writes], Status.RUNNING, at,
+                                      checkpoints_kept())
     try:
         with connection.cursor() as cursor:
             cursor.execute(sql, params)

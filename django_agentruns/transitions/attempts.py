@@ -165,15 +165,20 @@ def migrate_version(ref: AttemptRef, state: Any, version: int, from_version: int
     return Renewal.OK
 
 
+def checkpoints_kept() -> int | None:
+    """How many of a run's latest checkpoint states are kept (`CHECKPOINT_HISTORY`; None:
+    all), at least the newest: it is the state the run resumes from."""
+    most = app_settings.CHECKPOINT_HISTORY
+    return None if most is None else max(int(most), 1)
+
+
 def trim_history(saved: Sequence[tuple[int, int]]) -> None:
     """Delete the checkpoint states of these (run_id, newest number) pairs that fall out of
     the latest `CHECKPOINT_HISTORY`, in the transaction that saved the newest: a range of
     the (run, number) unique index per run, usually one live row, never a scan of the
     table (the range also holds the entries of rows trimmed before, until vacuum: 0.13 ms
     and 46 buffers at a run's 2,000th checkpoint on PostgreSQL)."""
-    # At least the newest: it is the state the run resumes from.
-    keep = None if app_settings.CHECKPOINT_HISTORY is None \
-        else max(int(app_settings.CHECKPOINT_HISTORY), 1)
+    keep = checkpoints_kept()
     cut = [(run_id, number - keep) for run_id, number in saved
            if keep is not None and number > keep]
     if not cut:
