@@ -7,7 +7,7 @@ nothing here executes a statement or decides a status.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from enum import Enum
 from typing import Any
@@ -17,6 +17,11 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from ..models import AgentRun, RunEvent
 from . import payload_sql
 from .rawsql import SENTINEL_TIME, Compiled, prep, qn, values_rows
+
+Statement = tuple[str, list[Any]]
+Builder = Callable[[datetime, dict[str, datetime], datetime], Statement]
+"""A statement's text and parameters from its time, its agents' leases and the default
+lease: called once per shape, with stand-ins (`_inlined`)."""
 
 
 def settle_succeeded(
@@ -85,10 +90,19 @@ def claim_returning(
     lease_ttls: dict[str, datetime], default_lease: datetime, started: str,
 ) -> tuple[str, list[Any]]:
     """PostgreSQL: lock the due rows (SKIP LOCKED), start them and append their start
-    events, all in one statement."""
-    ctes, params = _claim_ctes(due, at, worker_id, running, queued, lease_ttls,
-                               default_lease, started)
-    return f"WITH {ctes} SELECT * FROM claimed", params
+    events, all in one statement.
+
+    Its constants are literals in the text, as `settle_and_claim`'s are: with the statuses
+    as parameters a prepared statement's generic plan cannot use the backlog's partial
+    indexes, so over a large history the server planned every claim afresh."""
+    key = ("claim", id(due), tuple(lease_ttls), worker_id, running, queued, started)
+
+    def build(at: datetime, leases: dict[str, datetime], default: datetime) -> Statement:
+        ctes, params = _claim_ctes(due, at, worker_id, running, queued, leases, default, started)
+        return f"WITH {ctes} SELECT * FROM claimed", params
+
+    sql, slots = _shape(key, due, 0, lease_ttls, build)
+    return sql, _times(slots, at, default_lease, lease_ttls)
 
 
 def _claim_ctes(
@@ -109,12 +123,16 @@ def _claim_ctes(
     lease_params.append(default_lease)
     params += [running, worker_id, *lease_params, at, queued,
                started, prep(RunEvent, "payload", {"worker": worker_id}), at]
+    # The status guard is written `(...) IS TRUE`, which no partial index's predicate
+    # matches: the UPDATE then finds its rows by id. As a plain `status = 'queued'` it
+    # let the planner, whose statistics may predate the backlog (autovacuum re-analyzes a
+    # table of millions rarely), scan every queued run in a partial index for each claim.
     sql = (f"picked AS ({due.sql}), "
            f"claimed AS (UPDATE {table} SET status = %s, claimed_by = %s, "
            f"attempt = {table}.attempt + 1, lease_expires = {lease}, started_at = %s, "
            f"dedupe_key = CASE WHEN {table}.release_dedupe_at_start THEN '' "
            f"ELSE {table}.dedupe_key END "
-           f"FROM picked WHERE {table}.id = picked.id AND {table}.status = %s "
+           f"FROM picked WHERE {table}.id = picked.id AND ({table}.status = %s) IS TRUE "
            f"RETURNING {table}.*, picked.started_at AS previous_started_at, "
            f"{payload_sql.INPUT_OF_CLAIMED}), "
            f"started AS ({_events_from('claimed', 'gen_random_uuid()')})")
@@ -139,41 +157,54 @@ def settle_and_claim(
     within psycopg's cache of parsed queries for longer batches."""
     key = (id(due), len(items), tuple(lease_ttls), worker_id, running, succeeded, completed, ended,
            queued, started)
-    kept = _SHAPES.get(key)
-    if kept is None or kept[0] is not due:
-        if len(_SHAPES) >= 256:
-            _SHAPES.clear()  # a worker sends a few shapes: this many is another's churn
-        kept = _SHAPES[key] = (due, *_inlined(items, worker_id, running, succeeded, completed,
-                                                ended, due, queued, lease_ttls, started))
-    _, sql, slots = kept
+
+    def build(at: datetime, leases: dict[str, datetime], default: datetime) -> Statement:
+        return _full(items, worker_id, running, succeeded, completed, ended, due, at, queued,
+                     leases, default, started)
+
+    sql, slots = _shape(key, due, 4 * len(items), lease_ttls, build)
     params: list[Any] = []
     for run_id, attempt, output, event_id in items:
         params += [run_id, attempt, payload_sql.output_param(output), event_id]
-    leases = [default_lease, *lease_ttls.values()]
-    params += [at if slot < 0 else leases[slot] for slot in slots]
-    return sql, params
+    return sql, params + _times(slots, at, default_lease, lease_ttls)
 
 
 # By the shape's constants: (the due query it was built with, its text, its slots).
 _SHAPES: dict[tuple[Any, ...], tuple[Compiled, str, list[int]]] = {}
 
 
+def _shape(
+    key: tuple[Any, ...], due: Compiled, own: int, lease_ttls: dict[str, datetime],
+    build: Builder,
+) -> tuple[str, list[int]]:
+    """The statement's text for this shape, built once: see `_inlined`."""
+    kept = _SHAPES.get(key)
+    if kept is None or kept[0] is not due:
+        if len(_SHAPES) >= 256:
+            _SHAPES.clear()  # a worker sends a few shapes: this many is another's churn
+        kept = _SHAPES[key] = (due, *_inlined(own, lease_ttls, build))
+    return kept[1], kept[2]
+
+
+def _times(slots: list[int], at: datetime, default_lease: datetime,
+           lease_ttls: dict[str, datetime]) -> list[Any]:
+    leases = [default_lease, *lease_ttls.values()]
+    return [at if slot < 0 else leases[slot] for slot in slots]
+
+
 def _inlined(
-    items: Sequence[tuple[int, int, Any, Any]], worker_id: str, running: str, succeeded: str,
-    completed: str, ended: str, due: Compiled, queued: str, lease_ttls: dict[str, datetime],
-    started: str,
+    own: int, lease_ttls: dict[str, datetime],
+    build: Builder,
 ) -> tuple[str, list[int]]:
     """The statement's text with every constant parameter a literal, and what each of the
-    remaining parameters after the successes' is: -1 the time, 0 the default lease, k the
-    lease of the k-th agent of `lease_ttls`.
+    remaining parameters after the first `own` (the rows' own values) is: -1 the time,
+    0 the default lease, k the lease of the k-th agent of `lease_ttls`.
 
-    Built as `_full` builds it, with stand-in times (told apart by value) for the time and
-    the leases."""
+    Built by `build` with stand-in times (told apart by value) for the time and the
+    leases."""
     at = SENTINEL_TIME
     stand_ins = [at + timedelta(microseconds=k + 1) for k in range(len(lease_ttls) + 1)]
-    sql, params = _full(items, worker_id, running, succeeded, completed, ended, due, at,
-                        queued, dict(zip(lease_ttls, stand_ins[1:], strict=True)),
-                        stand_ins[0], started)
+    sql, params = build(at, dict(zip(lease_ttls, stand_ins[1:], strict=True)), stand_ins[0])
     db = connections[DEFAULT_DB_ALIAS]
     db.ensure_connection()
     parts = re.split(r"(%%|%s)", sql)
@@ -185,7 +216,7 @@ def _inlined(
             text.append(part)
             continue
         value = params[position]
-        if position < 4 * len(items):  # the successes' own values
+        if position < own:
             text.append(part)
         elif value == at:
             text.append(part)

@@ -1,0 +1,102 @@
+"""The claim's statement over a large history (PostgreSQL): it reads the runs it takes, not
+the backlog, whatever the planner's statistics say, and a prepared claim's generic plan
+uses the backlog's partial indexes, so the server need not plan each claim afresh.
+
+Measured by the plans' own row counts (EXPLAIN ANALYZE), not by time."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.utils import timezone
+
+from django_agentruns import RunRequest, enqueue_many
+from django_agentruns.models import AgentRun, Status
+from django_agentruns.registry import scope_policy
+from django_agentruns.transitions import hot_sql, rawsql
+from django_agentruns.transitions.due import compiled_due
+from django_agentruns.transitions.events import STARTED
+
+pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
+
+WORKER = "plans:1:abcd"
+HISTORY, BACKLOG = 3_000, 1_000
+TABLE = AgentRun._meta.db_table
+
+
+@pytest.fixture
+def backlog_after_analyze() -> None:
+    """A history of finished runs, the statistics taken then (no run queued), and a backlog
+    queued after: what a busy deployment looks like until autovacuum's next ANALYZE, which
+    on a table of millions waits for a tenth of it to change."""
+    enqueue_many([RunRequest("tests.noop", {"n": n}) for n in range(HISTORY)])
+    AgentRun.objects.update(status=Status.SUCCEEDED, finished_at=timezone.now())
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {TABLE}")
+    enqueue_many([RunRequest("tests.noop", {"n": n}) for n in range(BACKLOG)])
+
+
+def claim_statement(limit: int) -> tuple[str, list[Any]]:
+    due = compiled_due("postgresql", ("default",), scope_policy(), limit, ids_only=True,
+                       naive=rawsql.naive_times())
+    at = timezone.now()
+    return hot_sql.claim_returning(due, at, WORKER, Status.RUNNING, Status.QUEUED, {},
+                                   at + timedelta(seconds=30), STARTED)
+
+
+def scans(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", ()):
+        yield from scans(child)
+
+
+def run_rows_read(explained: Any) -> int:
+    """Rows the plan's scans of the run table returned or filtered out, over all loops."""
+    plan = (json.loads(explained) if isinstance(explained, str) else explained)[0]["Plan"]
+    return sum((node["Actual Rows"] + node.get("Rows Removed by Filter", 0))
+               * node["Actual Loops"] for node in scans(plan)
+               if node.get("Relation Name") == TABLE)
+
+
+def explain(sql: str, params: list[Any], *, generic: bool) -> int:
+    with transaction.atomic(), connection.cursor() as cursor:
+        if not generic:
+            cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", params)
+        else:
+            numbered = iter(range(1, len(params) + 1))
+            text = re.sub(r"%%|%s", lambda m: "%" if m[0] == "%%" else f"${next(numbered)}",
+                          sql)
+            cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            cursor.execute(f"PREPARE plans_claim AS {text}")
+            cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE plans_claim "
+                           f"({', '.join(['%s'] * len(params))})", params)
+        rows = run_rows_read(cursor.fetchone()[0])
+        if generic:
+            cursor.execute("DEALLOCATE plans_claim")
+        transaction.set_rollback(True)  # the claim ran: take it back
+    return rows
+
+
+@pytest.mark.parametrize("limit", [1, 8])
+def test_a_claim_reads_the_runs_it_takes_not_the_backlog(backlog_after_analyze: None,
+                                                         limit: int) -> None:
+    # Before, the UPDATE found its rows by scanning a partial index of every queued run
+    # (the statistics counted none) and joining: one claim read the whole backlog.
+    sql, params = claim_statement(limit)
+    assert explain(sql, params, generic=False) <= 3 * limit
+
+
+@pytest.mark.parametrize("limit", [1, 8])
+def test_a_prepared_claims_generic_plan_reads_the_runs_it_takes(backlog_after_analyze: None,
+                                                                limit: int) -> None:
+    # Its constants (statuses, queues) are literals: with them as parameters the generic
+    # plan could not use the backlog's partial indexes, so the server planned every claim
+    # afresh rather than fall back to a scan of the whole table.
+    sql, params = claim_statement(limit)
+    assert explain(sql, params, generic=True) <= 3 * limit
