@@ -58,9 +58,11 @@ class RunPayload(models.Model):
     TRACEBACK = "traceback"
 
     id = models.BigAutoField(primary_key=True)
-    # No index of its own: `agentruns_payload_kind` leads with the run.
+    # No index of its own: `agentruns_payload_kind` leads with the run. No database
+    # foreign key (migration 0026): purge and erase delete a run's payloads themselves,
+    # and the check cost every input an enqueue writes.
     run = models.ForeignKey("django_agentruns.AgentRun", on_delete=models.CASCADE,
-                            related_name="+", db_index=False)
+                            related_name="+", db_index=False, db_constraint=False)
     kind = models.CharField(max_length=20)
     value = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)

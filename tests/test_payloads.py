@@ -128,3 +128,37 @@ def test_a_new_run_enters_no_index_of_a_parent_or_origin_it_lacks(db: None) -> N
             cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = %s",
                            ["agentruns_parent"])
             assert "WHERE (parent_id IS NOT NULL)" in cursor.fetchone()[0]
+
+
+def payload_foreign_keys() -> list[str]:
+    with connection.cursor() as cursor:
+        found = connection.introspection.get_constraints(cursor, RunPayload._meta.db_table)
+    return [name for name, c in found.items() if c["foreign_key"]]
+
+
+def test_the_payload_table_has_no_foreign_key_to_the_runs(db: None) -> None:
+    """Migration 0026: the check cost every input an enqueue writes; purge and erase
+    delete a run's payloads themselves (above), on plain history as on partitioned."""
+    assert payload_foreign_keys() == []
+
+
+def test_an_orm_delete_of_a_run_still_deletes_its_payloads(db: None) -> None:
+    # The field stays a ForeignKey with CASCADE: Django's collector finds the rows.
+    kept, gone = enqueue("tests.noop", {"keep": 1}), enqueue("tests.noop", {"drop": 1})
+    AgentRun.objects.filter(pk=gone.pk).delete()
+    assert list(RunPayload.objects.values_list("run_id", flat=True)) == [kept.pk]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migration_0026_drops_the_payload_foreign_key_and_makes_it_again(
+        history_layout: str) -> None:
+    from django.core.management import call_command
+
+    call_command("migrate", "django_agentruns", "0025", verbosity=0)
+    try:
+        assert len(payload_foreign_keys()) == 1
+        run = enqueue("tests.noop", {"q": 1})  # the old layout works with the new code
+    finally:
+        call_command("migrate", "django_agentruns", verbosity=0)
+    assert payload_foreign_keys() == []
+    assert AgentRun.objects.get(pk=run.pk).input == {"q": 1}
