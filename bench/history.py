@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -29,7 +30,7 @@ from typing import Any
 
 import psycopg
 
-from bench import llm
+from bench import history_probe, llm
 from bench.drain import drain
 from bench.engines import OURS
 from bench.harness import PgTarget, log
@@ -130,29 +131,68 @@ def fill(conn: psycopg.Connection[Any], runs: int, layout_env: dict[str, str]) -
     conn.execute("VACUUM ANALYZE")
 
 
-def probe_once(env: dict[str, str], calls: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-m", "bench.history_probe", str(calls)],
-                         env=env, cwd=REPO_ROOT, check=True, capture_output=True, text=True)
-    return {**json.loads(out.stdout.strip().splitlines()[-1]), "load1": os.getloadavg()[0]}
+PROBE_BLOCK = 20
+"""Calls a probe makes at a turn: the filled and the empty database's probes take turns by
+blocks this small, in shuffled order, so that a burst of load falls on both alike."""
+
+
+def probe_pair(env: dict[str, str], empty_env: dict[str, str],
+               calls: int) -> dict[str, dict[str, float]]:
+    """One round: a probe process on each database, taking turns (PROBE_BLOCK calls at a
+    time, enqueues then claims); each one's p50 and p99."""
+    procs = {which: subprocess.Popen([sys.executable, "-m", "bench.history_probe"], env=e,
+                                     cwd=REPO_ROOT, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+             for which, e in (("filled", env), ("empty", empty_env))}
+    took: dict[str, dict[str, list[float]]] = {w: {"enqueue": [], "claim": []} for w in procs}
+    try:
+        for what in ("enqueue", "claim"):
+            for start in range(0, calls, PROBE_BLOCK):
+                order = list(procs)
+                random.shuffle(order)
+                for which in order:
+                    took[which][what] += json.loads(
+                        _ask(procs[which], f"{what} {min(PROBE_BLOCK, calls - start)}"))
+        for proc in procs.values():
+            assert _ask(proc, "finish").strip() == "ok"
+    finally:
+        for proc in procs.values():
+            if proc.stdin:
+                proc.stdin.close()
+            if proc.wait(timeout=60):
+                raise RuntimeError(f"a history probe exited with {proc.returncode}")
+    return {which: {f"{what}_{name}_ms": f(values) for what, values in by.items()
+                    for name, f in (("p50", statistics.median),
+                                    ("p99", lambda v: history_probe.percentile(v, 0.99)))}
+            for which, by in took.items()}
+
+
+def _ask(proc: subprocess.Popen[str], line: str) -> str:
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    proc.stdin.write(f"{line}\n")
+    proc.stdin.flush()
+    return proc.stdout.readline()
 
 
 def probe(env: dict[str, str], empty_env: dict[str, str], calls: int,
           rounds: int = 3) -> dict[str, float]:
-    """Medians over `rounds` probe processes of each figure on the filled database, each
-    round followed by one on the empty database of the same layout: the machine is shared,
-    so the filled / empty ratio of the medians, taken under the same load, is the figure
-    that can show growth; the load average (1 min) after each probe, median, min and max."""
+    """Medians over `rounds` rounds of each figure on the filled database and on the empty
+    one of the same layout, their probes taking turns call block by call block
+    (`probe_pair`): the filled / empty ratio, taken under the same load, is the figure
+    that can show growth; the load average (1 min) after each round, median, min, max."""
     seen: dict[str, list[dict[str, float]]] = {"filled": [], "empty": []}
+    loads = []
     for _ in range(rounds):
-        seen["filled"].append(probe_once(env, calls))
-        seen["empty"].append(probe_once(empty_env, calls))
+        for which, figures in probe_pair(env, empty_env, calls).items():
+            seen[which].append(figures)
+        loads.append(os.getloadavg()[0])
     out: dict[str, float] = {}
     for which, runs in seen.items():
         med = {k: statistics.median(s[k] for s in runs) for k in runs[0]}
         out.update(med if which == "filled" else {f"empty_{k}": v for k, v in med.items()})
     for key in ("enqueue_p50_ms", "enqueue_p99_ms", "claim_p50_ms", "claim_p99_ms"):
         out[f"{key}_over_empty"] = out[key] / out[f"empty_{key}"]
-    loads = [s["load1"] for runs in seen.values() for s in runs]
     out.update(load1=statistics.median(loads), load1_min=min(loads), load1_max=max(loads))
     return out
 

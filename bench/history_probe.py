@@ -1,10 +1,14 @@
 """Enqueue and claim latency, one call at a time, in the database of `DATABASE_URL`: the
-history bench (bench/history.py) runs it after each fill step. Prints one JSON line."""
+history bench (bench/history.py) runs two of these, one on the filled database and one on
+an empty one, and has them take turns by blocks of calls, so that both see the same load.
+
+Serves lines on stdin: `enqueue N` and `claim N` make N calls and answer a JSON list of
+their latencies (ms); `finish` marks the probe's runs finished, as a worker would leave
+them (the next probe starts from no backlog), answers `ok` and exits."""
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 
@@ -16,31 +20,38 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p * (len(ordered) - 1)))]
 
 
-def main(calls: int) -> dict[str, float]:
+def serve() -> None:
     django.setup()
+    from django.utils import timezone
+
     from django_agentruns import enqueue, transitions
+    from django_agentruns.models import AgentRun
     from django_agentruns.registry import scope_policy
+
+    def one_enqueue() -> None:
+        enqueue("bench.noop", queue="history-probe")
+
+    def one_claim() -> None:
+        taken = transitions.claim("probe", ["history-probe"], 1, scope_policy(), {}, 60.0)
+        assert len(taken) == 1
 
     for _ in range(20):  # warm the connection and the plans
         enqueue("bench.noop", queue="history-probe-warm")
-    enq, claim = [], []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        enqueue("bench.noop", queue="history-probe")
-        enq.append((time.perf_counter() - t0) * 1000)
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        taken = transitions.claim("probe", ["history-probe"], 1, scope_policy(), {}, 60.0)
-        claim.append((time.perf_counter() - t0) * 1000)
-        assert len(taken) == 1
-    # Finished, as a real worker would leave them: the next probe starts from no backlog.
-    from django.utils import timezone
-
-    from django_agentruns.models import AgentRun
-    AgentRun.objects.filter(queue__startswith="history-probe").update(
-        status="succeeded", reason="completed", finished_at=timezone.now(), claimed_by="")
-    return {"enqueue_p50_ms": statistics.median(enq), "enqueue_p99_ms": percentile(enq, 0.99),
-            "claim_p50_ms": statistics.median(claim), "claim_p99_ms": percentile(claim, 0.99)}
+    calls = {"enqueue": one_enqueue, "claim": one_claim}
+    for line in sys.stdin:
+        what, _, count = line.strip().partition(" ")
+        if what == "finish":
+            AgentRun.objects.filter(queue__startswith="history-probe").update(
+                status="succeeded", reason="completed", finished_at=timezone.now(),
+                claimed_by="")
+            print("ok", flush=True)
+            return
+        took = []
+        for _ in range(int(count)):
+            t0 = time.perf_counter()
+            calls[what]()
+            took.append((time.perf_counter() - t0) * 1000)
+        print(json.dumps(took), flush=True)
 
 
 def drop() -> tuple[float, int]:
@@ -66,4 +77,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["drop"]:
         print(json.dumps(drop()))
     else:
-        print(json.dumps(main(int(sys.argv[1]) if len(sys.argv) > 1 else 300)))
+        serve()
