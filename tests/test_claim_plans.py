@@ -1,6 +1,6 @@
-"""The claim's statement over a large history (PostgreSQL): it reads the runs it takes, not
-the backlog, whatever the planner's statistics say, and a prepared claim's generic plan
-uses the backlog's partial indexes, so the server need not plan each claim afresh.
+"""The claim's statements over a large history (PostgreSQL): they read the runs they take,
+not the backlog, whatever the planner's statistics say, and a prepared claim's generic
+plan uses the backlog's partial indexes, so the server need not plan each claim afresh.
 
 Measured by the plans' own row counts (EXPLAIN ANALYZE), not by time."""
 
@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_agentruns import RunRequest, enqueue_many
 from django_agentruns.models import AgentRun, Status
 from django_agentruns.registry import scope_policy
-from django_agentruns.transitions import hot_sql, rawsql
+from django_agentruns.transitions import claiming, hot_sql, rawsql
 from django_agentruns.transitions.due import compiled_due
 from django_agentruns.transitions.events import STARTED
 
@@ -100,3 +101,17 @@ def test_a_prepared_claims_generic_plan_reads_the_runs_it_takes(backlog_after_an
     # afresh rather than fall back to a scan of the whole table.
     sql, params = claim_statement(limit)
     assert explain(sql, params, generic=True) <= 3 * limit
+
+
+def test_starting_runs_by_id_reads_those_runs_not_the_backlog(backlog_after_analyze: None) -> None:
+    # The limited claim and a lapsed run's reclaim start runs by id (`claiming._start`),
+    # their guard `transitions.guards.still`; as `status = 'queued'` beside the ids it
+    # scanned the backlog's partial index on such statistics.
+    ids = list(AgentRun.objects.filter(status=Status.QUEUED).order_by("-id")
+               .values_list("id", flat=True)[:3])
+    with CaptureQueriesContext(connection) as seen:
+        started = claiming._start(WORKER, ids, dict.fromkeys(ids, "tests.noop"), {}, 30.0,
+                                  timezone.now(), read_back=None)
+    assert [r.pk for r in started] == ids
+    [update] = [q["sql"] for q in seen.captured_queries if q["sql"].startswith("UPDATE")]
+    assert explain(update, [], generic=False) <= 2 * len(ids)

@@ -18,6 +18,7 @@ from ..signals import send_after_commit
 from . import hot_sql, rawrows, rawsql
 from .due import claim_row, compiled_due, recheck_order
 from .events import STARTED, append_events, lifecycle, now
+from .guards import still
 from .settling import abandon_locked
 from .windows import carry_entries
 
@@ -170,7 +171,7 @@ def _start(
         by_ttl.setdefault(lease_ttls.get(agent_of[run_id], default_ttl), []).append(run_id)
     updated = 0
     for ttl, group in by_ttl.items():
-        updated += AgentRun.objects.filter(pk__in=group, status=Status.QUEUED).update(
+        updated += AgentRun.objects.filter(still(Status.QUEUED), pk__in=group).update(
             status=Status.RUNNING, claimed_by=worker_id, attempt=F("attempt") + 1,
             lease_expires=at + timedelta(seconds=ttl), started_at=at,
             dedupe_key=RELEASED_DEDUPE_KEY,  # a debounced run gives up its key as it starts

@@ -16,6 +16,7 @@ from django.db.models import Count
 
 from ..models import AgentLimit, AgentRun, Status
 from ..rules.windows import FIELDS, KeyLimits, is_pattern, resolve, row_limits, settings_table
+from .guards import still
 from .windows import WindowUse, full_window, window_use
 
 MOVED_PER_CLAIM = 100  # runs looked at per claim: a backlog moves over a few claims
@@ -58,6 +59,6 @@ def move_to_open_keys(stuck: Iterable[str], at: datetime) -> int:
         listed = run["limit_keys"] if isinstance(run["limit_keys"], list) else []
         target = next((k for k in listed if k in open_keys), None)
         if target is not None and target != run["limit_key"]:
-            moved += AgentRun.objects.filter(pk=run["id"], status=Status.QUEUED,
+            moved += AgentRun.objects.filter(still(Status.QUEUED), pk=run["id"],
                                              limit_key=run["limit_key"]).update(limit_key=target)
     return moved

@@ -123,10 +123,8 @@ def _claim_ctes(
     lease_params.append(default_lease)
     params += [running, worker_id, *lease_params, at, queued,
                started, prep(RunEvent, "payload", {"worker": worker_id}), at]
-    # The status guard is written `(...) IS TRUE`, which no partial index's predicate
-    # matches: the UPDATE then finds its rows by id. As a plain `status = 'queued'` it
-    # let the planner, whose statistics may predate the backlog (autovacuum re-analyzes a
-    # table of millions rarely), scan every queued run in a partial index for each claim.
+    # The status guard is written `(...) IS TRUE`, as `guards.still` writes it: no partial
+    # index's predicate matches it, so the UPDATE finds its rows by id (see there).
     sql = (f"picked AS ({due.sql}), "
            f"claimed AS (UPDATE {table} SET status = %s, claimed_by = %s, "
            f"attempt = {table}.attempt + 1, lease_expires = {lease}, started_at = %s, "
