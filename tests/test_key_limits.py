@@ -16,7 +16,7 @@ import pytest
 from django.db.models import Max
 
 from django_agentruns import InvalidInputError, enqueue, enqueue_many, set_limit, transitions
-from django_agentruns.models import AgentLimit, AgentRun, RunEvent, Status
+from django_agentruns.models import AgentLimit, AgentRun, RunEvent, Status, WorkerRecord
 from django_agentruns.runtime.worker import Worker
 from tests import helpers
 
@@ -38,15 +38,20 @@ def test_three_workers_never_run_more_of_a_key_than_its_limit(
     worker_env: dict[str, str],
 ) -> None:
     set_limit("shared", 4)
-    runs = enqueue_many([{"agent": "tests.keyed", "input": {"key": "shared", "seconds": 0.15}}
-                         for _ in range(60)])
-    free = enqueue_many([{"agent": "tests.keyed", "input": {"seconds": 0.15}}
-                         for _ in range(20)])  # no key: not held back by it
-    ids = [r.pk for r in runs]
     samples: list[int] = []
     workers = [helpers.start_manage(["runworker", "--concurrency", "10"], worker_env)
                for _ in range(3)]
     try:
+        # The runs are queued once all three serve: on a loaded machine the first worker
+        # up could otherwise drain the 2 s of work before the others start.
+        helpers.wait_until(lambda: WorkerRecord.objects.count() == 3, timeout=60,
+                           message="three workers to serve")
+        runs = enqueue_many([{"agent": "tests.keyed",
+                              "input": {"key": "shared", "seconds": 0.15}}
+                             for _ in range(60)])
+        free = enqueue_many([{"agent": "tests.keyed", "input": {"seconds": 0.15}}
+                             for _ in range(20)])  # no key: not held back by it
+        ids = [r.pk for r in runs]
         deadline = time.monotonic() + 90
         while AgentRun.objects.filter(pk__in=ids, status=Status.SUCCEEDED).count() < 60:
             samples.append(running("shared"))
