@@ -45,8 +45,10 @@ class Defaults:
     """Dotted path of `f(exc) -> bool | None`: True retryable, False not, None undecided."""
     UNKNOWN_ERRORS_RETRYABLE: bool = True
     """Whether an error nothing recognises is retried (within the budget) or dead-lettered."""
-    CLAIM_BATCH: int = 32
-    """Most runs one claim statement takes, however many slots are free."""
+    CLAIM_BATCH: int = 64
+    """Most runs one claim statement takes, however many slots are free. Only a worker with
+    more free slots than this feels it: its refills after a wave of finishes take fewer,
+    cheaper statements (docs/performance.md, "Claim batch")."""
     PREPARED_STATEMENTS: bool = False
     """PostgreSQL: have the server plan the enqueue, claim and settle statements once per
     connection. Off by default, as Django's own `prepare_threshold` is: a pooler in

@@ -57,3 +57,28 @@ def test_an_error_escaping_an_attempts_coroutine_reaches_its_done_callback() -> 
     asyncio.run(main())
     assert [task.exception() is None for _, task in ended] == [True, False]
     assert str(ended[1][1].exception()) == "escaped"
+
+
+@pytest.mark.parametrize("configured", [None, 10])
+def test_a_claim_takes_at_most_claim_batch_runs_however_many_slots_are_free(
+    monkeypatch: pytest.MonkeyPatch, settings: Any, configured: int | None,
+) -> None:
+    """A worker with 150 free slots fills them 64 runs a claim (the default), or as many
+    as `CLAIM_BATCH` says."""
+    if configured is not None:
+        settings.AGENTRUNS = {**settings.AGENTRUNS, "CLAIM_BATCH": configured}
+    handed: list[int] = []
+
+    def counting(started: Sequence[Starting], done: Any) -> None:
+        handed.append(len(started))
+        running.spawn(started, done)
+
+    monkeypatch.setattr(worker, "spawn", counting)
+    for _ in range(150):
+        enqueue("tests.async_steps", {"steps": 1, "sleep": 0.05})
+    Worker(concurrency=150, burst=True, reap_interval=0).run(install_signals=False)
+    assert AgentRun.objects.filter(status=Status.SUCCEEDED).count() == 150
+    batch = configured or 64
+    assert sum(handed) == 150
+    assert max(handed) == batch, handed
+    assert handed[0] == batch, handed
