@@ -18,16 +18,20 @@ from django_agentruns.runtime.worker import Worker
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def test_a_claims_async_attempts_reach_the_loop_in_one_hand_over(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    handed: list[int] = []
+@pytest.fixture
+def handed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of attempts in each hand-over to the executor's loop, in order."""
+    counts: list[int] = []
 
     def counting(started: Sequence[Starting], done: Any) -> None:
-        handed.append(len(started))
+        counts.append(len(started))
         running.spawn(started, done)
 
     monkeypatch.setattr(worker, "spawn", counting)
+    return counts
+
+
+def test_a_claims_async_attempts_reach_the_loop_in_one_hand_over(handed: list[int]) -> None:
     ids = [enqueue("tests.async_steps", {"steps": 2, "sleep": 0.2}).pk for _ in range(8)]
     Worker(concurrency=8, burst=True, reap_interval=0).run(install_signals=False)
     assert set(AgentRun.objects.filter(pk__in=ids).values_list("status", flat=True)) \
@@ -61,19 +65,12 @@ def test_an_error_escaping_an_attempts_coroutine_reaches_its_done_callback() -> 
 
 @pytest.mark.parametrize("configured", [None, 10])
 def test_a_claim_takes_at_most_claim_batch_runs_however_many_slots_are_free(
-    monkeypatch: pytest.MonkeyPatch, settings: Any, configured: int | None,
+    handed: list[int], settings: Any, configured: int | None,
 ) -> None:
     """A worker with 150 free slots fills them 64 runs a claim (the default), or as many
     as `CLAIM_BATCH` says."""
     if configured is not None:
         settings.AGENTRUNS = {**settings.AGENTRUNS, "CLAIM_BATCH": configured}
-    handed: list[int] = []
-
-    def counting(started: Sequence[Starting], done: Any) -> None:
-        handed.append(len(started))
-        running.spawn(started, done)
-
-    monkeypatch.setattr(worker, "spawn", counting)
     for _ in range(150):
         enqueue("tests.async_steps", {"steps": 1, "sleep": 0.05})
     Worker(concurrency=150, burst=True, reap_interval=0).run(install_signals=False)
