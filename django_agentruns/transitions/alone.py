@@ -45,6 +45,10 @@ def write_alone(writes: Sequence[Write], at: datetime, fallback: Fallback) -> li
     sql, params = rawsql.fenced_alone([_row(w, at) for w in writes], Status.RUNNING, at,
                                       checkpoints_kept())
     try:
+        # Never prepared, even with PREPARED_STATEMENTS: planning is half of a lone emit's
+        # 1.5 ms, but PostgreSQL's generic plan, cached while a run's events are few (a new
+        # install, a new partition), reads them by sequential scan for every row after
+        # (5 ms a statement; the sync LLM row 0.90 -> 0.82-0.87; docs/performance.md).
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             returned = cursor.fetchall()
