@@ -10,16 +10,33 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import IntegrityError, connection
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection
 
+from ..conf import app_settings
 from ..models import Status
 from ..outcomes import Renewal
-from . import rawsql
+from . import rawrows, rawsql
 from .attempts import checkpoints_kept
 from .events import CHECKPOINT, lifecycle
 from .writes import CheckpointWrite, EmitWrite, RenewWrite, Result, Write
 
 Fallback = Callable[[Sequence[Write], datetime], list[Result]]
+
+
+def prepared_by_index() -> bool:
+    """Whether the one-statement write is prepared, its writer's connection planning no
+    sequential scan where an index serves (`runtime.attempt_store`): PREPARED_STATEMENTS
+    on PostgreSQL, and `default` not behind a pooler (LISTEN_DATABASE unset or `default`).
+    Through a pooler in transaction mode the writer's SET would stay with a server
+    connection that other clients get next, so there it stays unprepared, planned
+    afresh each time.
+
+    Planning is half of a lone emit's 1.5 ms. A generic plan made on a connection that
+    may scan would be made once, from the tables' sizes then: made while the runs or
+    events were few (a new install, a new partition), it scans them for every row of
+    every write after, until an ANALYZE (docs/performance.md)."""
+    return connection.vendor == "postgresql" and bool(app_settings.PREPARED_STATEMENTS) \
+        and app_settings.LISTEN_DATABASE in (None, DEFAULT_DB_ALIAS)
 
 
 def one_statement(writes: Sequence[Write]) -> bool:
@@ -45,11 +62,7 @@ def write_alone(writes: Sequence[Write], at: datetime, fallback: Fallback) -> li
     sql, params = rawsql.fenced_alone([_row(w, at) for w in writes], Status.RUNNING, at,
                                       checkpoints_kept())
     try:
-        # Never prepared, even with PREPARED_STATEMENTS: planning is half of a lone emit's
-        # 1.5 ms, but PostgreSQL's generic plan, cached while a run's events are few (a new
-        # install, a new partition), reads them by sequential scan for every row after
-        # (5 ms a statement; the sync LLM row 0.90 -> 0.82-0.87; docs/performance.md).
-        with connection.cursor() as cursor:
+        with rawrows.cursor(prepared=prepared_by_index()) as cursor:
             cursor.execute(sql, params)
             returned = cursor.fetchall()
     except IntegrityError:
