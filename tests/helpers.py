@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 from urllib.parse import quote
@@ -219,3 +220,17 @@ def store_payloads(run_ids: Sequence[int], kind: str, value: Any) -> None:
 
     RunPayload.objects.bulk_create(RunPayload(run_id=pk, kind=kind, value=value)
                                    for pk in run_ids)
+
+
+def plan_rows_read(explained: Any, table: str) -> int:
+    """Rows the scans of `table` in an `EXPLAIN (ANALYZE, FORMAT JSON)` plan returned or
+    filtered out, over all loops: what a statement read, whatever its time."""
+    def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        yield plan
+        for child in plan.get("Plans", ()):
+            yield from nodes(child)
+
+    plan = (json.loads(explained) if isinstance(explained, str) else explained)[0]["Plan"]
+    return sum((node["Actual Rows"] + node.get("Rows Removed by Filter", 0))
+               * node["Actual Loops"] for node in nodes(plan)
+               if node.get("Relation Name") == table)

@@ -6,7 +6,6 @@ Measured by the plans' own row counts (EXPLAIN ANALYZE), not by time."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from datetime import timedelta
@@ -23,6 +22,7 @@ from django_agentruns.registry import scope_policy
 from django_agentruns.transitions import claiming, hot_sql, rawsql
 from django_agentruns.transitions.due import compiled_due
 from django_agentruns.transitions.events import STARTED
+from tests import helpers
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db]
 
@@ -59,20 +59,6 @@ def claim_statement(limit: int) -> tuple[str, list[Any]]:
                                    at + timedelta(seconds=30), STARTED)
 
 
-def scans(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield plan
-    for child in plan.get("Plans", ()):
-        yield from scans(child)
-
-
-def run_rows_read(explained: Any) -> int:
-    """Rows the plan's scans of the run table returned or filtered out, over all loops."""
-    plan = (json.loads(explained) if isinstance(explained, str) else explained)[0]["Plan"]
-    return sum((node["Actual Rows"] + node.get("Rows Removed by Filter", 0))
-               * node["Actual Loops"] for node in scans(plan)
-               if node.get("Relation Name") == TABLE)
-
-
 def explain(sql: str, params: list[Any], *, generic: bool) -> int:
     with transaction.atomic(), connection.cursor() as cursor:
         if not generic:
@@ -85,7 +71,7 @@ def explain(sql: str, params: list[Any], *, generic: bool) -> int:
             cursor.execute(f"PREPARE plans_claim AS {text}")
             cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE plans_claim "
                            f"({', '.join(['%s'] * len(params))})", params)
-        rows = run_rows_read(cursor.fetchone()[0])
+        rows = helpers.plan_rows_read(cursor.fetchone()[0], TABLE)
         if generic:
             cursor.execute("DEALLOCATE plans_claim")
         transaction.set_rollback(True)  # the claim ran: take it back

@@ -1,17 +1,15 @@
 """The attempt store's one-statement write, prepared (PostgreSQL, `PREPARED_STATEMENTS`):
 its generic plan is made once per writer connection, from the tables' sizes then. Made
-while a run's events were few (a new install, a new partition), it must still read by
-index once they are many: the writer's connection plans no sequential scan where an index
+while the runs and events were few (a new install, a new partition), it must still read
+by index once they are many: the writer's connection plans no sequential scan where an index
 serves (`runtime.attempt_store._plan_by_index`).
 
 Measured by the plan's own row counts (EXPLAIN ANALYZE), not by time."""
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +24,7 @@ from django_agentruns.transitions import AttemptRef, ScopePolicy, rawsql
 from django_agentruns.transitions.alone import _row
 from django_agentruns.transitions.attempts import checkpoints_kept
 from django_agentruns.transitions.batched import EmitWrite
+from tests import helpers
 
 pytestmark = [pytest.mark.postgres_only, pytest.mark.django_db(transaction=True)]
 
@@ -38,20 +37,6 @@ def emit_statement(ref: AttemptRef) -> tuple[str, list[Any]]:
     at = timezone.now()
     write = EmitWrite(ref, uuid.uuid4(), "llm.step", {"tokens": 256})
     return rawsql.fenced_alone([_row(write, at)], Status.RUNNING, at, checkpoints_kept())
-
-
-def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield plan
-    for child in plan.get("Plans", ()):
-        yield from nodes(child)
-
-
-def rows_read(explained: Any, table: str) -> int:
-    """Rows the plan's scans of `table` returned or filtered out, over all loops."""
-    plan = (json.loads(explained) if isinstance(explained, str) else explained)[0]["Plan"]
-    return sum((node["Actual Rows"] + node.get("Rows Removed by Filter", 0))
-               * node["Actual Loops"] for node in nodes(plan)
-               if node.get("Relation Name") == table)
 
 
 def rows_read_by_a_plan_made_early(set_up: bool) -> dict[str, int]:
@@ -86,7 +71,7 @@ def rows_read_by_a_plan_made_early(set_up: bool) -> dict[str, int]:
         explained = cursor.fetchone()[0]
         cursor.execute("DEALLOCATE plans_emit")
         transaction.set_rollback(True)  # the SET and the writes with it
-    return {table: rows_read(explained, table) for table in (EVENTS, RUNS)}
+    return {table: helpers.plan_rows_read(explained, table) for table in (EVENTS, RUNS)}
 
 
 @override_settings(AGENTRUNS={"PREPARED_STATEMENTS": True})
