@@ -13,6 +13,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection
 
 from ..conf import app_settings
+from ..db import listen_alias
 from ..models import Status
 from ..outcomes import Renewal
 from . import rawrows, rawsql
@@ -36,7 +37,7 @@ def prepared_by_index() -> bool:
     events were few (a new install, a new partition), it scans them for every row of
     every write after, until an ANALYZE (docs/performance.md)."""
     return connection.vendor == "postgresql" and bool(app_settings.PREPARED_STATEMENTS) \
-        and app_settings.LISTEN_DATABASE in (None, DEFAULT_DB_ALIAS)
+        and listen_alias() == DEFAULT_DB_ALIAS
 
 
 def one_statement(writes: Sequence[Write]) -> bool:
