@@ -51,10 +51,10 @@ class Defaults:
     cheaper statements (docs/performance.md, "Claim batch")."""
     PREPARED_STATEMENTS: bool = False
     """PostgreSQL: have the server plan the enqueue, claim and settle statements once per
-    connection, and on a direct connection the attempt store's one-statement writes too
-    (`transitions.alone.prepared_by_index`). Off by default, as Django's own
-    `prepare_threshold` is: a pooler in transaction mode without prepared-statement support
-    (PgBouncer before 1.21) breaks them."""
+    connection, and on a direct connection the attempt store's one-statement writes too,
+    the worker's connections planning by index (`transitions.plans`). Off by default, as
+    Django's own `prepare_threshold` is: a pooler in transaction mode without
+    prepared-statement support (PgBouncer before 1.21) breaks them."""
     STREAMS_PER_USER: int = 4
     """Event streams (`runs/<id>/events/`) one user may have open in one web process; past
     it the answer is 429 with Retry-After."""

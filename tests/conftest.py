@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Iterator
@@ -158,6 +159,20 @@ def _fair_view_afresh() -> None:
     from django_agentruns.transitions import fair
 
     fair.forget_view()
+
+
+@pytest.fixture(autouse=True)
+def _plans_as_they_were() -> Iterator[None]:
+    """A worker run on the test's own thread sets that connection to plan by index
+    (transitions.plans): set it back, lest the later tests' plans differ."""
+    yield
+    from django_agentruns.transitions import plans
+
+    if getattr(plans._planned, "connection", None) is None:
+        return
+    plans._planned.connection = None
+    with contextlib.suppress(Exception), connection.cursor() as cursor:
+        cursor.execute("RESET enable_seqscan")
 
 
 @pytest.fixture

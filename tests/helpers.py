@@ -222,15 +222,29 @@ def store_payloads(run_ids: Sequence[int], kind: str, value: Any) -> None:
                                    for pk in run_ids)
 
 
-def plan_rows_read(explained: Any, table: str) -> int:
-    """Rows the scans of `table` in an `EXPLAIN (ANALYZE, FORMAT JSON)` plan returned or
-    filtered out, over all loops: what a statement read, whatever its time."""
+def _plan_nodes(explained: Any) -> Iterator[dict[str, Any]]:
+    """The nodes of an `EXPLAIN (ANALYZE, FORMAT JSON)` plan."""
     def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield plan
         for child in plan.get("Plans", ()):
             yield from nodes(child)
 
-    plan = (json.loads(explained) if isinstance(explained, str) else explained)[0]["Plan"]
+    yield from nodes((json.loads(explained) if isinstance(explained, str)
+                      else explained)[0]["Plan"])
+
+
+def plan_rows_read(explained: Any, table: str) -> int:
+    """Rows the scans of `table` in an `EXPLAIN (ANALYZE, FORMAT JSON)` plan returned or
+    filtered out, over all loops: what a statement read, whatever its time."""
     return sum((node["Actual Rows"] + node.get("Rows Removed by Filter", 0))
-               * node["Actual Loops"] for node in nodes(plan)
+               * node["Actual Loops"] for node in _plan_nodes(explained)
                if node.get("Relation Name") == table)
+
+
+def plan_rows_handled(explained: Any) -> int:
+    """Rows every node of a plan returned or filtered out (joins' filters too), over all
+    loops: a statement's work, whatever its time. A join that compares every pair of
+    two inputs shows as their product."""
+    return sum((node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+                + node.get("Rows Removed by Join Filter", 0)) * node["Actual Loops"]
+               for node in _plan_nodes(explained))

@@ -36,8 +36,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from ..conf import app_settings
 from ..db import connection_answers, is_transient_lock_error
 from ..transitions import batched
-from ..transitions.alone import prepared_by_index
 from ..transitions.batched import Result, Write
+from ..transitions.plans import plan_by_index
 
 logger = logging.getLogger("django_agentruns.store")
 
@@ -94,7 +94,6 @@ class AttemptStore:
         self._writing = 0  # writers with a batch in hand
         self.wrappers: list[BaseDatabaseWrapper] = []  # each writer's connection (tests)
         self._closed = False
-        self._local = threading.local()  # the writer's connection set up for its plans
         self.batches = 0  # transactions committed, for tests and the benchmark
         self.writes = 0  # writes committed (a LOST result counts: it was answered)
         self.alone = 0  # writes retried alone after their batch failed
@@ -219,9 +218,7 @@ class AttemptStore:
             try:
                 connection.ensure_connection()
                 opened = connection.connection
-                if self._local.__dict__.get("planned") is not opened:
-                    _plan_by_index()
-                    self._local.planned = opened
+                plan_by_index()  # once per server connection
                 if batched.stands_alone(writes):
                     results = self._apply(writes)  # a statement of its own (see apply_writes)
                 else:
@@ -258,16 +255,6 @@ class AttemptStore:
         current = connection.connection
         return current is None or (opened is not None and current is not opened) or \
             not connection_answers()
-
-
-def _plan_by_index() -> None:
-    """Where the one-statement write is prepared (`alone.prepared_by_index`), the writer's
-    connection plans no sequential scan where an index serves: its statements find rows
-    by id, and a prepared one's generic plan, made once while the tables were small, would
-    otherwise scan them as they grow (docs/performance.md, "Where a sync run's 45 ms go")."""
-    if prepared_by_index():
-        with connection.cursor() as cursor:
-            cursor.execute("SET enable_seqscan = off")
 
 
 def _apply_writes(writes: Sequence[Write]) -> list[Result]:

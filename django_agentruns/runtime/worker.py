@@ -33,6 +33,7 @@ from ..registry import AgentSpec, all_agents, check_worker_names, find_agent, sc
 from ..streaming.transport import drain_sender
 from ..transitions.fair import FairClaim
 from ..transitions.limited import LimitedClaim
+from ..transitions.plans import plan_by_index
 from . import usage
 from .attempt_store import AttemptStore
 from .chores import LATE, Chores
@@ -179,6 +180,7 @@ class Worker:
             self._wake.clear()
             try:
                 close_old_connections()
+                plan_by_index()  # once per server connection (transitions.plans)
                 if fresh:
                     self.chores.tick()
                 claimed = self._claim(fresh)

@@ -10,34 +10,17 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connection
+from django.db import IntegrityError, connection
 
-from ..conf import app_settings
-from ..db import listen_alias
 from ..models import Status
 from ..outcomes import Renewal
 from . import rawrows, rawsql
 from .attempts import checkpoints_kept
 from .events import CHECKPOINT, lifecycle
+from .plans import prepared_by_index
 from .writes import CheckpointWrite, EmitWrite, RenewWrite, Result, Write
 
 Fallback = Callable[[Sequence[Write], datetime], list[Result]]
-
-
-def prepared_by_index() -> bool:
-    """Whether the one-statement write is prepared, its writer's connection planning no
-    sequential scan where an index serves (`runtime.attempt_store`): PREPARED_STATEMENTS
-    on PostgreSQL, and `default` not behind a pooler (LISTEN_DATABASE unset or `default`).
-    Through a pooler in transaction mode the writer's SET would stay with a server
-    connection that other clients get next, so there it stays unprepared, planned
-    afresh each time.
-
-    Planning is half of a lone emit's 1.5 ms. A generic plan made on a connection that
-    may scan would be made once, from the tables' sizes then: made while the runs or
-    events were few (a new install, a new partition), it scans them for every row of
-    every write after, until an ANALYZE (docs/performance.md)."""
-    return connection.vendor == "postgresql" and bool(app_settings.PREPARED_STATEMENTS) \
-        and listen_alias() == DEFAULT_DB_ALIAS
 
 
 def one_statement(writes: Sequence[Write]) -> bool:

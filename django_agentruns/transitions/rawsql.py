@@ -266,30 +266,36 @@ def fenced_alone(
     states = qn(RunCheckpoint._meta.db_table)
     count = qn(_column("checkpoint_count"))
     last = _last_seq(events)
-    renewed = "FROM v JOIN fenced ON fenced.id = v.run_id"
-    trim = (f"trimmed AS (DELETE FROM {states} c USING v JOIN fenced ON fenced.id = v.run_id "
-            f"WHERE c.run_id = v.run_id AND v.number > %s AND c.number <= v.number - %s), "
+    # Each renewed checkpoint's own old states, found by index from it (a LATERAL that
+    # OFFSET 0 keeps from being flattened into a join), never by a scan of every run's
+    # states that a plan expecting one renewed run, or made while they were few, prefers.
+    trim = (f"trimmed AS (DELETE FROM {states} WHERE id = ANY(ARRAY(SELECT old.id FROM "
+            f"fenced v CROSS JOIN LATERAL (SELECT s.id FROM {states} s WHERE s.run_id = "
+            f"v.run_id AND s.number <= v.number - %s OFFSET 0) old WHERE v.number > %s))), "
             if keep is not None else "")
     # Prepared, it soon runs on PostgreSQL's generic plan, which knows neither how many rows
     # `v` holds nor the status sought: the runs are found by id (`= ANY`), and the status
     # guard is written so that no status index matches it (as `guards.still`), lest
-    # statistics that count no running run send the plan through every running run.
+    # statistics that count no running run send the plan through every running run. Such
+    # statistics also make the plan expect one run renewed: the renewed rows carry their
+    # writes on (RETURNING), so that no later part joins them to anything, where a nested
+    # loop over that one expected row would compare every pair of a batch of hundreds.
     sql = (f"WITH v AS {json_rows(_ALONE)}, "
            f"fenced AS (UPDATE {table} SET {qn(_column('lease_expires'))} = v.lease, "
            f"{count} = COALESCE(v.number, {table}.{count}) FROM v "
            f"WHERE {table}.id = ANY(%s::bigint[]) AND {table}.id = v.run_id "
            f"AND {table}.attempt = v.run_attempt AND ({table}.status = %s) IS TRUE "
            f"AND {table}.claimed_by = v.run_worker AND {table}.cancel_requested_at IS NULL "
-           f"AND (v.number IS NULL OR {table}.{count} < v.number) RETURNING {table}.id), "
+           f"AND (v.number IS NULL OR {table}.{count} < v.number) RETURNING v.run_id, "
+           f"v.run_attempt, v.number, v.state, v.event_id, v.type, v.payload, v.cap), "
            f"saved AS (INSERT INTO {states} (run_id, number, state, created_at) "
-           f"SELECT v.run_id, v.number, v.state, %s {renewed} WHERE v.number IS NOT NULL), "
+           f"SELECT v.run_id, v.number, v.state, %s FROM fenced v WHERE v.number IS NOT NULL), "
            f"{trim}"
            f"added AS (INSERT INTO {events} (run_id, seq, event_id, type, payload, attempt, "
            f"created_at) SELECT v.run_id, {last} + 1, v.event_id, v.type, v.payload, "
-           f"v.run_attempt, %s {renewed} WHERE v.type IS NOT NULL AND {_not_stored(events)} "
+           f"v.run_attempt, %s FROM fenced v WHERE v.type IS NOT NULL AND {_not_stored(events)} "
            f"AND (v.cap IS NULL OR {last} + 1 <= v.cap) RETURNING run_id, event_id) "
-           f"SELECT fenced.id, added.event_id FROM fenced "
-           f"LEFT JOIN added ON added.run_id = fenced.id")
+           f"SELECT run_id, NULL::uuid FROM fenced UNION ALL SELECT run_id, event_id FROM added")
     created = prep(RunEvent, "created_at", at)
     return sql, [json_values(items, [t for _, t in _ALONE]), [item[0] for item in items],
                  running, created, *([keep, keep] if keep is not None else []), created]
