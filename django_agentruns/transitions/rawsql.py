@@ -260,8 +260,8 @@ def fenced_alone(
     (`number` set) only where the run's count is below its number, and then its state is
     saved, the states past the latest `keep` trimmed (None: all kept), as `fenced_update`,
     `insert_checkpoints` and `trim_history` do; an event (`type` set) is appended to the
-    runs renewed, as `insert_new_events` does. Returns (run id, event id added or NULL)
-    for each run renewed."""
+    runs renewed, as `insert_new_events` does. Returns (run id, NULL) for each run renewed
+    and (run id, event id) for each event added."""
     table, events = qn(AgentRun._meta.db_table), qn(RunEvent._meta.db_table)
     states = qn(RunCheckpoint._meta.db_table)
     count = qn(_column("checkpoint_count"))
