@@ -146,9 +146,12 @@ class ManageProcess:
         return self.wait(timeout)
 
     def _read(self, f: IO[bytes]) -> str:
-        f.flush()
-        f.seek(0)
-        return f.read().decode(errors="replace")
+        """All the process wrote so far. `pread`, not seek and read: the process shares
+        the file's offset, and a write of its own between a seek to 0 and the read would
+        land at the start, over what it wrote before (a SIGUSR1 stack dump so written
+        overwrote the log's first line and lost its own frames)."""
+        fd = f.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
     @property
     def stdout(self) -> str:
