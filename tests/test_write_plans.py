@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -20,13 +21,15 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_agentruns import RunRequest, enqueue, enqueue_many, transitions
-from django_agentruns.models import AgentRun, RunCheckpoint, RunEvent, Status
+from django_agentruns.models import AgentRun, Reason, RunCheckpoint, RunEvent, Status
+from django_agentruns.registry import scope_policy
 from django_agentruns.runtime import attempt_store
 from django_agentruns.runtime.worker import Worker
-from django_agentruns.transitions import AttemptRef, ScopePolicy, plans, rawsql
+from django_agentruns.transitions import AttemptRef, ScopePolicy, hot_sql, plans, rawsql
 from django_agentruns.transitions.alone import _row
 from django_agentruns.transitions.attempts import checkpoints_kept
 from django_agentruns.transitions.batched import CheckpointWrite, EmitWrite
+from django_agentruns.transitions.due import compiled_due
 from tests import helpers
 from tests.test_claim_plans import claim_statement
 
@@ -238,3 +241,49 @@ def test_a_store_writer_prepares_and_plans_by_index_only_on_a_direct_connection(
             store.close()
     assert seen == [("off", 1) if plans_by_index else ("on", 0)]
     assert RunEvent.objects.filter(run_id=run.pk, type="llm.step").count() == 1
+
+
+def settle_and_claim_statement(settled: list[AttemptRef], limit: int) -> tuple[str, list[Any]]:
+    """The claim loop's one statement: `settled` successes (no output), then `limit` claims."""
+    due = compiled_due("postgresql", ("default",), scope_policy(), limit, ids_only=True,
+                       naive=rawsql.naive_times())
+    at = timezone.now()
+    return hot_sql.settle_and_claim(
+        [(ref.run_id, ref.attempt, None, transitions.lifecycle_event_id()) for ref in settled],
+        WORKER, Status.RUNNING, Status.SUCCEEDED, Reason.COMPLETED, transitions.SUCCEEDED, due,
+        at, Status.QUEUED, {}, at + timedelta(seconds=30), transitions.STARTED)
+
+
+@override_settings(AGENTRUNS={"PREPARED_STATEMENTS": True})
+def test_a_settle_and_claim_of_any_size_is_one_statement_that_settles_by_id() -> None:
+    """The successes travel as one JSON parameter: every batch size is the same text, one
+    prepared statement. Its generic plan, made for one success while the tables were
+    small, settles 64 by id once the runs and events are many."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE {EVENTS}")
+    enqueue_many([RunRequest("tests.noop", {"n": n}) for n in range(66)])
+    refs = [AttemptRef(run.pk, run.attempt, WORKER, 60.0) for run in transitions.claim(
+        WORKER, ["default"], 65, ScopePolicy(), {}, 60.0, include_lapsed=False)]
+    one = settle_and_claim_statement(refs[:1], 1)
+    with transaction.atomic(), connection.cursor() as cursor:
+        plans.plan_by_index()
+        execute = prepare(cursor, "plans_settle", *one)
+        grow_events()
+        many = settle_and_claim_statement(refs[1:], 1)
+        plan = explained(cursor, execute, many[1])
+        settled = AgentRun.objects.filter(pk__in=[r.run_id for r in refs],
+                                          status=Status.SUCCEEDED).count()
+        ended = RunEvent.objects.filter(type=transitions.SUCCEEDED,
+                                        run_id__in=[r.run_id for r in refs]).count()
+        started = AgentRun.objects.filter(status=Status.RUNNING).exclude(
+            pk__in=[r.run_id for r in refs]).count()
+        cursor.execute("DEALLOCATE plans_settle")
+        transaction.set_rollback(True)
+    assert (many[0], len(many[1])) == (one[0], len(one[1]))
+    # 64 and refs[0], settled when the plan was made; a run claimed each time.
+    assert (settled, ended, started) == (65, 65, 2)
+    # Each run by id, twice (the settle, and the claim's picking around it); its last seq
+    # by index. A scan would read the 366 runs, or the 3,000 events, for each.
+    read = {table: helpers.plan_rows_read(plan, table) for table in (RUNS, EVENTS)}
+    assert read[RUNS] <= 4 * 65, read
+    assert read[EVENTS] <= 2 * 65, read

@@ -5,10 +5,6 @@ without events adds `settling.insert_outputs`). Nothing here executes a statemen
 
 from __future__ import annotations
 
-from typing import Any
-
-from django.db import connection
-
 from ..models import RunPayload
 from ..payloads import INPUT_JSON
 
@@ -20,18 +16,10 @@ INPUT_OF_CLAIMED = (
     f"WHERE p.run_id = django_agentruns_agentrun.id AND p.kind = '{RunPayload.INPUT}' "
     f"ORDER BY p.id DESC LIMIT 1) AS {INPUT_JSON}")
 
-# The settled runs' outputs, from the `v` rows of their VALUES and the `done` CTE of the
+# The settled runs' outputs, from the `v` rows of their JSON and the `done` CTE of the
 # fenced UPDATE: a CTE of the settle's statement (PostgreSQL). Its one parameter: the time.
 OUTPUTS_FROM_DONE = (
     f"INSERT INTO django_agentruns_runpayload (run_id, kind, value, created_at) "
     f"SELECT done.id, '{RunPayload.OUTPUT}', o.run_output, %s FROM done "
     f"JOIN v o ON o.run_id = done.id WHERE o.run_output IS NOT NULL")
 
-
-def output_param(output: Any) -> Any:
-    """A success's output as the VALUES row carries it: NULL for None, which is stored
-    as no payload row (`AgentRun.output` reads None without one)."""
-    if output is None:
-        return None
-    return RunPayload._meta.get_field("value").get_db_prep_value(
-        output, connection)
