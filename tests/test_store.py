@@ -212,6 +212,38 @@ def test_emits_checkpoints_and_renewals_alone_commit_in_one_statement(settings: 
     assert apply_writes([rare[4]]) == [Renewal.LOST]
 
 
+def test_successes_beside_other_runs_writes_commit_in_two_statements() -> None:
+    """PostgreSQL: successes that came while the claim loop's statement ran meet other
+    attempts' emits in the store's batches. One run a write, they commit in two
+    statements of their own (the emits', then the successes'), not in a transaction of
+    rounds; a lost success is answered LOST, as in a transaction."""
+    done, emitting, pointed, lost = claimed(4)
+    reclaim(lost)
+    mixed: list[Write] = [emit(emitting, 1), SucceedWrite(done, {"answer": 42}),
+                          CheckpointWrite(pointed, {"n": 1}, 1), SucceedWrite(lost, None)]
+    if connection.vendor != "postgresql":
+        assert not stands_alone(mixed)
+        return
+    assert stands_alone(mixed)
+    assert not stands_alone([emit(done, 1), SucceedWrite(done, None)])  # one run: in order
+    assert not stands_alone([emit(done, 1), SucceedWrite(emitting, None),
+                             SucceedWrite(AttemptRef(pointed.run_id, 1, "other:2:ffff", 30.0),
+                                          None)])  # two workers' successes
+    with CaptureQueriesContext(connection) as queries:
+        results = apply_writes(mixed)
+    assert results == [Renewal.OK, Settlement.SUCCEEDED, Renewal.OK, Settlement.LOST]
+    assert len(queries) == 2, [q["sql"][:80] for q in queries]
+    started = (1, transitions.STARTED)
+    assert [(s, t) for s, t, _ in story(done)] == [started, (2, transitions.SUCCEEDED)]
+    assert [(s, t) for s, t, _ in story(emitting)] == [started, (2, "step")]
+    assert [(s, t) for s, t, _ in story(pointed)] == [started, (2, transitions.CHECKPOINT)]
+    assert [(s, t) for s, t, _ in story(lost)] == [started]
+    statuses = dict(AgentRun.objects.values_list("pk", "status"))
+    assert [statuses[r.run_id] for r in (done, emitting, pointed, lost)] == [
+        Status.SUCCEEDED, Status.RUNNING, Status.RUNNING, Status.RUNNING]
+    assert AgentRun.objects.get(pk=done.run_id).output == {"answer": 42}
+
+
 @pytest.mark.postgres_only
 def test_an_emit_alone_past_its_cap_fails_and_its_batch_mates_stay_written() -> None:
     """The batch committed as it ran: its other emits are written, and the store's retry

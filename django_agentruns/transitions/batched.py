@@ -67,13 +67,15 @@ def apply_writes(writes: Sequence[Write], at: datetime | None = None) -> list[Re
     Must run inside `transaction.atomic()` (the caller commits them together), unless the
     writes stand alone (`stands_alone`): successes alone, or on PostgreSQL emits,
     checkpoints and renewals alone (one per run), commit in a statement of their own
-    (`alone`). The effect is that of applying them one after another: writes to distinct
-    runs are applied together, and a second write to a run starts a new round after the
-    first.
+    (`alone`), and both together, one run a write, in two. The effect is that of applying
+    them one after another: writes to distinct runs are applied together, and a second
+    write to a run starts a new round after the first.
     """
     if not connection.in_atomic_block:
         if one_statement(writes):
             return write_alone(writes, at or now(), _in_transaction)
+        if two_statements(writes):
+            return _alone_then_successes(writes, at or now())
         if not only_successes(writes):
             raise RuntimeError("apply_writes runs inside the caller's transaction")
         # Successes alone (a no-op agent's only write): settle_succeeded_many's own
@@ -111,9 +113,37 @@ def _in_transaction(writes: Sequence[Write], at: datetime) -> list[Result]:
 
 
 def stands_alone(writes: Sequence[Write]) -> bool:
-    """Whether `writes` commit in a statement of their own, outside a transaction: the
+    """Whether `writes` commit in statements of their own, outside a transaction: the
     store then sends no BEGIN and no COMMIT for them (two round trips of four)."""
-    return only_successes(writes) or one_statement(writes)
+    return only_successes(writes) or one_statement(writes) or two_statements(writes)
+
+
+def two_statements(writes: Sequence[Write]) -> bool:
+    """Whether `writes` are successes of one worker beside what `write_alone` writes, every
+    write of a distinct run: the successes the claim loop's statement could not take
+    (they came while it ran) meet the other attempts' emits in the store's batches.
+    Each write is fenced on its own and no two touch one run, so two statements, each
+    committed on its own, write what one transaction would, without its rounds."""
+    successes = [w for w in writes if isinstance(w, SucceedWrite)]
+    if not successes or len(successes) == len(writes):
+        return False
+    others = [w for w in writes if not isinstance(w, SucceedWrite)]
+    return len({w.ref.worker_id for w in successes}) == 1 and one_statement(others) \
+        and len({w.ref.run_id for w in writes}) == len(writes)
+
+
+def _alone_then_successes(writes: Sequence[Write], at: datetime) -> list[Result]:
+    """`two_statements`' writes: the others in `write_alone`'s statement, then the
+    successes in `settle_succeeded_many`'s. Should the second fail after the first
+    committed, the store writes the batch again: a stored event or checkpoint is not
+    written twice (their ids and numbers), and a renewal is a renewal."""
+    others = [w for w in writes if not isinstance(w, SucceedWrite)]
+    answered = dict(zip(map(id, others), write_alone(others, at, _in_transaction),
+                        strict=True))
+    items = [(w.ref, w.output) for w in writes if isinstance(w, SucceedWrite)]
+    settled = settle_succeeded_many(items[0][0].worker_id, items, at)
+    return [settled[w.ref] if isinstance(w, SucceedWrite) else answered[id(w)]
+            for w in writes]
 
 
 def _missed(refs: Sequence[AttemptRef]) -> dict[int, Renewal]:
