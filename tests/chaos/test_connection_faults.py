@@ -30,7 +30,8 @@ CLAIM_SQL = f'^(SELECT "{TABLE}"."id", "{TABLE}"."agent"|WITH picked AS \\(SELEC
 
 # settle_succeeded_many's guarded UPDATE (with its end events, in one statement), alone or
 # at the head of the claim loop's settle-and-claim statement (transitions.handover)
-SETTLE_SQL = '^WITH v \\(run_id, run_attempt, run_output, run_event\\)'
+SETTLE_SQL = ('^WITH v AS \\(SELECT \\(r->>0\\)::bigint AS run_id, \\(r->>1\\)::integer AS '
+              'run_attempt, \\(r->>2\\)::jsonb AS run_output')
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only]
 
