@@ -287,3 +287,34 @@ def test_a_settle_and_claim_of_any_size_is_one_statement_that_settles_by_id() ->
     read = {table: helpers.plan_rows_read(plan, table) for table in (RUNS, EVENTS)}
     assert read[RUNS] <= 4 * 65, read
     assert read[EVENTS] <= 2 * 65, read
+
+
+@pytest.mark.parametrize("through", ["claim loop", "attempt store"])
+def test_a_settle_finds_its_runs_by_id_when_the_statistics_count_no_running_run(
+        through: str) -> None:
+    """Statistics taken while every run was queued (a backlog analyzed before the workers
+    started) count no running run. A status guard that an index of statuses matches sent
+    the settle through every running run for its few; it reads each of its runs by id."""
+    enqueue_many([RunRequest("tests.noop", {"n": n}) for n in range(400)])
+    with connection.cursor() as cursor:
+        cursor.execute(f"ANALYZE {RUNS}")
+    refs = [AttemptRef(run.pk, run.attempt, WORKER, 60.0) for run in transitions.claim(
+        WORKER, ["default"], 300, ScopePolicy(), {}, 60.0, include_lapsed=False)]
+    assert len(refs) == 300
+    settled = refs[:64]
+    if through == "claim loop":
+        sql, params = settle_and_claim_statement(settled, 1)
+    else:
+        sql, params = hot_sql.settle_succeeded(
+            [(ref.run_id, ref.attempt, None, transitions.lifecycle_event_id())
+             for ref in settled], WORKER, Status.RUNNING, Status.SUCCEEDED,
+            Reason.COMPLETED, transitions.SUCCEEDED, timezone.now(), with_events=True)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}", params)
+        plan = cursor.fetchone()[0]
+        done = AgentRun.objects.filter(status=Status.SUCCEEDED).count()
+        transaction.set_rollback(True)
+    assert done == 64
+    # Each by id, twice at most (and the claim's one pick); the 300 running runs would
+    # be read through the status index, the 400 runs by a scan.
+    assert helpers.plan_rows_read(plan, RUNS) <= 2 * 64 + 8, helpers.plan_rows_read(plan, RUNS)

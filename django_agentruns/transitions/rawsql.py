@@ -170,9 +170,10 @@ _FENCE = (("run_id", "bigint"), ("run_attempt", "integer"), ("run_worker", "varc
 
 def _fence(table: str) -> str:
     """The rows of `v` (`_FENCE` columns first) whose attempt still holds its run; the
-    running status is the statement's first parameter."""
+    running status is the statement's first parameter, in a guard no status index
+    matches (`guards.still`): the runs are found by id, whatever the statistics say."""
     return (f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
-            f"AND {table}.status = %s AND {table}.claimed_by = v.run_worker ")
+            f"AND ({table}.status = %s) IS TRUE AND {table}.claimed_by = v.run_worker ")
 
 
 def _last_seq(events: str) -> str:
