@@ -45,10 +45,14 @@ def backlog_after_analyze() -> Iterator[None]:
     enqueue_many([RunRequest("tests.noop", {"n": n}) for n in range(BACKLOG)])
     yield
     # ANALYZE writes the table's size into pg_class in place, which the test's rollback
-    # does not undo: leave it as the later tests found it (an empty table).
-    AgentRun.objects.all().delete()
+    # does not undo: leave it as the later tests found it (an empty table). One DELETE,
+    # not the ORM's cascade over every related table, and the transaction marked for
+    # rollback, as it is rolled back anyway: Django then skips its check of the deferred
+    # foreign keys, which for 4,000 deleted runs ran 36,000 queries (6-18 s a test).
     with connection.cursor() as cursor:
+        cursor.execute(f"DELETE FROM {TABLE}")
         cursor.execute(f"ANALYZE {TABLE}")
+    transaction.set_rollback(True)
 
 
 def claim_statement(limit: int) -> tuple[str, list[Any]]:
