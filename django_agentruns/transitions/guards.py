@@ -17,3 +17,9 @@ def still(status: str) -> Func:
     """A filter: the row's status is still `status` (the compare-and-set's guard)."""
     return Func(Q(status=status), template="(%(expressions)s) IS TRUE",
                 output_field=BooleanField())
+
+
+def still_sql(table: str) -> str:
+    """`still` in raw SQL, for `table` (quoted): the status is the statement's next
+    parameter."""
+    return f"({table}.status = %s) IS TRUE"

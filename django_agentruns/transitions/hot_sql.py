@@ -16,6 +16,7 @@ from django.db import DEFAULT_DB_ALIAS, connection, connections
 
 from ..models import AgentRun, RunEvent
 from . import payload_sql, rawsql
+from .guards import still_sql
 from .rawsql import SENTINEL_TIME, Compiled, prep, qn
 
 Statement = tuple[str, list[Any]]
@@ -52,9 +53,9 @@ def _succeed_parts(
     text is the same for every batch size, so a worker's settle-and-claim is one prepared
     statement, where a VALUES list of four placeholders a run made each size a statement
     of its own, parsed and planned afresh (some 2.6 ms of the server's time for a batch of
-    50, and psycopg's adapting of 200 values). The status guard is written so that no
-    status index matches it (`guards.still`): statistics that count no running run (taken
-    before the workers started) sent the plan through every running run for its few."""
+    50, and psycopg's adapting of 200 values). The status guard is `guards.still_sql`:
+    statistics that count no running run (taken before the workers started) sent a plain
+    one through every running run for its few."""
     table = qn(AgentRun._meta.db_table)
     params: list[Any] = [_rows(items), succeeded, completed, prep(AgentRun, "finished_at", at),
                          running, worker_id]
@@ -62,7 +63,7 @@ def _succeed_parts(
               f"finished_at = %s, lease_expires = NULL FROM v "
               f"WHERE {table}.id {_among_ids()} AND {table}.id = v.run_id "
               f"AND {table}.attempt = v.run_attempt "
-              f"AND ({table}.status = %s) IS TRUE AND {table}.claimed_by = %s ")
+              f"AND {still_sql(table)} AND {table}.claimed_by = %s ")
     head = f"WITH v AS {rawsql.json_rows(_SUCCESSES)} "
     return head, update, params
 
@@ -146,14 +147,14 @@ def _claim_ctes(
     lease_params.append(default_lease)
     params += [running, worker_id, *lease_params, at, queued,
                started, prep(RunEvent, "payload", {"worker": worker_id}), at]
-    # The status guard is written `(...) IS TRUE`, as `guards.still` writes it: no partial
-    # index's predicate matches it, so the UPDATE finds its rows by id (see there).
+    # The status guard is `guards.still_sql`: no partial index's predicate matches it, so
+    # the UPDATE finds its rows by id (see there).
     sql = (f"picked AS ({due.sql}), "
            f"claimed AS (UPDATE {table} SET status = %s, claimed_by = %s, "
            f"attempt = {table}.attempt + 1, lease_expires = {lease}, started_at = %s, "
            f"dedupe_key = CASE WHEN {table}.release_dedupe_at_start THEN '' "
            f"ELSE {table}.dedupe_key END "
-           f"FROM picked WHERE {table}.id = picked.id AND ({table}.status = %s) IS TRUE "
+           f"FROM picked WHERE {table}.id = picked.id AND {still_sql(table)} "
            f"RETURNING {table}.*, picked.started_at AS previous_started_at, "
            f"{payload_sql.INPUT_OF_CLAIMED}), "
            f"started AS ({_events_from('claimed', 'gen_random_uuid()')})")

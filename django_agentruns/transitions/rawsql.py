@@ -21,6 +21,7 @@ from django.db.models import Field, QuerySet
 from django.utils import timezone
 
 from ..models import AgentRun, RunCheckpoint, RunEvent, RunPayload
+from .guards import still_sql
 
 # Stands for "now" while a queryset is compiled; swapped for the real time per call.
 SENTINEL_TIME = datetime(1999, 12, 31, 23, 59, 58, 424242, tzinfo=UTC)
@@ -171,9 +172,9 @@ _FENCE = (("run_id", "bigint"), ("run_attempt", "integer"), ("run_worker", "varc
 def _fence(table: str) -> str:
     """The rows of `v` (`_FENCE` columns first) whose attempt still holds its run; the
     running status is the statement's first parameter, in a guard no status index
-    matches (`guards.still`): the runs are found by id, whatever the statistics say."""
+    matches (`guards.still_sql`): the runs are found by id, whatever the statistics say."""
     return (f"WHERE {table}.id = v.run_id AND {table}.attempt = v.run_attempt "
-            f"AND ({table}.status = %s) IS TRUE AND {table}.claimed_by = v.run_worker ")
+            f"AND {still_sql(table)} AND {table}.claimed_by = v.run_worker ")
 
 
 def _last_seq(events: str) -> str:
@@ -276,7 +277,7 @@ def fenced_alone(
             if keep is not None else "")
     # Prepared, it soon runs on PostgreSQL's generic plan, which knows neither how many rows
     # `v` holds nor the status sought: the runs are found by id (`= ANY`), and the status
-    # guard is written so that no status index matches it (as `guards.still`), lest
+    # guard is written so that no status index matches it (`guards.still_sql`), lest
     # statistics that count no running run send the plan through every running run. Such
     # statistics also make the plan expect one run renewed: the renewed rows carry their
     # writes on (RETURNING), so that no later part joins them to anything, where a nested
@@ -285,7 +286,7 @@ def fenced_alone(
            f"fenced AS (UPDATE {table} SET {qn(_column('lease_expires'))} = v.lease, "
            f"{count} = COALESCE(v.number, {table}.{count}) FROM v "
            f"WHERE {table}.id = ANY(%s::bigint[]) AND {table}.id = v.run_id "
-           f"AND {table}.attempt = v.run_attempt AND ({table}.status = %s) IS TRUE "
+           f"AND {table}.attempt = v.run_attempt AND {still_sql(table)} "
            f"AND {table}.claimed_by = v.run_worker AND {table}.cancel_requested_at IS NULL "
            f"AND (v.number IS NULL OR {table}.{count} < v.number) RETURNING v.run_id, "
            f"v.run_attempt, v.number, v.state, v.event_id, v.type, v.payload, v.cap), "
