@@ -117,6 +117,32 @@ def test_worker_claims_with_the_agents_ttl() -> None:
     assert max(seen) <= 1.0 + 0.05  # never a 2 s lease
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_claimed_attempts_lease_counts_from_before_its_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The keeper renews a lease a third into its TTL from when the claim set it, not from
+    when the attempt started: a slow claim (a loaded database, the inputs' reads) must not
+    push its first renewal past the lease's end."""
+    run = enqueue("tests.noop")
+    worker = Worker(burst=True)
+    entered: list[float] = []
+    counted_from: list[float] = []
+    real = transitions.settle_and_claim
+
+    def timed_claim(*args: object, **kwargs: object) -> object:
+        entered.append(time.monotonic())
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(transitions, "settle_and_claim", timed_claim)
+    monkeypatch.setattr(worker.keeper, "started",
+                        lambda live: counted_from.append(live.last_renewed))
+    worker.run(install_signals=False)
+    assert AgentRun.objects.get(pk=run.pk).status == Status.SUCCEEDED
+    assert len(counted_from) == 1
+    assert counted_from[0] <= entered[0]
+
+
 # --------------------------------------------------------------------------- step boundaries
 
 

@@ -93,6 +93,22 @@ def test_keeper_renews_a_third_spent_lease_and_no_fresh_one() -> None:
     assert stale.control.stop_reason is None
 
 
+def test_a_start_wakes_the_keeper_only_if_its_lease_falls_due_before_the_next_pass() -> None:
+    """An idle keeper looks every half second: a new attempt with a short lease, or one
+    whose claim was slow, must not wait that out for its first renewal."""
+    run = AgentRun(pk=1, agent="tests.noop", attempt=1)
+    keeper = LeaseKeeper("w1", LiveAttempts())
+    keeper._next_pass = time.monotonic() + 0.5  # as an idle keeper's wait sets it
+    keeper.started(live_of(run, AttemptRef(1, 1, "w1", 60.0)))
+    keeper.started(live_of(run, AttemptRef(1, 1, "w1", None)))  # interactive: no lease
+    assert not keeper._wake.is_set()
+    keeper.started(live_of(run, AttemptRef(1, 1, "w1", 1.0)))  # due in a third of a second
+    assert keeper._wake.is_set()
+    keeper._wake.clear()
+    keeper.started(live_of(run, AttemptRef(1, 1, "w1", 6.0), renewed=time.monotonic() - 1.9))
+    assert keeper._wake.is_set()  # a long lease, but its claim took most of a third of it
+
+
 @pytest.mark.django_db(transaction=True)
 def test_keeper_turns_a_lost_lease_and_a_cancel_into_stops() -> None:
     lost_run, lost_ref = claim_one("tests.noop", at=transitions.now())

@@ -34,6 +34,8 @@ class LeaseKeeper:
         self.live = live
         self.on_tick = on_tick
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._next_pass = float("inf")  # monotonic time the keeper will next look
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -43,6 +45,7 @@ class LeaseKeeper:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop renewing, and wait for the thread (its connection closed) for `timeout`."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -59,8 +62,18 @@ class LeaseKeeper:
                 self.on_tick()
             # Wake often enough to renew at a third of the shortest TTL, and to notice
             # timeouts promptly.
-            self._stop.wait(self.interval(lives))
+            interval = self.interval(lives)
+            self._next_pass = time.monotonic() + interval
+            self._wake.wait(interval)
+            self._wake.clear()  # before the next snapshot: a later start wakes it again
         close_all_connections()
+
+    def started(self, live: Live) -> None:
+        """A new attempt whose lease falls due before the keeper's next pass (a short TTL
+        after an idle spell, a slow claim) wakes it, so its first renewal is on time too."""
+        ttl = live.control.ref.lease_ttl
+        if ttl and live.last_renewed + ttl / 3 < self._next_pass:
+            self._wake.set()
 
     @staticmethod
     def interval(lives: list[Live]) -> float:

@@ -266,7 +266,7 @@ class Worker:
         if include_lapsed and len(limited) < batch:  # else the claim did not look
             self._last_lapsed_scan = now
         try:
-            self._start_all(runs)
+            self._start_all(runs, leased_at=now)
             for handed in taken:
                 # Its end wakes nobody if a run took its slot, or if it ends on this
                 # thread (`then`): this loop looks at the slot next, as the claim did.
@@ -285,20 +285,21 @@ class Worker:
 
     # ----------------------------------------------------------------- attempts
 
-    def _start_all(self, runs: Sequence[AgentRun]) -> None:
+    def _start_all(self, runs: Sequence[AgentRun], leased_at: float) -> None:
         """Start the claimed runs: sync agents' each on a thread, async agents' coroutines
-        on the executor's loop, handed over together (`running.spawn`)."""
+        on the executor's loop, handed over together (`running.spawn`). `leased_at`: the
+        monotonic time before the claim, whose leases count from then, not from now."""
         started: list[Starting] = []
         try:
             for run in runs:
-                if (attempt := self._start(run)) is not None:
+                if (attempt := self._start(run, leased_at)) is not None:
                     started.append(attempt)
         finally:
             if started:
                 self.executor.ensure_loop().call_soon_threadsafe(spawn, started,
                                                                  attempt_done)
 
-    def _start(self, run: AgentRun) -> Starting | None:
+    def _start(self, run: AgentRun, leased_at: float) -> Starting | None:
         """Set up an attempt of `run`: a sync agent's starts; an async agent's is returned."""
         spec = self._agents.get(run.agent) or find_agent(run.agent)
         # The lease the claim just gave it (no setting read per run).
@@ -308,8 +309,9 @@ class Worker:
         control = self.executor.control(ref, spec.timeout if spec else None,
                                         run.checkpoint_count)
         usage.arm(control, run, spec)  # flow control: the run's budget and totals
-        live = Live(run, spec, control, time.monotonic())
+        live = Live(run, spec, control, leased_at)
         self.live.add(live)
+        self.keeper.started(live)
         logger.info("run %s %s attempt %s started", run.pk, run.agent, run.attempt,
                     extra=extra(ref, run.agent))
         if spec is not None and spec.is_async:
