@@ -177,8 +177,8 @@ def test_a_claim_whose_start_raises_still_answers_the_successes_it_settled(
     real = Worker._start
     started: list[int] = []
 
-    def start(self: Worker, run: AgentRun) -> None:
-        real(self, run)
+    def start(self: Worker, run: AgentRun, leased_at: float) -> None:
+        real(self, run, leased_at)
         started.append(run.pk)
         if len(started) == 2:  # the pass that settled the first run's success
             raise RuntimeError("after the start")
