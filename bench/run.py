@@ -78,9 +78,8 @@ def run_rep(rep: int, plan: Plan, admin: Admin, results: Results, logs: Path,
             results.add(key, engine, r["runs_per_s"])
             results.flag(key, engine, r)
             results.add_cpu(key, engine, r)
-            if key != "drain4c":
-                results.add(f"commits{processes}{'c' if concurrency > 1 else ''}", engine,
-                            r["commits"])
+            results.add(f"commits{processes}{'c' if concurrency > 1 else ''}", engine,
+                        r["commits"])
             if key == "drain1":
                 results.add("statements1", engine, r.get("statements", math.nan))
                 results.add("rows1", engine, r["rows"])

@@ -45,6 +45,8 @@ ROWS: list[tuple[str, str, str, str]] = [
     ("commits4", "worker commits per run, no-op drain, 4 processes", LOWER, "per"),
     ("commits1c", "worker commits per run, no-op drain, 1 process, concurrency {drain_c}",
      LOWER, "per"),
+    ("commits4c", "worker commits per run, no-op drain, 4 processes, concurrency {drain_c}",
+     LOWER, "per"),
     ("statements1", "worker SQL statements per run, no-op drain, 1 process", LOWER, "per"),
     ("rows1", "rows written per run, no-op drain, 1 process", LOWER, "per"),
     ("rss_drain", "worker peak RSS, no-op drain, 1 process (MB)", LOWER, "mb"),
