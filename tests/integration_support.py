@@ -4,7 +4,7 @@ two-turn script, a live reader of a run's chunks, and the reads every test makes
 
 The fake provider itself is the `fake_provider` fixture (tests/conftest.py); a worker
 subprocess loads the framework agents (tests/testapp/framework_agents.py) only with
-FRAMEWORKS_ENV set, which `env_for` does.
+FRAMEWORKS_ENV naming their framework, which `env_for` sets.
 """
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ APPROVAL_TURNS = [Reply("Let me refund that.", tool_calls=[ToolCall("refund", {"
 """Text and a call of the tool that needs approval, then the answer once it ran."""
 
 
-def env_for(worker_env: dict[str, str], provider: FakeProvider) -> dict[str, str]:
+def env_for(worker_env: dict[str, str], provider: FakeProvider,
+            framework: str) -> dict[str, str]:
     """A worker subprocess's environment: this test's database, the fake provider's URL,
-    SETTINGS, and the framework agents loaded."""
+    SETTINGS, and the agents of `framework` loaded (`pydantic_ai`, `langgraph` or
+    `openai_agents`: only its own, as each takes a worker about 2 s of CPU to import)."""
     return {**worker_env, **provider.env(), "AGENTRUNS_TEST_SETTINGS": json.dumps(SETTINGS),
-            FRAMEWORKS_ENV: "1"}
+            FRAMEWORKS_ENV: framework}
 
 
 def run(run_id: int) -> AgentRun:

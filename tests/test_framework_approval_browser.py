@@ -50,7 +50,7 @@ def test_approve_a_pydantic_ai_tool_call_in_the_admin_and_the_tool_runs_once(
         page: Page, live_server: Any, approver: User, worker_env: dict[str, str],
         fake_provider: FakeProvider, name: str) -> None:
     fake_provider.script(APPROVAL_TURNS)
-    env = env_for(worker_env, fake_provider)
+    env = env_for(worker_env, fake_provider, "pydantic_ai")
     pk = enqueue(name, {"model": "m", "prompt": "Refund me"}).pk
     log_in(page, live_server, "approver")
     with helpers.start_manage(["runworker"], env) as worker:

@@ -12,7 +12,8 @@ from django_agentruns import NotRetryable, Retryable, RunContext, agent
 from .models import SideEffect
 
 FRAMEWORKS_ENV = "AGENTRUNS_TEST_FRAMEWORKS"
-"""Set (to 1) in a worker subprocess's environment to load the agent frameworks' agents."""
+"""Set in a worker subprocess's environment to load agent frameworks' agents: the
+frameworks' names, comma-separated (`pydantic_ai`, `langgraph`, `openai_agents`), or `all`."""
 
 
 def record(ctx: RunContext, step: int = 0, note: str = "") -> None:
@@ -325,8 +326,9 @@ from . import (  # noqa: E402,F401
     writer_agents,
 )
 
-# The agent frameworks take about 5 s to import: a worker subprocess loads their agents only
-# when its test asks for them (the integration tests do); the test process always does.
+# The agent frameworks take about 5 s to import (about 2 s each): a worker subprocess loads
+# the agents of the frameworks its test names (the integration tests do); the test process
+# loads them all.
 if os.environ.get(FRAMEWORKS_ENV) or not os.environ.get("AGENTRUNS_TEST_SUBPROCESS"):
     from . import framework_agents  # noqa: F401
 

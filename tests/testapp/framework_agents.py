@@ -21,6 +21,7 @@ from django.db import connection
 from django_agentruns import RunContext, agent
 from django_agentruns.runtime.context import current_context
 
+from .agents import FRAMEWORKS_ENV
 from .models import SideEffect
 
 
@@ -38,7 +39,18 @@ def tool_ran(note: str) -> None:
             time.sleep(0.05)
 
 
-if importlib.util.find_spec("pydantic_ai") is not None:
+def _wanted(framework: str, module: str) -> bool:
+    """Installed, and asked for: the test process loads every framework; a worker
+    subprocess those its test names in AGENTRUNS_TEST_FRAMEWORKS (each costs it ~2 s)."""
+    if importlib.util.find_spec(module) is None:
+        return False
+    if not os.environ.get("AGENTRUNS_TEST_SUBPROCESS"):
+        return True
+    asked = os.environ.get(FRAMEWORKS_ENV, "")
+    return asked == "all" or framework in asked.split(",")
+
+
+if _wanted("pydantic_ai", "pydantic_ai"):
     from pydantic_ai import Agent
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
@@ -75,7 +87,7 @@ if importlib.util.find_spec("pydantic_ai") is not None:
         return {"output": result.output, "attempt": ctx.attempt}
 
 
-if importlib.util.find_spec("langgraph") is not None:
+if _wanted("langgraph", "langgraph"):
     import json
     import operator
     from typing import Annotated, TypedDict
@@ -231,7 +243,7 @@ if importlib.util.find_spec("langgraph") is not None:
         return run_graph(_counter_graph(), ctx.input.get("n", 1), config=config)
 
 
-if importlib.util.find_spec("agents") is not None:
+if _wanted("openai_agents", "agents"):
     from agents import Agent as SdkAgent
     from agents import RunConfig, function_tool
     from agents.models.openai_provider import OpenAIProvider as SdkProvider
