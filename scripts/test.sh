@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The full check, as `make test` runs it: migrations, lint, types, then the test suite on
-# SQLite and on PostgreSQL, the two passes side by side (TEST_SERIAL=1: one after the
-# other, output live). Extra arguments go to pytest. TEST_AFTER_SQLITE / TEST_AFTER_POSTGRES:
+# The full check, as `make test` runs it: migrations, lint, then the test suite on SQLite
+# and on PostgreSQL, the two passes side by side with mypy beside them (TEST_SERIAL=1: one
+# after the other and mypy first, output live). Extra arguments go to pytest. TEST_AFTER_SQLITE / TEST_AFTER_POSTGRES:
 # a command to run after that pass, in its lane (CI's extra jobs; see lane below).
 #
 # PostgreSQL: DATABASE_URL if it is a postgres URL; else the local server at 127.0.0.1:5432
@@ -40,8 +40,9 @@ DATABASE_URL=$SQLITE_URL "$PY" manage.py makemigrations --check --dry-run --sett
 step "ruff"
 "$PY" -m ruff check .
 
-step "mypy"
-"$PY" -m mypy django_agentruns
+# mypy takes about a minute from a cold cache: beside the two passes (below) it costs CI
+# only its share of the cores; run alone (TEST_SERIAL=1, or SQLite only) it goes first.
+run_mypy() { "$PY" -m mypy django_agentruns; }
 
 export AGENTRUNS_BROWSER_MARKER="$PWD/.tmp/browser-not-run"  # tests/conftest.py writes it
 rm -f "$AGENTRUNS_BROWSER_MARKER"  # when the browser tests skip
@@ -99,6 +100,11 @@ if [[ -n $pg_url ]]; then
   ran+=("PostgreSQL")
 fi
 
+if [[ -z $pg_url || ${TEST_SERIAL:-0} == 1 ]]; then
+  step "mypy"
+  run_mypy
+fi
+
 if [[ -n $pg_url && ${TEST_SERIAL:-0} != 1 ]]; then
   # Side by side: most of the suite waits on worker subprocesses, leases and sockets, so two
   # passes on two cores take little longer than one (TEST_SERIAL=1 runs them one by one).
@@ -111,13 +117,17 @@ if [[ -n $pg_url && ${TEST_SERIAL:-0} != 1 ]]; then
   step "pytest on SQLite and on PostgreSQL ($pg_from: $shown), side by side"
   echo "    output: .tmp/test-sqlite.log and .tmp/test-postgres.log, printed when both end"
   set +e
+  run_mypy >.tmp/mypy.log 2>&1 &
+  mypy_job=$!
   SIDE_BY_SIDE=1 lane sqlite "$SQLITE_URL" "${TEST_AFTER_SQLITE:-}" &
   sqlite_job=$!
   SIDE_BY_SIDE=1 lane postgres "$pg_url" "${TEST_AFTER_POSTGRES:-}" &
   postgres_job=$!
   wait "$sqlite_job"; sqlite_status=$?
   wait "$postgres_job"; postgres_status=$?
+  wait "$mypy_job"; mypy_status=$?
   set -e
+  step "mypy (beside the passes)"; cat .tmp/mypy.log
   # A failed pass prints last, so its summary ends the output.
   for name in sqlite postgres; do
     status_var="${name}_status"
@@ -127,8 +137,9 @@ if [[ -n $pg_url && ${TEST_SERIAL:-0} != 1 ]]; then
     status_var="${name}_status"
     if [[ ${!status_var} != 0 ]]; then show_lane "$name" " FAILED"; fi
   done
-  if [[ $sqlite_status != 0 || $postgres_status != 0 ]]; then
-    printf '\n!!! FAIL: pytest on SQLite exited %s, on PostgreSQL %s\n' "$sqlite_status" "$postgres_status" >&2
+  if [[ $sqlite_status != 0 || $postgres_status != 0 || $mypy_status != 0 ]]; then
+    printf '\n!!! FAIL: pytest on SQLite exited %s, on PostgreSQL %s; mypy exited %s\n' \
+      "$sqlite_status" "$postgres_status" "$mypy_status" >&2
     exit 1
   fi
 else

@@ -22,6 +22,9 @@ from tests.fakeprovider import FakeProvider
 from tests.integration_support import APPROVAL_TURNS, env_for, finished, run, stored_text, tool_runs
 from tests.test_admin_browser import CHANGELIST, log_in, make_user
 
+FRAMEWORK = "pydantic_ai"
+"""Whose agents this module's worker subprocesses load (`env_for`)."""
+
 pytest.importorskip("pydantic_ai")
 
 with contextlib.suppress(ImportError):  # tests.browser's marks skip (or fail in CI)
@@ -50,7 +53,7 @@ def test_approve_a_pydantic_ai_tool_call_in_the_admin_and_the_tool_runs_once(
         page: Page, live_server: Any, approver: User, worker_env: dict[str, str],
         fake_provider: FakeProvider, name: str) -> None:
     fake_provider.script(APPROVAL_TURNS)
-    env = env_for(worker_env, fake_provider, "pydantic_ai")
+    env = env_for(worker_env, fake_provider, FRAMEWORK)
     pk = enqueue(name, {"model": "m", "prompt": "Refund me"}).pk
     log_in(page, live_server, "approver")
     with helpers.start_manage(["runworker"], env) as worker:

@@ -33,6 +33,9 @@ from tests.integration_support import (
 )
 from tests.test_tracing import _exporter, spans  # noqa: F401 (fixtures)
 
+FRAMEWORK = "pydantic_ai"
+"""Whose agents this module's worker subprocesses load (`env_for`)."""
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -53,7 +56,7 @@ def test_a_two_turn_agent_with_a_tool_call_completes_with_its_usage_and_a_429_sn
         for case in ("ok", "limited", "badkey"):
             runs[f"{case}-{name}"] = enqueue(name, {"model": f"{case}-{name}"}).pk
     with helpers.start_manage(["runworker", "--concurrency", "6"],
-                              env_for(worker_env, fake_provider, "pydantic_ai")) as worker:
+                              env_for(worker_env, fake_provider, FRAMEWORK)) as worker:
         helpers.wait_until(lambda: all(finished(pk) for pk in runs.values()), timeout=90,
                            message="every run to finish")
         assert worker.returncode is None, worker.output()
@@ -94,7 +97,8 @@ def test_a_tool_that_needs_approval_waits_streams_first_and_runs_once_approved(
     fake_provider.script(APPROVAL_TURNS)
     pk = enqueue(name, {"model": "m", "prompt": "Refund me"}).pk
     live = LiveReader(pk)
-    with helpers.start_manage(["runworker"], env_for(worker_env, fake_provider, "pydantic_ai")) as worker:
+    env = env_for(worker_env, fake_provider, FRAMEWORK)
+    with helpers.start_manage(["runworker"], env) as worker:
         helpers.wait_until(lambda: run(pk).status == Status.WAITING, timeout=60,
                            message="the run to wait for the approval")
         # The model's text was streamed live and stored, the tool not run.
@@ -124,7 +128,7 @@ def test_a_worker_killed_after_the_first_answer_resumes_without_asking_again(
     fake_provider.script(TWO_TURNS)
     gate = tmp_path / "gate"
     pk = enqueue(name, {"model": "m", "block_file": str(gate)}).pk
-    env = env_for(worker_env, fake_provider, "pydantic_ai")
+    env = env_for(worker_env, fake_provider, FRAMEWORK)
     with helpers.start_manage(["runworker"], env) as first:
         helpers.wait_until(lambda: tool_runs(pk) == ["weather:Paris"], timeout=60,
                            message="the tool to start, after the first answer")
