@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The full check, as `make test` runs it: migrations, lint, then the test suite on SQLite
 # and on PostgreSQL, the two passes side by side with mypy beside them (TEST_SERIAL=1: one
-# after the other and mypy first, output live). Extra arguments go to pytest. TEST_AFTER_SQLITE / TEST_AFTER_POSTGRES:
-# a command to run after that pass, in its lane (CI's extra jobs; see lane below).
+# after the other and mypy first, output live). Extra arguments go to pytest.
+# TEST_AFTER_SQLITE / TEST_AFTER_POSTGRES: a command to run after that pass, in its lane
+# (CI's extra jobs; see lane below).
 #
 # PostgreSQL: DATABASE_URL if it is a postgres URL; else the local server at 127.0.0.1:5432
 # if it answers; else skipped with a loud note, or a failure when REQUIRE_POSTGRES=1.
@@ -106,8 +107,9 @@ if [[ -z $pg_url || ${TEST_SERIAL:-0} == 1 ]]; then
 fi
 
 if [[ -n $pg_url && ${TEST_SERIAL:-0} != 1 ]]; then
-  # Side by side: most of the suite waits on worker subprocesses, leases and sockets, so two
-  # passes on two cores take little longer than one (TEST_SERIAL=1 runs them one by one).
+  # Side by side: a pass keeps about one core busy (its own process, the worker
+  # subprocesses it starts, the server), so on two cores two passes take little longer
+  # than one (TEST_SERIAL=1 runs them one by one).
   # Each pass has its own database (a SQLite file per process; test_<name> on PostgreSQL).
   show_lane() {  # show_lane NAME SUFFIX: a lane's pass output, then its after-command's
     step "pytest on $1$2: output"; cat ".tmp/test-$1.log"

@@ -210,7 +210,7 @@ def test_a_per_minute_window_holds_across_three_workers(worker_env: dict[str, st
                for _ in range(3)]
     try:
         for worker in workers:
-            helpers.wait_until(lambda w=worker: "serving queues" in w.stderr,  # type: ignore[misc]
+            helpers.wait_until(lambda w=worker: "serving queues" in w.stderr,
                                message=f"a worker up\n{worker.output()}")
         earlier = [enqueue("tests.keyed", {"key": "rpm"}, queue="unserved") for _ in range(5)]
         now = timezone.now()
