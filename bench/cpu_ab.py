@@ -2,7 +2,7 @@
 in turn, a fresh PostgreSQL database per drain.
 
     BENCH_DB_PREFIX=agentruns_x python -m bench.cpu_ab A_TREE B_TREE \
-        [--runs 3000] [--concurrency 1] [--reps 3]
+        [--runs 3000] [--concurrency 1] [--reps 3] [--kind llm_sync]
 
 Each drain is a child process importing the package from its tree (PYTHONPATH), running
 `Worker(burst=True)` in process with the package logger at INFO into the void (as
@@ -10,7 +10,9 @@ Each drain is a child process importing the package from its tree (PYTHONPATH), 
 run (user + system, all threads), the CPU of each thread role (the main claim loop, the
 attempt pool, the store's writers, the keeper, the listener), runs/s, commits per run
 (`pg_stat_database`, read from outside), and the load average. Prints one line a drain
-and the medians; `--json` writes every drain.
+and the medians; `--json` writes every drain. `--kind` drains another agent of
+`bench/benchapp` (`llm_sync`, `llm_async`: the LLM-shaped runs of 1.2 s) and adds its
+share of the possible rate, first start to last finish as the database stamped them.
 """
 
 from __future__ import annotations
@@ -107,12 +109,12 @@ def child(concurrency: int, out: Path) -> int:
 
 
 def drain(admin: Any, name: str, tree: Path, runs: int, concurrency: int,
-          tmp: Path) -> dict[str, Any]:
+          tmp: Path, kind: str = "noop") -> dict[str, Any]:
     from bench.pg import django_env
     from bench.profile_worker import prefill
 
     url = admin.fresh(name)
-    prefill(url, runs)
+    prefill(url, runs, kind)
     admin.wait_idle(name)
     before = admin.stats(name)
     out = tmp / "drain.json"
@@ -125,7 +127,16 @@ def drain(admin: Any, name: str, tree: Path, runs: int, concurrency: int,
     data = json.loads(out.read_text())
     assert data["package"].startswith(str(tree)), data["package"]
     n = data["runs"]
-    return {"tree": str(tree), "runs": n, "cpu_ms": 1000 * data["cpu"] / n,
+    of_possible = None
+    if kind.startswith("llm"):
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as conn:
+            row = conn.execute("SELECT extract(epoch FROM max(finished_at) - min(started_at)) "
+                               "FROM django_agentruns_agentrun").fetchone()
+        of_possible = n * 1.2 / concurrency / float(row[0]) if row and row[0] else None
+    return {"of_possible": of_possible, "tree": str(tree), "runs": n,
+            "cpu_ms": 1000 * data["cpu"] / n,
             "sys_ms": 1000 * data["system"] / n, "runs_per_s": n / data["wall"],
             "commits": (after.commits - before.commits) / n,
             "roles_ms": {k: round(1000 * v / n, 3) for k, v in sorted(data["roles"].items())},
@@ -140,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--kind", default="noop", help="the bench agent drained")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -160,10 +172,14 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(args.reps):
                 order = (0, 1) if rep % 2 == 0 else (1, 0)
                 for side in order:
-                    r = drain(admin, name, trees[side], args.runs, args.concurrency, Path(tmp))
+                    r = drain(admin, name, trees[side], args.runs, args.concurrency, Path(tmp),
+                              args.kind)
                     r["side"] = "AB"[side]
                     results.append(r)
+                    possible = "" if r["of_possible"] is None else \
+                        f" {r['of_possible']:.3f} of possible"
                     print(f"{r['side']} cpu/run {r['cpu_ms']:.3f} ms (sys {r['sys_ms']:.3f})"
+                          f"{possible}"
                           f" {r['runs_per_s']:.0f} runs/s commits/run {r['commits']:.2f}"
                           f" load {r['load']} gc {r['gc_ms']:.3f} ms {r['gc']}"
                           f" roles {r['roles_ms']}", flush=True)
@@ -176,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{side}: cpu/run median {statistics.median(r['cpu_ms'] for r in mine):.3f} "
               f"(min {min(r['cpu_ms'] for r in mine):.3f}) ms, runs/s median "
               f"{statistics.median(r['runs_per_s'] for r in mine):.0f}, commits/run "
-              f"{statistics.median(r['commits'] for r in mine):.2f}")
+              f"{statistics.median(r['commits'] for r in mine):.2f}"
+              + (f", of possible median "
+                 f"{statistics.median(r['of_possible'] for r in mine):.3f}"
+                 if mine[0]["of_possible"] is not None else ""))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -72,6 +72,12 @@ class PgTarget:
         row = self._conn.execute(sql).fetchone()  # type: ignore[arg-type]
         return int(row[0]) if row else 0
 
+    def seconds(self, sql: str) -> float | None:
+        """The one number `sql` selects (None for NULL), on the poller's connection."""
+        assert self._conn is not None
+        row = self._conn.execute(sql).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
     def close_poller(self) -> None:
         if self._conn is not None:
             self._conn.close()

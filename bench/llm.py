@@ -4,11 +4,14 @@ A run makes three model calls of 0.4 s (sleeps), emits an event after each and s
 checkpoint after the second: 1.2 s of waiting and four writes, so workers with C slots in
 all can at best finish C / 1.2 runs a second. Each trial queues a fixed number of runs,
 starts one worker command (`--processes P` of `--concurrency C/P` each for ours) and times
-from the first run's start until none is queued or running, ramp-up and tail included (or
-the cap); meanwhile a sampler records the workers' connections to the server and the RSS
-of each process. procrastinate is the peer, with a job that writes one row per step into a table of
-its own through the ORM (`bench/benchapp/tasks.py`); django-tasks-db runs one task at a
-time and sits this one out.
+from the first run's start to the last one's finish as the database stamped them, ramp-up
+and tail included (or to the cap); meanwhile a sampler records the workers' connections to
+the server and the RSS of each process. The harness shares the machine's cores with what
+it measures, so it looks lightly: the queue every 100 ms (only to know when to stop), and
+for a supervisor's children once a second (a walk of every process costs 2.5 ms: every
+25 ms it took a tenth of a core from the workers). procrastinate is the peer, with a job
+that writes one row per step into a table of its own through the ORM
+(`bench/benchapp/tasks.py`); django-tasks-db runs one task at a time and sits this one out.
 
     python -m bench --only llm    # these rows alone; their section of results.md replaced
 
@@ -56,8 +59,18 @@ EVENTS_SQL = {
     "ours": "SELECT count(*) FROM django_agentruns_runevent WHERE type = 'llm.step'",
     "procrastinate": "SELECT count(*) FROM bench_step",
 }
-POLL = 0.02  # seconds between two looks at the queue
+SPAN_SQL = {
+    "ours": "SELECT extract(epoch FROM max(finished_at) - min(started_at)) "
+            "FROM django_agentruns_agentrun",
+    "procrastinate": "SELECT extract(epoch FROM max(at) FILTER (WHERE type IN "
+                     "('succeeded', 'failed')) - min(at) FILTER (WHERE type = 'started')) "
+                     "FROM procrastinate_events",
+}
+"""First start to last finish, as the database stamped them (a trial that emptied its
+queue): the polls below only tell the harness when to stop looking."""
+POLL = 0.1  # seconds between two looks at the queue
 SAMPLE = 0.025  # seconds between two samples of the worker's connections and RSS
+CHILDREN_EVERY = 40  # samples between two looks for a supervisor's children (1 s)
 START_TIMEOUT = 60.0  # seconds a worker gets to claim its first run
 BEGIN, END = "<!-- llm:begin -->", "<!-- llm:end -->"
 STEPS = "llm_steps_"  # the kinds whose calls are durable steps
@@ -101,6 +114,7 @@ class Sampler(threading.Thread):
         self.rss = 0
         self.over = False
         self._stop_event = threading.Event()
+        self._children: list[psutil.Process] = []
 
     def run(self) -> None:
         with psycopg.connect(db_url("postgres"), autocommit=True) as conn:
@@ -110,9 +124,10 @@ class Sampler(threading.Thread):
                                    "WHERE application_name = %s", [self.app]).fetchone()
                 named = int(row[0]) if row else 0
                 sockets = 0
-                processes = [self.process]
-                with contextlib.suppress(psutil.Error):
-                    processes += self.process.children(recursive=True)
+                if tick % CHILDREN_EVERY == 0:  # a walk of every process: about 2.5 ms
+                    with contextlib.suppress(psutil.Error):
+                        self._children = self.process.children(recursive=True)
+                processes = [self.process, *self._children]
                 rss = 0
                 for p in processes:
                     with contextlib.suppress(psutil.Error):
@@ -148,8 +163,9 @@ def connection_limit(admin: Admin) -> int:
 def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: int,
           cap: float, limit: int, logs: Path, processes: int = 1) -> dict[str, Any]:
     """`runs` queued runs of `kind`, one worker command of `processes` processes at
-    `concurrency` each; timed from the first run's start (the queued count drops, within
-    a poll) until none is queued or running, or `cap` seconds."""
+    `concurrency` each; timed from the first run's start to the last one's finish as the
+    database stamped them (`SPAN_SQL`), or, stopped at `cap` seconds, from the first
+    start seen by a poll (the queued count drops) to the cap."""
     client(target.url, engine, "prefill", kind, str(runs))
     target.analyze()
     target.settle()
@@ -179,6 +195,7 @@ def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: i
                     break
             time.sleep(POLL)
         events = target.count(EVENTS_SQL[engine.key])
+        stamped = target.seconds(SPAN_SQL[engine.key]) if not remaining else None
         # Exit codes before the stop: a worker stopped at the cap may be killed in the end.
         failed = workers[0].poll() not in (0, None)
     finally:
@@ -193,7 +210,7 @@ def trial(target: PgTarget, engine: Engine, kind: str, concurrency: int, runs: i
         tail = logfile.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"{engine.key} {kind}: no run finished "
                            f"(exit {workers[0].returncode}):\n{tail}")
-    elapsed = now - start
+    elapsed = stamped or now - start
     rate = (runs - remaining) / elapsed
     return {"runs_per_s": rate, "ratio": rate / (processes * concurrency / RUN_SECONDS),
             "events_per_s": events / elapsed, "connections": sampler.connections / processes,
@@ -319,8 +336,9 @@ def section(results: Results, plan: Plan, info: dict[str, str], command: str) ->
         f"model calls of 0.4 s (sleeps), emits an event after each and checkpoints after the "
         f"second; procrastinate's job writes one row per step to a table of its own through "
         f"the ORM (it has no checkpoint). Each row queues the runs it states and is timed "
-        f"from the first run's start to the last one's finish (ramp-up and tail included), "
-        f"cap {plan.llm_cap:g} s. *Of possible*: runs/s over all slots / 1.2 s. *Events/s*: the "
+        f"from the first run's start to the last one's finish as the database stamped them "
+        f"(ramp-up and tail included), cap {plan.llm_cap:g} s. *Of possible*: runs/s over "
+        "all slots / 1.2 s. *Events/s*: the "
         "agent's events (procrastinate: its step rows) over the same time. Connections: the "
         "worker's rows in `pg_stat_activity` (application name from `PGAPPNAME`), sampled "
         f"every 25 ms, divided by the processes; RSS of the largest process. Server "

@@ -45,10 +45,10 @@ DB_NAME = f"{PREFIX}_prof"
 OUT = Path(__file__).resolve().parent / "profile.md"
 
 
-def prefill(url: str, runs: int) -> None:
-    """Queue the runs, then ANALYZE (as `python -m bench` does: planner statistics, as
-    autovacuum keeps them for a table in service)."""
-    subprocess.run([sys.executable, "-m", "bench.client", "ours", "prefill", "noop", str(runs)],
+def prefill(url: str, runs: int, kind: str = "noop") -> None:
+    """Queue the runs (of the bench agent `kind`), then ANALYZE (as `python -m bench`
+    does: planner statistics, as autovacuum keeps them for a table in service)."""
+    subprocess.run([sys.executable, "-m", "bench.client", "ours", "prefill", kind, str(runs)],
                    env=django_env(url), cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
     import psycopg
 
