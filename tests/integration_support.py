@@ -18,7 +18,7 @@ from django.db import connection
 from django_agentruns import stream_chunks
 from django_agentruns.models import AgentRun, RunEvent, Status
 from tests.fakeprovider import FakeProvider, Reply, ToolCall
-from tests.testapp.agents import FRAMEWORKS_ENV
+from tests.testapp.framework_agents import FRAMEWORKS_ENV
 from tests.testapp.models import SideEffect
 
 SETTINGS = {"BACKOFF_BASE": 0.0, "BACKOFF_CAP": 0.0, "POLL_INTERVAL": 0.05, "LEASE_TTL": 3,

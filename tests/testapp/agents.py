@@ -11,10 +11,6 @@ from django_agentruns import NotRetryable, Retryable, RunContext, agent
 
 from .models import SideEffect
 
-FRAMEWORKS_ENV = "AGENTRUNS_TEST_FRAMEWORKS"
-"""Set in a worker subprocess's environment to load agent frameworks' agents: the
-frameworks' names, comma-separated (`pydantic_ai`, `langgraph`, `openai_agents`), or `all`."""
-
 
 def record(ctx: RunContext, step: int = 0, note: str = "") -> None:
     SideEffect.objects.create(run_id=ctx.run_id, step=step, attempt=ctx.attempt,
@@ -319,18 +315,13 @@ from . import (  # noqa: E402,F401
     chaos_agents,
     failure_agents,
     flow_agents,
+    framework_agents,  # each framework loaded where it is wanted (see there)
     provider_agents,
     step_agents,
     stream_agents,
     waiting_agents,
     writer_agents,
 )
-
-# The agent frameworks take about 5 s to import (about 2 s each): a worker subprocess loads
-# the agents of the frameworks its test names (the integration tests do); the test process
-# loads them all.
-if os.environ.get(FRAMEWORKS_ENV) or not os.environ.get("AGENTRUNS_TEST_SUBPROCESS"):
-    from . import framework_agents  # noqa: F401
 
 
 @agent("tests.sized", max_requeues=1)

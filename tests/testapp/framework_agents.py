@@ -21,8 +21,11 @@ from django.db import connection
 from django_agentruns import RunContext, agent
 from django_agentruns.runtime.context import current_context
 
-from .agents import FRAMEWORKS_ENV
 from .models import SideEffect
+
+FRAMEWORKS_ENV = "AGENTRUNS_TEST_FRAMEWORKS"
+"""Set in a worker subprocess's environment to load agent frameworks' agents: the
+frameworks' names, comma-separated (`pydantic_ai`, `langgraph`, `openai_agents`), or `all`."""
 
 
 def tool_ran(note: str) -> None:
@@ -41,7 +44,8 @@ def tool_ran(note: str) -> None:
 
 def _wanted(framework: str, module: str) -> bool:
     """Installed, and asked for: the test process loads every framework; a worker
-    subprocess those its test names in AGENTRUNS_TEST_FRAMEWORKS (each costs it ~2 s)."""
+    subprocess only those its test names in FRAMEWORKS_ENV (each takes about 2 s of CPU
+    to import; the integration tests name one)."""
     if importlib.util.find_spec(module) is None:
         return False
     if not os.environ.get("AGENTRUNS_TEST_SUBPROCESS"):
