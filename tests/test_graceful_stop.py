@@ -160,10 +160,14 @@ def test_a_second_signal_exits_at_once_and_leaves_the_run_to_its_lease(
     assert reaper.reap(at=checked).stale == []  # not before its lease lapses
     assert_database_unlocked()
 
-    # Its lease lapses (no one renews it now), and then it is taken back.
-    lease_expires = row.lease_expires
-    helpers.wait_until(lambda: transitions.now() > lease_expires, timeout=60,
-                       message="the lease to lapse")
+    # Its lease lapses (no one renews it now), and then it is taken back. Read afresh each
+    # time: a renewal the worker sent just before it died may still commit after the read
+    # above (the server runs a statement to its end before it notices the client gone).
+    def lapsed() -> bool:
+        expires = run(held.pk).lease_expires
+        return expires is not None and transitions.now() > expires
+
+    helpers.wait_until(lapsed, timeout=60, message="the lease to lapse")
     assert reaper.reap().requeued == [held.pk]
     row = run(held.pk)
     assert (row.status, row.requeue_count, row.claimed_by) == (Status.QUEUED, 1, "")
