@@ -131,10 +131,11 @@ def drain(admin: Any, name: str, tree: Path, runs: int, concurrency: int,
     if kind.startswith("llm"):
         import psycopg
 
+        from bench.llm import RUN_SECONDS, SPAN_SQL
+
         with psycopg.connect(url, autocommit=True) as conn:
-            row = conn.execute("SELECT extract(epoch FROM max(finished_at) - min(started_at)) "
-                               "FROM django_agentruns_agentrun").fetchone()
-        of_possible = n * 1.2 / concurrency / float(row[0]) if row and row[0] else None
+            row = conn.execute(SPAN_SQL["ours"]).fetchone()
+        of_possible = n * RUN_SECONDS / concurrency / float(row[0]) if row and row[0] else None
     return {"of_possible": of_possible, "tree": str(tree), "runs": n,
             "cpu_ms": 1000 * data["cpu"] / n,
             "sys_ms": 1000 * data["system"] / n, "runs_per_s": n / data["wall"],

@@ -166,9 +166,9 @@ def _flush_by_delete() -> Iterator[None]:
     them, 0.1-0.2 s, where deleting a test's few rows takes 10 ms (the foreign keys are
     deferred to the commit, by which every row is gone), and the content types and
     permissions stay (`KEPT_BY_DELETE`) rather than be written again by the flush's
-    `post_migrate`. Every `TRUNCATE_EVERY`-th flush,
-    and any that resets sequences or cascades, still truncates: the dead rows left by the
-    deletes stay few on a server that may run without autovacuum."""
+    `post_migrate`. Every `TRUNCATE_EVERY`-th flush, and any that resets sequences or
+    cascades, still truncates: the dead rows left by the deletes stay few on a server that
+    may run without autovacuum."""
     if connection.vendor != "postgresql":
         yield
         return
