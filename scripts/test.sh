@@ -82,8 +82,8 @@ pytest_pass() {
 PYTEST_PASS_ARGS=("$@")
 
 # lane NAME URL [AFTER]: a pass, then (when it passed) the command AFTER in the same lane,
-# its output into .tmp/after-NAME.log. CI uses it to start its extra jobs as soon as the
-# shorter pass ends, rather than after both.
+# its output into .tmp/after-NAME.log. CI uses it to drain its queue of extra jobs from
+# both lanes, each starting as soon as its pass ends (scripts/ci-extra.sh).
 lane() {
   local name=$1 url=$2 after=${3:-} started status=0
   pytest_pass "$name" "$url" || return $?
