@@ -22,7 +22,6 @@ from django.db import connection
 from django.utils import timezone
 
 from django_agentruns import enqueue
-from django_agentruns.checks import check_history_layout, check_history_partition
 from django_agentruns.flow_models import RunUsage
 from django_agentruns.models import (
     AgentRun,
@@ -293,40 +292,6 @@ def test_sqlite_ignores_the_setting(settings: Any) -> None:
     assert report.runs == 1
     assert report.partitions is None
     assert counts(run.pk) == [0, 0, 0, 0, 0]
-
-
-@pytest.mark.parametrize("value", [0, 10, -5, 1.5e6, "1000000", True])
-def test_a_bad_span_is_a_system_check_error(settings: Any, value: Any) -> None:
-    settings.AGENTRUNS = {"HISTORY_PARTITION": value}
-    errors = check_history_partition()
-    assert [e.id for e in errors] == ["agentruns.E020"]
-    assert "HISTORY_PARTITION" in errors[0].msg
-
-
-@pytest.mark.parametrize("value", [None, 1000, 1_000_000])
-def test_good_spans_pass(settings: Any, value: Any) -> None:
-    settings.AGENTRUNS = {"HISTORY_PARTITION": value}
-    assert check_history_partition() == []
-
-
-@pytest.mark.postgres_only
-def test_a_setting_changed_after_migrate_is_a_warning(settings: Any) -> None:
-    settings.AGENTRUNS = {"HISTORY_PARTITION": 1000}
-    [plain] = check_history_layout(databases=["default"])
-    assert plain.id == "agentruns.W020"
-    assert "partitions convert" in plain.hint
-    partitions.convert(1000)
-    assert check_history_layout(databases=["default"]) == []
-    settings.AGENTRUNS = {"HISTORY_PARTITION": 2000}
-    [other] = check_history_layout(databases=["default"])
-    assert "span 1000" in other.msg
-    settings.AGENTRUNS = {}
-    [off] = check_history_layout(databases=["default"])
-    assert "HISTORY_PARTITION is None" in off.msg
-
-
-def test_the_layout_check_is_quiet_by_default() -> None:
-    assert check_history_layout(databases=["default"]) == []
 
 
 @pytest.mark.postgres_only
