@@ -1,5 +1,5 @@
-"""What the write-path tests share: runs claimed by a test worker, their emits, their
-event stories, and another worker's reclaim."""
+"""What the write-path tests share: runs claimed by a test worker (or another), their
+emits, their event stories, and another worker's reclaim."""
 
 from __future__ import annotations
 
@@ -13,13 +13,19 @@ from django_agentruns.transitions import AttemptRef, EmitWrite, ScopePolicy
 WORKER = "store:1:abcd"
 
 
-def claimed(count: int) -> list[AttemptRef]:
+def claim_runs(count: int, worker: str = WORKER, ttl: float = 30.0) -> list[AgentRun]:
+    """`count` no-op runs enqueued, then claimed by `worker` with a lease of `ttl`."""
     for i in range(count):
         enqueue("tests.noop", {"i": i})
-    runs = transitions.claim(WORKER, ["default"], count, ScopePolicy(), {}, 30.0,
+    runs = transitions.claim(worker, ["default"], count, ScopePolicy(), {}, ttl,
                              include_lapsed=False)
     assert len(runs) == count
-    return [AttemptRef(r.pk, r.attempt, WORKER, 30.0, r.agent) for r in runs]
+    return runs
+
+
+def claimed(count: int) -> list[AttemptRef]:
+    """`claim_runs`, as the refs their attempts write with."""
+    return [AttemptRef(r.pk, r.attempt, WORKER, 30.0, r.agent) for r in claim_runs(count)]
 
 
 def emit(ref: AttemptRef, n: int, type_: str = "step") -> EmitWrite:

@@ -11,18 +11,18 @@ import psycopg
 import pytest
 from django.db import DatabaseError, close_old_connections, connection
 
-from django_agentruns import enqueue, transitions
+from django_agentruns import transitions
 from django_agentruns.models import AgentRun, RunEvent, RunPayload, Status
 from django_agentruns.runtime.attempt_store import AttemptStore
 from django_agentruns.transitions import (
     AttemptRef,
     Result,
-    ScopePolicy,
     Settlement,
     SucceedWrite,
     due,
 )
 from tests import helpers
+from tests.store_support import claim_runs
 
 WORKER = "group-commit:1:abcd"
 
@@ -32,12 +32,7 @@ def ref(run_id: int, attempt: int = 1) -> AttemptRef:
 
 
 def claimed_runs(count: int) -> list[AgentRun]:
-    for i in range(count):
-        enqueue("tests.noop", {"i": i})
-    runs = transitions.claim(WORKER, ["default"], count, ScopePolicy(), {}, 2.0,
-                             include_lapsed=False)
-    assert len(runs) == count
-    return runs
+    return claim_runs(count, WORKER, ttl=2.0)
 
 
 @pytest.mark.django_db(transaction=True)
